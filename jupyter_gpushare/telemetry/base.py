@@ -1,0 +1,78 @@
+"""The one interface every source of GPU numbers implements.
+
+Implementations must not touch hardware at import time: everything happens in
+``open()`` (called once by the app) and the sampling methods.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GPUInfo:
+    """One GPU (or MIG instance) as the server shows it.
+
+    Fields that the source cannot read are ``None`` ("unavailable"), never an error.
+    """
+
+    index: int
+    uuid: str
+    name: str
+    memory_total: int | None  # bytes
+    memory_used: int | None  # bytes
+    utilization: float | None  # percent SM busy over the last sample period
+    mig: bool = False
+    parent_index: int | None = None  # for MIG instances: the physical GPU
+
+
+@dataclass
+class ProcessUsage:
+    """GPU use of one OS process on one GPU."""
+
+    pid: int
+    gpu: int  # GPUInfo.index
+    memory_bytes: int
+    sm_utilization: float | None = None  # percent, since the previous sample; None = unknown
+
+
+@dataclass
+class TelemetryStatus:
+    """What `doctor` and the status API say about a source."""
+
+    name: str
+    available: bool
+    reason: str = ""  # why not available / what degraded
+    details: dict[str, str] = field(default_factory=dict)
+
+
+class Telemetry(abc.ABC):
+    """A source of device and per-process GPU numbers."""
+
+    #: "nvml" or "simulated"
+    name: str = ""
+
+    @abc.abstractmethod
+    def open(self) -> TelemetryStatus:
+        """Connect to the source (init NVML, ...). Never raises: returns status."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the source (nvmlShutdown, ...). Safe to call twice."""
+
+    @abc.abstractmethod
+    def status(self) -> TelemetryStatus:
+        """Current availability and degradations."""
+
+    @abc.abstractmethod
+    def devices(self) -> list[GPUInfo]:
+        """All GPUs (MIG instances listed as their own GPUs). Empty when unavailable."""
+
+    @abc.abstractmethod
+    def processes(self) -> list[ProcessUsage]:
+        """Per-process memory on every GPU, and SM utilization since the previous call.
+
+        Calls that fail with NotFound / NotSupported degrade to ``None`` utilization
+        or an empty list; they never raise.
+        """
