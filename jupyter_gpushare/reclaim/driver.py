@@ -1,0 +1,391 @@
+"""Release and restore through the CUDA driver checkpoint API (``cuda.core.checkpoint.Process``).
+
+Framework-agnostic: the driver copies every allocation of the process (CUDA context included)
+to host memory and frees the GPU, then brings it back at the same addresses. It works for any
+kernel language and for code we cannot see. Package cuda-core is an optional extra
+(``jupyter-gpushare[checkpoint]``) imported only when the method is first used.
+
+Order of operations and why:
+
+- release: ask the kernel agent to ``trim`` (empty framework caches, so less is copied), then
+  **lock every pid, then checkpoint every pid**. Locking all first stops the kernel's
+  processes at one moment, and the likeliest failure (a lock timeout: the kernel is busy on the
+  GPU) is found before any memory has moved, so undoing it is only unlocks.
+- restore: check free memory on every GPU first; then per pid restore and unlock. A restore
+  that fails for lack of memory wedges the process for good (NVIDIA/cuda-checkpoint#44), so
+  the method refuses when free memory is short *or unknown* and never calls restore blind.
+- Each step reads the driver's state of the pid first, so repeating an operation after a
+  partial failure finishes the job instead of failing on an illegal state.
+
+``KernelTarget.gpu_bytes`` on restore must be what the kernel held when it was released (the
+controller keeps it): the GPU holds nothing of it while released. Optional
+``target.extra["pid_gpu_bytes"] = {pid: {gpu: bytes}}`` makes the room check per pid exact
+and the progress lines show sizes per pid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .base import KernelTarget, Progress, ReclaimError, ReclaimMethod, ReclaimResult, Support
+
+_LOG = logging.getLogger("jupyter_gpushare.reclaim.driver")
+
+#: first display driver with the CUDA checkpoint driver API (cuCheckpointProcess*)
+MIN_DRIVER = 570
+#: first display driver that restores onto another GPU (gpu_mapping)
+MIN_DRIVER_MIGRATE = 580
+
+
+def fmt_bytes(n: int) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    return f"{n / (1 << 20):.0f} MiB"
+
+
+def _bindings_version_ok(version: str) -> tuple[bool, str]:
+    """cuda-bindings 12.8+ or 13.0.2+ (13.0.0 and 13.0.1 lack restore), per cuda-core."""
+    try:
+        parts = tuple(int(x) for x in version.split(".")[:3])
+    except ValueError:
+        return True, ""  # a dev build: let cuda-core decide at first use
+    parts = (*parts, 0, 0)[:3]
+    major, minor, patch = parts
+    if (major == 12 and (minor, patch) >= (8, 0)) or (major == 13 and (minor, patch) >= (0, 2)):
+        return True, ""
+    if major > 13:
+        return True, ""
+    return False, f"cuda-bindings {version} lacks the checkpoint API (needs 12.8+ or 13.0.2+)"
+
+
+def driver_support(probe_result: Any = None) -> Support:
+    """Whether the driver method can work here, and why (not). Cheap; never raises.
+
+    Checks: cuda-core's ``checkpoint.Process`` importable with a cuda-bindings that has the
+    API; NVML reachable with a display driver >= 570; no GPU in MIG mode (checkpoint fails
+    under MIG). ``probe_result`` (a :class:`~jupyter_gpushare.telemetry.nvml.NVMLProbe`) lets a
+    caller that already probed NVML avoid a second look.
+    """
+    try:
+        mod = importlib.import_module("cuda.core.checkpoint")
+        if not hasattr(mod, "Process"):
+            return Support(False, "cuda.core has no checkpoint.Process (cuda-core is too old)")
+    except Exception as e:  # ImportError, or cuda-bindings failing to load its library
+        return Support(
+            False,
+            f"cuda-core with the checkpoint API is not importable ({e.__class__.__name__}: {e}); "
+            "install jupyter-gpushare[checkpoint]",
+        )
+    try:
+        bindings = importlib.import_module("cuda.bindings")
+        ok, why = _bindings_version_ok(str(getattr(bindings, "__version__", "")))
+        if not ok:
+            return Support(False, why)
+    except Exception as e:
+        return Support(False, f"cuda-bindings is not importable ({e})")
+
+    if probe_result is None:
+        from ..telemetry.nvml import probe
+
+        probe_result = probe()
+    if not probe_result.ok:
+        return Support(False, f"NVML unavailable: {probe_result.reason}")
+    from ..telemetry.nvml import driver_major
+
+    major = driver_major(probe_result.driver_version)
+    if major is None:
+        return Support(False, "cannot read the NVIDIA driver version")
+    if major < MIN_DRIVER:
+        return Support(
+            False,
+            f"driver {probe_result.driver_version} is older than {MIN_DRIVER}, "
+            "the first with the CUDA checkpoint API",
+        )
+    if probe_result.mig_gpus:
+        gpus = ", ".join(str(i) for i in probe_result.mig_gpus)
+        return Support(False, f"MIG is enabled on GPU {gpus}: CUDA checkpoint does not work under MIG")
+    extra = "" if major >= MIN_DRIVER_MIGRATE else f" (restoring onto another GPU needs {MIN_DRIVER_MIGRATE})"
+    return Support(True, f"CUDA checkpoint API available, driver {probe_result.driver_version}{extra}")
+
+
+def _explain(e: BaseException) -> str:
+    """The driver's message, with a hint where cuda-core's wording misleads."""
+    text = str(e) or e.__class__.__name__
+    if "not supported by the installed NVIDIA driver" in text:
+        # cuda-core maps CUDA_ERROR_NOT_FOUND and CUDA_ERROR_NOT_SUPPORTED to this sentence
+        text += (
+            " (cuda-core words NOT_FOUND/NOT_SUPPORTED this way: the pid may have no CUDA "
+            "context, have exited, or hold memory checkpoint cannot move, e.g. UVM or IPC)"
+        )
+    return text
+
+
+def _real_process_factory() -> Callable[[int], Any]:
+    """``cuda.core.checkpoint.Process``, with the driver initialised in this process.
+
+    The driver docs: restore needs persistence mode or ``cuInit`` in the calling process,
+    else every call returns CUDA_ERROR_NOT_INITIALIZED. ``cuInit`` creates no context and
+    takes no GPU memory.
+    """
+    from cuda.bindings import driver as cu
+    from cuda.core.checkpoint import Process
+
+    (err,) = cu.cuInit(0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise ReclaimError(f"cuInit failed in the server process: {err}")
+    return Process
+
+
+class DriverMethod(ReclaimMethod):
+    """Checkpoint a kernel's CUDA processes through the driver and restore them."""
+
+    name = "driver"
+
+    def __init__(
+        self,
+        free_bytes: Callable[[int], int | None],
+        lock_timeout_ms: int = 10_000,
+        process_factory: Callable[[int], Any] | None = None,
+        log: logging.Logger | None = None,
+        margin_bytes: int = 0,
+    ) -> None:
+        """
+        free_bytes: free memory on a GPU index, read now; None = unknown (restore refuses).
+        lock_timeout_ms: how long a lock waits for the kernel's in-flight CUDA work (0 = forever).
+        process_factory: pid -> object with the ``cuda.core.checkpoint.Process`` surface
+            (tests inject a fake); default: the real class, loaded on first use.
+        margin_bytes: extra free memory required on each GPU beyond what the kernel held.
+        """
+        self.free_bytes = free_bytes
+        self.lock_timeout_ms = lock_timeout_ms
+        self._factory = process_factory
+        self.log = log or _LOG
+        self.margin_bytes = margin_bytes
+
+    def support(self) -> Support:
+        return driver_support()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _process(self, pid: int) -> Any:
+        if self._factory is None:
+            try:
+                self._factory = _real_process_factory()
+            except ReclaimError:
+                raise
+            except Exception as e:
+                raise ReclaimError(f"the CUDA checkpoint API is unavailable: {e}") from e
+        try:
+            return self._factory(pid)
+        except Exception as e:
+            raise ReclaimError(f"pid {pid}: cannot open it for checkpointing: {e}") from e
+
+    @staticmethod
+    async def _say(progress: Progress | None, msg: str) -> None:
+        if progress is None:
+            return
+        out = progress(msg)
+        if inspect.isawaitable(out):
+            await out
+
+    @staticmethod
+    async def _state(proc: Any) -> str | None:
+        """The driver's state of the pid, None when it cannot be read."""
+        try:
+            return str(await asyncio.to_thread(lambda: proc.state))
+        except Exception:
+            return None
+
+    @staticmethod
+    def _pid_bytes(target: KernelTarget, pid: int) -> dict[int, int]:
+        per_pid = target.extra.get("pid_gpu_bytes") or {}
+        if pid in per_pid:
+            return dict(per_pid[pid])
+        if len(target.pids) == 1:
+            return dict(target.gpu_bytes)
+        return {}
+
+    def _size(self, target: KernelTarget, pid: int) -> str:
+        b = sum(self._pid_bytes(target, pid).values())
+        return f" ({fmt_bytes(b)})" if b else ""
+
+    def _needed(self, target: KernelTarget, pids: list[int]) -> dict[int, int]:
+        """Bytes the given pids need back per GPU (all of the kernel's when not known per pid)."""
+        per_pid = target.extra.get("pid_gpu_bytes") or {}
+        if pids and all(p in per_pid for p in pids):
+            need: dict[int, int] = {}
+            for p in pids:
+                for gpu, b in per_pid[p].items():
+                    need[gpu] = need.get(gpu, 0) + int(b)
+            return need
+        return dict(target.gpu_bytes) if pids else {}
+
+    async def _room(self, need: dict[int, int]) -> str | None:
+        """None when every GPU has room for ``need``; else why not (a person reads it)."""
+        for gpu, b in sorted(need.items()):
+            free = await asyncio.to_thread(self.free_bytes, gpu)
+            if free is None:
+                return f"free memory on GPU {gpu} is unknown, so a restore is not safe"
+            if free < b + self.margin_bytes:
+                return (
+                    f"GPU {gpu} has {fmt_bytes(free)} free, {fmt_bytes(b + self.margin_bytes)} "
+                    "needed"
+                )
+        return None
+
+    # -- release ------------------------------------------------------------------------
+    async def release(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
+        if not target.pids:
+            raise ReclaimError("no local process of this kernel holds GPU memory")
+        t0 = time.perf_counter()
+        procs = [(pid, self._process(pid)) for pid in target.pids]  # fails fast without cuda-core
+        if target.agent is not None:
+            await self._say(progress, "asking the kernel to trim its GPU caches")
+            try:
+                await target.agent.request("trim", timeout=30)
+            except Exception as e:  # an optimisation only: checkpoint copes without it
+                self.log.info("kernel %s: trim before checkpoint failed: %s", target.kernel_id, e)
+        states = {pid: await self._state(p) for pid, p in procs}
+        for pid in target.pids:
+            if states[pid] == "failed":
+                raise ReclaimError(f"pid {pid} is in the driver's failed checkpoint state")
+
+        touched: list[tuple[int, Any]] = []
+        step, pid = "lock", 0
+        try:
+            for pid, p in procs:
+                if states[pid] in ("locked", "checkpointed"):
+                    touched.append((pid, p))
+                    continue
+                await self._say(progress, f"locking pid {pid}")
+                await asyncio.to_thread(p.lock, self.lock_timeout_ms)
+                touched.append((pid, p))
+            step = "checkpoint"
+            for pid, p in procs:
+                if states[pid] == "checkpointed":
+                    continue
+                await self._say(progress, f"checkpointing pid {pid}{self._size(target, pid)}")
+                await asyncio.to_thread(p.checkpoint)
+        except Exception as e:
+            msg = f"{step} of pid {pid} failed: {_explain(e)}"
+            if step == "lock":
+                msg += f" (timeout {self.lock_timeout_ms} ms: is the kernel busy on the GPU?)"
+            undo = await self._rollback(target, touched, progress)
+            raise ReclaimError(f"{msg}; {undo}") from e
+
+        total = sum(target.gpu_bytes.values())
+        n = len(procs)
+        return ReclaimResult(
+            bytes=total,
+            seconds=time.perf_counter() - t0,
+            detail=f"{n} pid{'s' if n != 1 else ''} checkpointed",
+        )
+
+    async def _rollback(
+        self, target: KernelTarget, touched: list[tuple[int, Any]], progress: Progress | None
+    ) -> str:
+        """Bring every pid we touched back to running, newest first. Returns what happened."""
+        stuck: list[str] = []
+        for pid, p in reversed(touched):
+            state = await self._state(p)
+            try:
+                if state == "checkpointed":
+                    why = await self._room(self._needed(target, [pid]))
+                    if why:
+                        stuck.append(f"pid {pid} stays checkpointed ({why})")
+                        continue
+                    await self._say(progress, f"rolling back: restoring pid {pid}")
+                    await asyncio.to_thread(p.restore)
+                    state = "locked"
+                if state == "locked" or state is None:
+                    await asyncio.to_thread(p.unlock)
+            except Exception as e:
+                stuck.append(f"pid {pid}: undo failed ({e})")
+        if not stuck:
+            return "the kernel runs as before"
+        for line in stuck:
+            self.log.error("kernel %s: rollback: %s", target.kernel_id, line)
+        return "rollback incomplete: " + "; ".join(stuck)
+
+    # -- restore ------------------------------------------------------------------------
+    async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
+        t0 = time.perf_counter()
+        procs = [(pid, self._process(pid)) for pid in target.pids]
+        states = {pid: await self._state(p) for pid, p in procs}
+        failed = [pid for pid, s in states.items() if s == "failed"]
+        if failed:
+            raise ReclaimError(
+                f"pid {failed[0]} is in the driver's failed checkpoint state; it cannot be restored"
+            )
+        to_restore = [pid for pid in target.pids if states[pid] not in ("running", "locked")]
+        need = self._needed(target, to_restore)
+        why = await self._room(need)
+        if why:
+            raise ReclaimError(f"not restoring: {why}; the state stays held in host memory")
+
+        for pid, p in procs:
+            step = "restore"
+            try:
+                if pid in to_restore:
+                    gpus = ", ".join(str(g) for g in sorted(self._pid_bytes(target, pid) or need))
+                    await self._say(
+                        progress, f"restoring pid {pid}{self._size(target, pid)} to GPU {gpus}"
+                    )
+                    await asyncio.to_thread(p.restore)
+                if states[pid] != "running":
+                    step = "unlock"
+                    await asyncio.to_thread(p.unlock)
+            except Exception as e:
+                left = [q for q in to_restore if target.pids.index(q) > target.pids.index(pid)]
+                held = "its GPU state is still held by the driver"
+                if left:
+                    held += f"; pids {', '.join(map(str, left))} stay checkpointed"
+                raise ReclaimError(f"{step} of pid {pid} failed: {_explain(e)}; {held}") from e
+        total = sum(need.values())
+        return ReclaimResult(
+            bytes=total,
+            seconds=time.perf_counter() - t0,
+            detail=f"{len(to_restore)} pid{'s' if len(to_restore) != 1 else ''} restored",
+        )
+
+    # -- shutdown -----------------------------------------------------------------------
+    async def abort(self, target: KernelTarget) -> None:
+        """Leave each pid running at server shutdown, as far as that is safe. Never raises.
+
+        The driver offers no way to unlock a checkpointed process without restoring it
+        (unlock needs the LOCKED state, which only restore reaches). So:
+
+        - locked (not checkpointed): unlock; the memory never left.
+        - checkpointed and the GPU has room: restore, then unlock; the kernel runs as before.
+        - checkpointed without room, or room unknown: leave it checkpointed and log an error
+          saying how to restore it later. A checkpointed kernel's CUDA calls wait, but its
+          state is intact and restorable; a restore without room would wedge it for good
+          (NVIDIA/cuda-checkpoint#44), which is worse.
+        """
+        for pid in target.pids:
+            try:
+                p = self._process(pid)
+                state = await self._state(p)
+                if state == "checkpointed":
+                    why = await self._room(self._needed(target, [pid]))
+                    if why:
+                        self.log.error(
+                            "kernel %s: pid %s stays checkpointed at shutdown (%s). Its GPU state "
+                            "is held in host memory; its CUDA calls wait until it is restored. "
+                            "Free GPU memory, then run `cuda-checkpoint --toggle --pid %s`, or "
+                            "end the kernel.",
+                            target.kernel_id, pid, why, pid,
+                        )
+                        continue
+                    await asyncio.to_thread(p.restore)
+                    state = "locked"
+                if state == "locked":
+                    await asyncio.to_thread(p.unlock)
+            except Exception as e:
+                self.log.error("kernel %s: pid %s: could not leave it running at shutdown: %s",
+                               target.kernel_id, pid, e)

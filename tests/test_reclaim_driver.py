@@ -1,0 +1,388 @@
+"""DriverMethod against a fake cuda.core Process (real thing: tests/gpu/test_driver_gpu.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import pytest
+
+from jupyter_gpushare.reclaim.base import KernelTarget, ReclaimError
+from jupyter_gpushare.reclaim.driver import DriverMethod, driver_support
+from jupyter_gpushare.telemetry.nvml import NVMLProbe
+from tests.fakes import fake_pynvml as fp
+from tests.fakes.fake_checkpoint import FakeCheckpointDriver, install_fake_cuda_core
+
+GiB = 1 << 30
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class FakeAgent:
+    def __init__(self, fail: Exception | None = None, order: list[str] | None = None) -> None:
+        self.requests: list[tuple[str, float | None]] = []
+        self.fail = fail
+        self.order = order
+
+    async def request(self, op, timeout=None, **args):
+        self.requests.append((op, timeout))
+        if self.order is not None:
+            self.order.append(f"agent {op}")
+        if self.fail:
+            raise self.fail
+        return {"ok": True}
+
+
+class Room:
+    """free_bytes callable: free memory per GPU, None = unknown; records what was asked."""
+
+    def __init__(self, **free: int | None) -> None:
+        self.free = {int(k[3:]): v for k, v in free.items()}  # gpu0=..., gpu1=...
+        self.asked: list[int] = []
+
+    def __call__(self, gpu: int) -> int | None:
+        self.asked.append(gpu)
+        return self.free.get(gpu)
+
+
+@pytest.fixture
+def drv():
+    return FakeCheckpointDriver()
+
+
+def method(drv, room=None, **kw):
+    return DriverMethod(room or Room(gpu0=80 * GiB, gpu1=80 * GiB), process_factory=drv.process, **kw)
+
+
+def one_pid(agent=None):
+    return KernelTarget("k1", pids=[1234], gpu_bytes={0: 4 * GiB}, agent=agent)
+
+
+def two_pids(agent=None, per_pid=True):
+    extra = {"pid_gpu_bytes": {1234: {0: 3 * GiB}, 5678: {1: 1 * GiB}}} if per_pid else {}
+    return KernelTarget("k2", pids=[1234, 5678], gpu_bytes={0: 3 * GiB, 1: 1 * GiB},
+                        agent=agent, extra=extra)
+
+
+# -- happy paths ----------------------------------------------------------------------------
+
+def test_release_restore_one_pid(drv):
+    m = method(drv, lock_timeout_ms=2500)
+    lines: list[str] = []
+    res = run(m.release(one_pid(), progress=lines.append))
+    assert drv.steps() == ["lock 1234", "checkpoint 1234"]
+    assert drv.lock_timeouts == [2500]
+    assert drv.states[1234] == "checkpointed"
+    assert res.bytes == 4 * GiB and res.detail == "1 pid checkpointed" and res.seconds >= 0
+    assert lines == ["locking pid 1234", "checkpointing pid 1234 (4.0 GiB)"]
+
+    lines.clear()
+    res = run(m.restore(one_pid(), progress=lines.append))
+    assert drv.steps()[2:] == ["restore 1234", "unlock 1234"]
+    assert drv.states[1234] == "running"
+    assert drv.gpu_mappings == [None]  # back onto the same GPUs
+    assert res.bytes == 4 * GiB and res.detail == "1 pid restored"
+    assert lines == ["restoring pid 1234 (4.0 GiB) to GPU 0"]
+
+
+def test_two_pids_lock_all_before_checkpoint(drv):
+    m = method(drv)
+    run(m.release(two_pids()))
+    assert drv.steps() == ["lock 1234", "lock 5678", "checkpoint 1234", "checkpoint 5678"]
+    run(m.restore(two_pids()))
+    assert drv.steps()[4:] == ["restore 1234", "unlock 1234", "restore 5678", "unlock 5678"]
+    assert set(drv.states.values()) == {"running"}
+
+
+def test_trim_requested_first_and_async_progress(drv):
+    order: list[str] = []
+    agent = FakeAgent(order=order)
+
+    async def progress(msg):
+        order.append(msg)
+
+    run(method(drv).release(one_pid(agent), progress=progress))
+    assert agent.requests == [("trim", 30)]
+    assert order == [
+        "asking the kernel to trim its GPU caches",
+        "agent trim",
+        "locking pid 1234",
+        "checkpointing pid 1234 (4.0 GiB)",
+    ]
+    assert drv.steps() == ["lock 1234", "checkpoint 1234"]
+
+
+def test_trim_failure_does_not_stop_release(drv, caplog):
+    agent = FakeAgent(fail=TimeoutError("agent did not answer"))
+    caplog.set_level(logging.INFO, logger="jupyter_gpushare.reclaim.driver")
+    run(method(drv).release(one_pid(agent)))
+    assert drv.states[1234] == "checkpointed"
+    assert "agent did not answer" in caplog.text
+
+
+# -- release failures -----------------------------------------------------------------------
+
+def test_lock_timeout_unlocks_the_others(drv):
+    drv.fail("lock", 5678, "CUDA_ERROR_NOT_READY: timed out")
+    with pytest.raises(ReclaimError) as ei:
+        run(method(drv).release(two_pids()))
+    msg = str(ei.value)
+    assert "lock of pid 5678 failed" in msg and "CUDA_ERROR_NOT_READY" in msg
+    assert "the kernel runs as before" in msg
+    # nothing was checkpointed; the pid already locked is unlocked again
+    assert drv.steps() == ["lock 1234", "lock 5678", "unlock 1234"]
+    assert set(drv.states.values()) == {"running"}
+
+
+def test_checkpoint_failure_rolls_back(drv):
+    drv.fail("checkpoint", 5678, "CUDA_ERROR_NOT_SUPPORTED: UVM memory")
+    room = Room(gpu0=80 * GiB, gpu1=80 * GiB)
+    with pytest.raises(ReclaimError) as ei:
+        run(method(drv, room).release(two_pids()))
+    msg = str(ei.value)
+    assert "checkpoint of pid 5678 failed: CUDA_ERROR_NOT_SUPPORTED: UVM memory" in msg
+    assert "the kernel runs as before" in msg
+    assert drv.steps() == [
+        "lock 1234", "lock 5678", "checkpoint 1234", "checkpoint 5678",
+        "unlock 5678", "restore 1234", "unlock 1234",
+    ]
+    assert set(drv.states.values()) == {"running"}
+    assert room.asked == [0]  # room checked before the rollback restore of pid 1234
+
+
+def test_rollback_never_restores_without_room(drv, caplog):
+    drv.fail("checkpoint", 5678, "boom")
+    room = Room(gpu0=1 * GiB, gpu1=80 * GiB)  # someone took GPU 0 meanwhile
+    with pytest.raises(ReclaimError) as ei:
+        run(method(drv, room).release(two_pids()))
+    assert "pid 1234 stays checkpointed" in str(ei.value)
+    assert "restore 1234" not in drv.steps()
+    assert drv.states == {1234: "checkpointed", 5678: "running"}
+    assert "rollback" in caplog.text
+
+
+def test_failed_state_refused_before_anything(drv):
+    drv.process(1234)
+    drv.states[1234] = "failed"
+    with pytest.raises(ReclaimError, match="failed checkpoint state"):
+        run(method(drv).release(one_pid()))
+    assert drv.calls == []
+
+
+def test_release_with_no_pid_refused(drv):
+    with pytest.raises(ReclaimError, match="no local process"):
+        run(method(drv).release(KernelTarget("k", pids=[], gpu_bytes={})))
+
+
+def test_factory_error_becomes_reclaim_error():
+    def factory(pid):
+        raise RuntimeError("CUDA checkpointing is not supported by the installed NVIDIA driver")
+
+    m = DriverMethod(lambda gpu: 80 * GiB, process_factory=factory)
+    with pytest.raises(ReclaimError, match=r"pid 1234: cannot open .* not supported"):
+        run(m.release(one_pid()))
+
+
+# -- restore failures -----------------------------------------------------------------------
+
+def released(drv, target, room=None):
+    m = method(drv, room)
+    run(m.release(target))
+    drv.calls.clear()
+    return m
+
+
+def test_restore_refused_without_room_never_calls_restore(drv):
+    room = Room(gpu0=2 * GiB, gpu1=80 * GiB)
+    m = released(drv, one_pid(), room)
+    with pytest.raises(ReclaimError) as ei:
+        run(m.restore(one_pid()))
+    assert "GPU 0 has 2.0 GiB free, 4.0 GiB needed" in str(ei.value)
+    assert drv.calls == [] and drv.states[1234] == "checkpointed"
+
+
+def test_restore_refused_when_free_memory_unknown(drv):
+    room = Room(gpu0=None)
+    m = released(drv, one_pid(), room)
+    with pytest.raises(ReclaimError, match="unknown"):
+        run(m.restore(one_pid()))
+    assert drv.calls == []
+
+
+def test_margin_counts(drv):
+    room = Room(gpu0=4 * GiB + 10)
+    m = DriverMethod(room, process_factory=drv.process, margin_bytes=1 << 20)
+    run(m.release(one_pid()))
+    with pytest.raises(ReclaimError, match="needed"):
+        run(m.restore(one_pid()))
+    room.free[0] = 5 * GiB
+    run(m.restore(one_pid()))
+    assert drv.states[1234] == "running"
+
+
+def test_restore_checks_every_gpu_before_any_restore(drv):
+    room = Room(gpu0=80 * GiB, gpu1=512 << 20)  # GPU 1 short for pid 5678
+    m = released(drv, two_pids(), room)
+    with pytest.raises(ReclaimError, match=r"GPU 1 has 512 MiB free, 1\.0 GiB needed"):
+        run(m.restore(two_pids()))
+    assert drv.calls == []
+
+
+def test_restore_failure_leaves_others_checkpointed_then_retry(drv):
+    m = released(drv, two_pids())
+    drv.fail("restore", 1234, "CUDA_ERROR_ILLEGAL_STATE: something odd")
+    with pytest.raises(ReclaimError) as ei:
+        run(m.restore(two_pids()))
+    msg = str(ei.value)
+    assert "restore of pid 1234 failed" in msg and "still held" in msg
+    assert "pids 5678 stay checkpointed" in msg
+    assert drv.steps() == ["restore 1234"]
+    assert drv.states == {1234: "checkpointed", 5678: "checkpointed"}
+    # a retry finishes the job
+    run(m.restore(two_pids()))
+    assert set(drv.states.values()) == {"running"}
+
+
+def test_partial_restore_retry_skips_running_pids(drv):
+    m = released(drv, two_pids())
+    drv.fail("restore", 5678, "transient")
+    with pytest.raises(ReclaimError):
+        run(m.restore(two_pids()))
+    assert drv.states == {1234: "running", 5678: "checkpointed"}
+    drv.calls.clear()
+    res = run(m.restore(two_pids()))
+    assert drv.steps() == ["restore 5678", "unlock 5678"]
+    assert res.bytes == 1 * GiB  # only pid 5678's bytes came back this time
+
+
+def test_unlock_failure_then_retry_only_unlocks(drv):
+    m = released(drv, one_pid())
+    drv.fail("unlock", 1234, "CUDA_ERROR_UNKNOWN")
+    with pytest.raises(ReclaimError, match="unlock of pid 1234 failed: CUDA_ERROR_UNKNOWN"):
+        run(m.restore(one_pid()))
+    assert drv.states[1234] == "locked"  # restored, still locked
+    drv.calls.clear()
+    run(m.restore(one_pid()))
+    assert drv.steps() == ["unlock 1234"]
+    assert drv.states[1234] == "running"
+
+
+def test_restore_refuses_failed_state(drv):
+    m = released(drv, one_pid())
+    drv.states[1234] = "failed"
+    with pytest.raises(ReclaimError, match="cannot be restored"):
+        run(m.restore(one_pid()))
+    assert drv.calls == []
+
+
+# -- abort at shutdown ----------------------------------------------------------------------
+
+def test_abort_restores_with_room(drv):
+    m = released(drv, one_pid())
+    run(m.abort(one_pid()))
+    assert drv.steps() == ["restore 1234", "unlock 1234"]
+    assert drv.states[1234] == "running"
+
+
+def test_abort_without_room_leaves_checkpointed_and_says_how(drv, caplog):
+    room = Room(gpu0=1 * GiB)
+    m = released(drv, one_pid(), room)
+    run(m.abort(one_pid()))
+    assert drv.calls == [] and drv.states[1234] == "checkpointed"
+    assert "cuda-checkpoint --toggle --pid 1234" in caplog.text
+
+
+def test_abort_unlocks_a_locked_pid_and_never_raises(drv):
+    drv.process(1234).lock(0)
+    drv.process(5678)
+    drv.calls.clear()
+    drv.fail("unlock", 1234, "boom")
+    run(method(drv).abort(two_pids()))  # does not raise
+    assert drv.steps() == ["unlock 1234"]  # 5678 was running: nothing to do
+
+
+# -- support --------------------------------------------------------------------------------
+
+def probe_ok(**kw):
+    args = {"ok": True, "driver_version": "580.82.07", "cuda_driver_version": 13000}
+    args.update(kw)
+    return NVMLProbe(**args)
+
+
+def test_support_without_cuda_core(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.core.checkpoint", None)
+    s = driver_support(probe_ok())
+    assert not s.ok and "jupyter-gpushare[checkpoint]" in s.reason
+
+
+def test_support_ok_and_driver_checks(monkeypatch):
+    install_fake_cuda_core(monkeypatch)
+    s = driver_support(probe_ok())
+    assert s.ok and "580.82.07" in s.reason
+    s = driver_support(probe_ok(driver_version="575.51.03"))
+    assert s.ok and "another GPU needs 580" in s.reason
+    s = driver_support(probe_ok(driver_version="550.163.01"))
+    assert not s.ok and "older than 570" in s.reason
+    s = driver_support(probe_ok(mig_gpus=[1]))
+    assert not s.ok and "MIG is enabled on GPU 1" in s.reason
+    s = driver_support(NVMLProbe(ok=False, reason="no driver"))
+    assert not s.ok and "no driver" in s.reason
+
+
+def test_support_old_bindings(monkeypatch):
+    install_fake_cuda_core(monkeypatch, bindings_version="13.0.1")
+    s = driver_support(probe_ok())
+    assert not s.ok and "13.0.1" in s.reason
+    install_fake_cuda_core(monkeypatch, bindings_version="12.9.0")
+    assert driver_support(probe_ok()).ok
+
+
+def test_support_probes_nvml_when_not_given(monkeypatch):
+    install_fake_cuda_core(monkeypatch)
+    fake = fp.two_gpus()
+    fake.driver_version = "560.35.03"
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    s = DriverMethod(lambda g: None).support()
+    assert not s.ok and "560.35.03" in s.reason
+    assert fake.refcount == 0  # the probe closed NVML again
+
+
+def test_cuda_core_wording_gets_a_hint(drv):
+    drv.fail("checkpoint", 1234, "CUDA checkpointing is not supported by the installed NVIDIA "
+                                 "driver. Upgrade to a driver version with CUDA checkpoint API support.")
+    with pytest.raises(ReclaimError) as ei:
+        run(method(drv).release(one_pid()))
+    assert "the pid may have no CUDA context" in str(ei.value)
+    assert drv.states[1234] == "running"
+
+
+def test_no_cuda_core_fails_before_trim():
+    agent = FakeAgent()
+
+    def factory(pid):
+        raise ImportError("No module named 'cuda'")
+
+    with pytest.raises(ReclaimError, match="cannot open"):
+        run(DriverMethod(lambda g: None, process_factory=factory).release(one_pid(agent)))
+    assert agent.requests == []
+
+
+def test_without_cuda_core_the_real_factory_refuses_cleanly(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.core.checkpoint", None)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(ReclaimError, match="CUDA checkpoint API is unavailable"):
+        run(DriverMethod(lambda g: 80 * GiB).release(one_pid()))
+
+
+def test_import_touches_no_hardware_library():
+    import subprocess
+
+    code = (
+        "import sys, jupyter_gpushare.reclaim.driver, jupyter_gpushare.doctor; "
+        "print(sorted(m for m in ('pynvml', 'cuda', 'cuda.core') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
