@@ -1,0 +1,549 @@
+"""The jupyter-server extension: configuration, wiring, and the poll loop.
+
+Set options in ``jupyter_server_config.py`` as ``c.GPUShareApp.NAME = value``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from jupyter_core.paths import jupyter_runtime_dir
+from jupyter_server.extension.application import ExtensionApp
+from tornado.ioloop import IOLoop
+from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Type, Unicode, default, validate
+
+from . import metrics, provisioner
+from .channel import AgentConnection, AgentServer, Refused, socket_path
+from .controller import Controller
+from .events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
+from .gate import SETTINGS_KEY, GateConnection
+from .handlers import handlers
+from .policy import PolicyConfig
+from .reclaim import ReclaimMethod
+from .reclaim.framework import FrameworkMethod
+from .reclaim.simulated import SimulatedMethod
+from .sim.node import GiB, SimNode
+from .telemetry import Telemetry
+from .telemetry.simulated import SimulatedTelemetry
+from .views import kernel_view, status_view
+
+BACKEND_ENV = "JUPYTER_GPUSHARE_BACKEND"
+
+
+class GPUShareApp(ExtensionApp):
+    """Reclaims idle kernels' GPU memory without killing them."""
+
+    name = "jupyter_gpushare"
+    load_other_extensions = True
+
+    backend = Unicode(
+        help="""Where GPU numbers come from: "nvml" (the real GPUs), "simulated" (a simulated
+        node, see simulated_gpus) or "auto" (NVML when a GPU answers, else simulated; the log
+        says which and why). Default: the environment variable JUPYTER_GPUSHARE_BACKEND, else
+        "auto".""",
+    ).tag(config=True)
+
+    @default("backend")
+    def _default_backend(self) -> str:
+        return os.environ.get(BACKEND_ENV, "auto") or "auto"
+
+    @validate("backend")
+    def _check_backend(self, proposal: Any) -> str:
+        value = proposal["value"]
+        if value not in ("auto", "nvml", "simulated"):
+            raise TraitError(
+                f'GPUShareApp.backend must be "auto", "nvml" or "simulated", not {value!r}'
+            )
+        return value
+
+    simulated_gpus = List(
+        Int(),
+        default_value=[16 * GiB, 16 * GiB],
+        help="""Memory of each GPU of the simulated node, in bytes, one entry per GPU.
+        Default: two GPUs of 16 GiB. Used only by the simulated backend. An empty list is a
+        node with no GPU.""",
+    ).tag(config=True)
+
+    @validate("simulated_gpus")
+    def _check_sim(self, proposal: Any) -> list[int]:
+        value = proposal["value"]
+        if any(v <= 0 for v in value):
+            raise TraitError("GPUShareApp.simulated_gpus: each GPU's memory must be > 0 bytes")
+        return value
+
+    poll_interval = Float(
+        2.0,
+        help="""Seconds between two samples of GPU memory and utilization (and policy
+        decisions). Default 2. Must be > 0; below 0.5 s NVML sampling costs noticeable CPU.""",
+    ).tag(config=True)
+
+    idle_timeout = Float(
+        600.0,
+        help="""Seconds a kernel must sit idle (not executing, SM utilization at or below
+        idle_utilization) before its GPU memory is released. Default 600. 0 = never release
+        automatically (REST, the panel and %gpushare release still work). A kernelspec can
+        override it in metadata.gpushare.idle_timeout.""",
+    ).tag(config=True)
+
+    idle_utilization = Float(
+        5.0,
+        help="""SM utilization (percent, 0-100) at or below which a kernel counts as idle, over
+        the idle window. Default 5. 0 = any GPU activity keeps a kernel resident.""",
+    ).tag(config=True)
+
+    min_release_bytes = Int(
+        256 * 1024 * 1024,
+        help="""Kernels holding less GPU memory than this (bytes) are never released
+        automatically: moving them is not worth the pause. Default 256 MiB. 0 = release any
+        kernel that holds GPU memory.""",
+    ).tag(config=True)
+
+    release_method = Enum(
+        ["auto", "driver", "framework", "off"],
+        default_value="auto",
+        help="""How GPU memory leaves the GPU: "driver" (CUDA driver checkpoint: any framework,
+        frees the CUDA context too; needs driver >= 570, not under MIG), "framework" (the kernel
+        agent moves PyTorch/CuPy/JAX objects to host; frees all but the CUDA context), "auto"
+        (driver where supported, else framework; "simulated" on the simulated backend) or "off"
+        (monitor only, never release). Default "auto".""",
+    ).tag(config=True)
+
+    restore_mode = Enum(
+        ["eager", "lazy"],
+        default_value="eager",
+        help="""When a released kernel is restored: "eager" (before any cell runs) or "lazy"
+        (only before cells that may touch the GPU, decided by the agent from the cell's code; a
+        watchdog restores a released kernel busy for longer than restore_grace). Lazy works
+        with the driver and simulated methods only; with the framework method eager is used.
+        Default "eager".""",
+    ).tag(config=True)
+
+    restore_grace = Float(
+        30.0,
+        help="""Lazy mode only: seconds a released kernel may run a cell before the watchdog
+        restores it anyway (its GPU calls would wait otherwise). Default 30. Must be > 0.""",
+    ).tag(config=True)
+
+    pressure_free_fraction = Float(
+        0.1,
+        help="""When a GPU's free memory falls below this fraction (0-1) of its total, idle
+        kernels on it are released after pressure_idle_timeout instead of idle_timeout,
+        longest idle first, until it is above again. Default 0.1. 0 = no pressure releases.""",
+    ).tag(config=True)
+
+    pressure_idle_timeout = Float(
+        120.0,
+        help="""Seconds idle after which a kernel may be released under memory pressure or to
+        make room for another kernel's restore. Default 120. 0 = any idle kernel may be taken
+        at once.""",
+    ).tag(config=True)
+
+    lock_timeout = Float(
+        10.0,
+        help="""Seconds a release waits for the kernel's running GPU work to finish (the driver
+        lock) before giving up and leaving the kernel running. Default 10.""",
+    ).tag(config=True)
+
+    kernel_env = Dict(
+        default_value={"TF_FORCE_GPU_ALLOW_GROWTH": "true", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+        help="""Environment defaults for kernels the server starts, applied where the user has
+        not set them. Default turns off TensorFlow's and JAX's grab-all-memory at start, so
+        memory held is memory used. {} = none.""",
+    ).tag(config=True)
+
+    history_seconds = Float(
+        1800.0,
+        help="""Seconds of samples kept per GPU and per kernel for the history API and the
+        panel's charts. Default 1800. Memory: about 100 bytes per kernel per poll.""",
+    ).tag(config=True)
+
+    load_agent = Bool(
+        True,
+        help="""Load the gpushare agent (and %gpushare magics) into IPython kernels the server
+        starts, through the gpushare kernel provisioner. Default True. False = track by NVML
+        only: no simulated backend, no framework method, no restore before nbclient cells.""",
+    ).tag(config=True)
+
+    telemetry_class = Type(
+        default_value=None,
+        klass=Telemetry,
+        allow_none=True,
+        help="""A Telemetry subclass to use instead of the one backend picks (tests, other
+        hardware). Default None.""",
+    ).tag(config=True)
+
+    @validate("poll_interval", "restore_grace", "history_seconds", "lock_timeout")
+    def _check_positive(self, proposal: Any) -> float:
+        if proposal["value"] <= 0:
+            raise TraitError(f"GPUShareApp.{proposal['trait'].name} must be > 0, got {proposal['value']}")
+        return proposal["value"]
+
+    @validate("idle_timeout", "pressure_idle_timeout", "min_release_bytes")
+    def _check_non_negative(self, proposal: Any) -> Any:
+        if proposal["value"] < 0:
+            raise TraitError(f"GPUShareApp.{proposal['trait'].name} must be >= 0, got {proposal['value']}")
+        return proposal["value"]
+
+    @validate("idle_utilization")
+    def _check_percent(self, proposal: Any) -> float:
+        if not 0 <= proposal["value"] <= 100:
+            raise TraitError(f"GPUShareApp.idle_utilization is a percentage (0-100), got {proposal['value']}")
+        return proposal["value"]
+
+    @validate("pressure_free_fraction")
+    def _check_fraction(self, proposal: Any) -> float:
+        if not 0 <= proposal["value"] < 1:
+            raise TraitError(f"GPUShareApp.pressure_free_fraction must be in [0, 1), got {proposal['value']}")
+        return proposal["value"]
+
+    # -- wiring ---------------------------------------------------------------------------------
+    def initialize_settings(self) -> None:
+        self.node: SimNode | None = None
+        self.telemetry: Telemetry | None = None
+        self.backend_name = ""
+        self.backend_reason = ""
+        self.method_name = "off"
+        self._started = asyncio.Event()
+        self._start_task: Any = None
+        self._poll_task: asyncio.Task[None] | None = None
+        self.socket_path = socket_path(jupyter_runtime_dir())
+        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        self.methods: dict[str, ReclaimMethod] = {}
+        self.channel = AgentServer(
+            self.socket_path, self._authorize, self._agent_handlers(),
+            on_connect=self._on_agent_connect, on_disconnect=self._on_agent_disconnect,
+        )
+        self._choose_backend()
+        self._wire_core()
+        self._install_gate()
+        self._install_provisioner()
+        self.serverapp.event_logger.register_event_schema(KERNEL_SCHEMA_PATH)
+        self.settings[SETTINGS_KEY] = self.controller
+        IOLoop.current().add_callback(self._start)
+
+    def initialize_handlers(self) -> None:
+        self.handlers.extend(handlers())
+
+    def _choose_backend(self) -> None:
+        choice = self.backend
+        if self.telemetry_class is not None:
+            self.telemetry = self.telemetry_class()
+            self.backend_name = self.telemetry.name or "custom"
+            self.backend_reason = f"telemetry_class = {self.telemetry_class.__name__}"
+        elif choice in ("auto", "nvml"):
+            from .telemetry.nvml import NVMLTelemetry
+
+            nvml = NVMLTelemetry()
+            status = nvml.open()
+            gpus = nvml.devices() if status.available else []
+            if choice == "nvml" or gpus:
+                self.telemetry, self.backend_name = nvml, "nvml"
+                self.backend_reason = (f"NVML sees {len(gpus)} GPU(s)" if gpus
+                                       else f"backend = nvml, but NVML is unavailable: {status.reason}")
+            else:
+                nvml.close()
+                why = status.reason or "NVML found no GPU"
+                self.backend_reason = f"no GPU answered NVML ({why}): using the simulated node"
+        if self.telemetry is None:
+            self.node = SimNode(tuple(self.simulated_gpus))
+            self.telemetry = SimulatedTelemetry(self.node)
+            self.backend_name = "simulated"
+            self.backend_reason = self.backend_reason or "backend = simulated"
+            self.telemetry.open()
+        self.log.info("gpushare: telemetry backend %s (%s)", self.backend_name, self.backend_reason)
+
+    def _wire_core(self) -> None:
+        from .tracker import Tracker
+
+        assert self.telemetry is not None
+        self.tracker = Tracker(
+            self.serverapp.kernel_manager, self.telemetry, self.history_seconds, self.poll_interval,
+            session_manager=self.serverapp.session_manager, agent_reports=self._agent_report,
+        )
+        self.tracker.idle_utilization = self.idle_utilization
+        if self.backend_name == "simulated":
+            self.methods["simulated"] = SimulatedMethod(lock_timeout=self.lock_timeout)
+        else:
+            self.methods["framework"] = FrameworkMethod()
+            try:
+                from .reclaim.driver import DriverMethod
+
+                driver = DriverMethod(free_bytes=self._free_bytes, lock_timeout_ms=int(self.lock_timeout * 1000))
+                support = driver.support()
+                if support.ok:
+                    self.methods["driver"] = driver
+                elif self.release_method == "driver":
+                    self.log.warning("gpushare: release_method = driver, but %s", support.reason)
+                self.driver_reason = support.reason
+            except ImportError as e:  # pragma: no cover - the module ships with the package
+                self.driver_reason = str(e)
+        self.method_name = self._default_method()
+        restore_mode = self.restore_mode
+        if restore_mode == "lazy" and self.method_name == "framework":
+            self.log.warning("gpushare: restore_mode = lazy needs the driver or simulated method; using eager")
+            restore_mode = "eager"
+        self.controller = Controller(
+            self.tracker,
+            self.methods,
+            choose_method=self._method_for,
+            config=PolicyConfig(
+                idle_timeout=self.idle_timeout,
+                idle_utilization=self.idle_utilization,
+                min_release_bytes=self.min_release_bytes,
+                pressure_free_fraction=self.pressure_free_fraction,
+                pressure_idle_timeout=self.pressure_idle_timeout,
+            ),
+            free_bytes=self._free_bytes,
+            total_bytes=self._total_bytes,
+            agent=lambda kid: self.channel.connections.get(kid),
+            emit=self._emit,
+            restore_mode=restore_mode,
+            restore_grace=self.restore_grace,
+            kernel_overrides=self._kernelspec_overrides,
+        )
+        self.channel.hello_extra = {
+            "restore_mode": restore_mode,
+            "simulated_gpus": list(self.node.capacities) if self.node else None,
+        }
+
+    def _default_method(self) -> str:
+        if self.release_method == "off":
+            return "off"
+        if self.backend_name == "simulated":
+            return "simulated"
+        if self.release_method in ("driver", "framework"):
+            return self.release_method if self.release_method in self.methods else "off"
+        return "driver" if "driver" in self.methods else "framework"
+
+    def _method_for(self, kernel_id: str) -> str | None:
+        name = self.method_name
+        if name == "off" or name not in self.methods:
+            return None
+        if name in ("simulated", "framework") and kernel_id not in self.channel.connections:
+            return None  # both need the kernel's agent
+        return name
+
+    def _install_gate(self) -> None:
+        from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+
+        current = self.serverapp.kernel_websocket_connection_class
+        if current is ZMQChannelsWebsocketConnection:
+            self.serverapp.kernel_websocket_connection_class = GateConnection
+            self.serverapp.web_app.settings["kernel_websocket_connection_class"] = GateConnection
+        elif not (isinstance(current, type) and issubclass(current, GateConnection)):
+            self.log.warning(
+                "gpushare: ServerApp.kernel_websocket_connection_class is %s; the gate is off, so "
+                "cells restore through the kernel agent only", current,
+            )
+
+    def _install_provisioner(self) -> None:
+        from jupyter_client.provisioning.factory import KernelProvisionerFactory
+
+        if not self.load_agent:
+            return
+        provisioner.settings = provisioner.LaunchSettings(
+            socket_path=self.socket_path,
+            kernel_env={str(k): str(v) for k, v in self.kernel_env.items()},
+            simulated_gpus=list(self.node.capacities) if self.node else None,
+        )
+        factory = KernelProvisionerFactory.instance()
+        if factory.default_provisioner_name in ("local-provisioner", provisioner.NAME):
+            factory.default_provisioner_name = provisioner.NAME
+        else:
+            self.log.warning("gpushare: kernels use provisioner %s; the agent loads only where "
+                             "%%load_ext jupyter_gpushare is run", factory.default_provisioner_name)
+
+    # -- start / stop -----------------------------------------------------------------------------
+    async def _start(self) -> None:
+        if self._start_task is not None:
+            return
+        self._start_task = True
+        await self.channel.start()
+        self._poll_task = asyncio.ensure_future(self._poll_loop())
+        self._started.set()
+
+    async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        await self._start()
+
+    async def ready(self) -> None:
+        """Wait until the channel listens and the first poll is done (handlers call this)."""
+        if not self._started.is_set():
+            await self._start()
+        await self._started.wait()
+
+    async def _poll_loop(self) -> None:
+        first = True
+        while True:
+            try:
+                await self.poll_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad poll must not stop tracking
+                self.log.exception("gpushare: poll failed")
+            if first:
+                first = False
+            await asyncio.sleep(self.poll_interval)
+
+    async def poll_once(self) -> None:
+        await self.tracker.poll()
+        metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
+        await self.controller.tick()
+        self._export_metrics()
+
+    async def stop_extension(self) -> None:
+        if self._poll_task is not None:
+            self._poll_task.cancel()
+        try:
+            await self.controller.shutdown()
+        finally:
+            await self.channel.stop()
+            if self.telemetry is not None:
+                self.telemetry.close()
+            provisioner.settings = None
+
+    # -- agent channel ------------------------------------------------------------------------
+    async def _authorize(self, kernel_id: str, pid: int) -> None:
+        """The peer must be (a child of) the process of the kernel it claims to be."""
+        km = self.serverapp.kernel_manager
+        for _ in range(100):  # a kernel that is still starting appears within a few seconds
+            if kernel_id in km and self.tracker.kernel_pid(kernel_id) is not None:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise Refused(f"no kernel {kernel_id} on this server")
+        if not self.tracker.owns_pid(kernel_id, pid):
+            raise Refused(f"pid {pid} is not a process of kernel {kernel_id}")
+
+    def _agent_report(self, kernel_id: str) -> dict[str, Any] | None:
+        conn = self.channel.connections.get(kernel_id)
+        return conn.report if conn else None
+
+    async def _on_agent_connect(self, conn: AgentConnection) -> None:
+        st = self.controller.states.get(conn.kernel_id)
+        if st is not None and st.held and st.released_pid not in (None, conn.pid):
+            self.controller.drop_held(conn.kernel_id, "the kernel restarted")
+        self.log.info("gpushare: agent of kernel %s connected (pid %s)", conn.kernel_id, conn.pid)
+
+    async def _on_agent_disconnect(self, conn: AgentConnection) -> None:
+        if self.node is not None:
+            self.node.drop_pid(conn.pid)  # a simulated process's memory goes with its channel
+
+    def _agent_handlers(self) -> dict[str, Any]:
+        return {
+            "alloc": self._agent_alloc,
+            "free": lambda conn, m: self._sim_node().release(conn.pid, _int(m, "gpu"), _int(m, "bytes")),
+            "busy_begin": lambda conn, m: self._sim_node().busy_begin(conn.pid, _int(m, "gpu")),
+            "busy_end": lambda conn, m: self._sim_node().busy_end(conn.pid, _int(m, "gpu")),
+            "report": self._agent_store_report,
+            "status": lambda conn, m: {"kernel": kernel_view(self.controller, conn.kernel_id),
+                                       "backend": self.backend_name},
+            "restore": self._agent_restore,
+            "release": self._agent_release,
+            "pin": self._agent_pin,
+            "idle_timeout": self._agent_idle_timeout,
+        }
+
+    def _sim_node(self) -> SimNode:
+        if self.node is None:
+            raise RuntimeError("the server is not running the simulated backend")
+        return self.node
+
+    def _agent_alloc(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        self._sim_node().alloc(conn.pid, _int(msg, "gpu"), _int(msg, "bytes"))
+        return {}
+
+    def _agent_store_report(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
+        conn.report = {k: v for k, v in msg.items() if k not in ("op", "id")}
+
+    async def _agent_restore(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        parent = msg.get("parent") if isinstance(msg.get("parent"), dict) else None
+        trigger = str(msg.get("trigger") or "agent")
+        await self.controller.ensure_resident(conn.kernel_id, trigger=trigger, parent=parent)
+        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
+
+    async def _agent_release(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        from .controller import ControllerError
+
+        await self.poll_once()  # see what the cell just allocated
+        try:
+            await self.controller.release(conn.kernel_id, reason="requested from the kernel",
+                                          by_kernel=True)
+        except ControllerError as e:
+            raise RuntimeError(e.message) from None
+        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
+
+    def _agent_pin(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        pinned = msg.get("pinned")
+        if not isinstance(pinned, bool):
+            raise ValueError("pinned must be true or false")
+        self.controller.set_pinned(conn.kernel_id, pinned)
+        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
+
+    def _agent_idle_timeout(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        seconds = msg.get("seconds")
+        if seconds is not None and (not isinstance(seconds, (int, float)) or seconds < 0):
+            raise ValueError("idle timeout must be a number of seconds >= 0")
+        self.controller.set_idle_timeout(conn.kernel_id, None if seconds is None else float(seconds))
+        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def _free_bytes(self, gpu: int) -> int | None:
+        if self.node is not None:
+            if 0 <= gpu < len(self.node.capacities):
+                return self.node.free(gpu)
+            return None
+        read_now = getattr(self.telemetry, "free_bytes", None)  # NVML reads it live
+        return read_now(gpu) if read_now is not None else None
+
+    def _total_bytes(self) -> dict[int, int]:
+        if self.node is not None:
+            return dict(enumerate(self.node.capacities))
+        return {g.info.index: g.info.memory_total for g in self.tracker.gpus.values()
+                if g.info.memory_total}
+
+    def _kernelspec_overrides(self, kernel_id: str) -> dict[str, Any]:
+        try:
+            spec = self.serverapp.kernel_manager.get_kernel(kernel_id).kernel_spec
+            meta = (spec.metadata or {}).get("gpushare") or {}
+        except Exception:  # no spec (remote kernels): no overrides
+            return {}
+        out: dict[str, Any] = {}
+        if isinstance(meta.get("idle_timeout"), (int, float)) and meta["idle_timeout"] >= 0:
+            out["idle_timeout"] = float(meta["idle_timeout"])
+        return out
+
+    def _emit(self, data: dict[str, Any]) -> None:
+        self.serverapp.event_logger.emit(schema_id=KERNEL_SCHEMA_ID, data=data)
+
+    def _export_metrics(self) -> None:
+        for g in self.tracker.gpus.values():
+            label = str(g.info.index)
+            if g.info.memory_total is not None:
+                metrics.GPU_MEMORY_TOTAL.labels(label).set(g.info.memory_total)
+            if g.info.memory_used is not None:
+                metrics.GPU_MEMORY_USED.labels(label).set(g.info.memory_used)
+            if g.info.utilization is not None:
+                metrics.GPU_UTILIZATION.labels(label).set(g.info.utilization)
+        metrics.set_kernel_memory({
+            (kid, str(gpu)): n
+            for kid, rec in self.tracker.kernels.items() for gpu, n in rec.gpu_bytes.items()
+        })
+
+    def status(self) -> dict[str, Any]:
+        assert self.telemetry is not None
+        tstatus = self.telemetry.status()
+        return status_view(self.controller, self.backend_name, self.method_name,
+                           tstatus.available, tstatus.reason if not tstatus.available else "")
+
+
+def _int(msg: dict[str, Any], key: str) -> int:
+    value = msg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer")
+    return value
+
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -1,0 +1,48 @@
+"""The demo notebook that `jupyter gpushare demo` opens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+NAME = "gpushare-demo.ipynb"
+
+SIM_CELLS = [
+    ("md", "# GPU share demo\n\nThis kernel allocates on the **simulated GPU node** (no GPU needed). "
+           "Open the **GPU share** panel in the left sidebar to watch allocation (memory held) against "
+           "utilization (SM busy), per GPU and per kernel."),
+    ("code", "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n\n"
+             "# 2 GiB on simulated GPU 0 and 1 GiB on GPU 1\n"
+             "weights = simgpu.random((512, 1024, 1024), device=0, seed=0)\n"
+             "cache = simgpu.zeros((256, 1024, 1024), device=1)\n"
+             "checksum = weights.checksum()\nprint('holding', simgpu.memory_allocated() / 2**30, 'GiB; checksum', checksum[:12])"),
+    ("code", "# some 'GPU work': the panel shows this kernel's utilization rise\nsimgpu.burn(5, device=0)\n(weights * 2).sum().get()"),
+    ("code", "%gpushare"),
+    ("md", "Release this kernel's GPU memory now (it also happens by itself after the idle timeout; "
+           "the panel's release button does the same). The kernel keeps running and keeps its state:"),
+    ("code", "%gpushare release"),
+    ("md", "The next cell restores the state transparently; the data is identical:"),
+    ("code", "assert weights.checksum() == checksum\nprint('restored, checksum matches')"),
+    ("code", "%gpushare pin   # never release this kernel automatically"),
+]
+
+GPU_CELLS = [
+    ("md", "# GPU share demo (real GPUs)\n\nOpen the **GPU share** panel in the left sidebar."),
+    ("code", "import torch\nx = torch.randn(256, 1024, 1024, device='cuda')  # 1 GiB\nprint(torch.cuda.memory_allocated() / 2**30, 'GiB')"),
+    ("code", "%gpushare"),
+    ("code", "%gpushare release"),
+    ("code", "print(x.sum().item())  # restores first, transparently"),
+]
+
+
+def write_demo(directory: Path, simulated: bool) -> Path:
+    nb = new_notebook()
+    for kind, text in SIM_CELLS if simulated else GPU_CELLS:
+        nb.cells.append(new_markdown_cell(text) if kind == "md" else new_code_cell(text))
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / NAME
+    nbformat.write(nb, path)
+    return path

@@ -1,0 +1,145 @@
+"""The gate: holds a released kernel's execute_requests until its GPU state is restored.
+
+Restore trigger 1 in DESIGN.md. ``handle_incoming_message`` is synchronous and the
+websocket handler does not await it, so held messages wait in a queue per connection
+and are forwarded, in order, once the restore is done. Only execute_requests are held;
+kernel_info, comms, completions and everything on the control channel (interrupt,
+shutdown) pass straight through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1
+from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+
+from .controller import RELEASING, Controller, ControllerError
+
+log = logging.getLogger(__name__)
+
+V1 = "v1.kernel.websocket.jupyter.org"
+SETTINGS_KEY = "gpushare_controller"
+
+
+class GateConnection(ZMQChannelsWebsocketConnection):
+    """ZMQChannelsWebsocketConnection that waits for a restore before an execute_request."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._held: list[tuple[Any, dict[str, Any]]] = []
+        self._drain_task: asyncio.Task[None] | None = None
+
+    @property
+    def controller(self) -> Controller | None:
+        handler = getattr(self, "websocket_handler", None)
+        return handler.settings.get(SETTINGS_KEY) if handler is not None else None
+
+    def _peek(self, ws_msg: Any) -> tuple[str | None, dict[str, Any]]:
+        """(channel, header) of a websocket message, without consuming it."""
+        try:
+            if self.subprotocol == V1:
+                channel, msg_list = deserialize_msg_from_ws_v1(ws_msg)
+                return channel, self.get_part("header", None, msg_list)
+            if isinstance(ws_msg, bytes):
+                return None, {}  # legacy binary message: pass through untouched
+            msg = json.loads(ws_msg)
+            return msg.get("channel"), msg.get("header") or {}
+        except Exception:  # a malformed message is the stock code's to reject
+            return None, {}
+
+    def handle_incoming_message(self, incoming_msg: Any) -> None:
+        controller = self.controller
+        if controller is None:
+            super().handle_incoming_message(incoming_msg)
+            return
+        channel, header = self._peek(incoming_msg)
+        is_execute = channel in (None, "shell") and header.get("msg_type") == "execute_request"
+        if not is_execute:
+            if channel == "control" and header.get("msg_type") == "interrupt_request" and self._held:
+                self._cancel_waiting("interrupted while waiting for the GPU state to be restored")
+            super().handle_incoming_message(incoming_msg)
+            return
+        if self._held or self._must_wait(controller):
+            self._held.append((incoming_msg, header))
+            if self._drain_task is None:
+                self._drain_task = asyncio.ensure_future(self._drain(controller))
+            return
+        super().handle_incoming_message(incoming_msg)
+
+    def _must_wait(self, controller: Controller) -> bool:
+        st = controller.states.get(self.kernel_id)
+        if st is None or not st.held:
+            return False
+        # lazy mode: only a release in flight holds the cell; the agent decides the rest
+        return controller.restore_mode == "eager" or st.state == RELEASING
+
+    async def _drain(self, controller: Controller) -> None:
+        try:
+            while self._held:
+                _, first_header = self._held[0]
+                failure = None
+                try:
+                    if controller.restore_mode == "eager":
+                        await controller.ensure_resident(self.kernel_id, trigger="gate", parent=first_header)
+                    else:
+                        st = controller.states.get(self.kernel_id)
+                        if st is not None:
+                            async with st.lock:  # wait for the release in flight
+                                pass
+                except ControllerError as e:
+                    failure = e.message
+                batch, self._held = self._held, []
+                for raw, header in batch:
+                    if failure:
+                        self._reply_error(header, "GPUStateNotRestored",
+                                          f"gpushare: {failure}. Your GPU state is still held; "
+                                          "run the cell again to retry.")
+                    elif self.channels:
+                        ZMQChannelsWebsocketConnection.handle_incoming_message(self, raw)
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("gpushare gate: forwarding held messages failed")
+        finally:
+            self._drain_task = None
+
+    def _cancel_waiting(self, why: str) -> None:
+        """Interrupt while a restore waits for memory: stop waiting, answer the held cells."""
+        controller = self.controller
+        st = controller.states.get(self.kernel_id) if controller else None
+        if st is None or not st.waiting:
+            return  # a restore already moving bytes finishes; the cells then run
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        batch, self._held = self._held, []
+        for _, header in batch:
+            self._reply_error(header, "KeyboardInterrupt", f"gpushare: {why}")
+
+    def _reply_error(self, parent: dict[str, Any], ename: str, text: str) -> None:
+        """Answer an execute_request we will not forward, as the kernel would."""
+        if not self.channels:
+            return
+        session = self.session
+        content = {"status": "error", "ename": ename, "evalue": text, "traceback": [text],
+                   "execution_count": None}
+        for channel, msg in (
+            ("iopub", session.msg("status", {"execution_state": "busy"}, parent=parent)),
+            ("iopub", session.msg("error", {k: content[k] for k in ("ename", "evalue", "traceback")},
+                                  parent=parent)),
+            ("shell", session.msg("execute_reply", content, parent=parent)),
+            ("iopub", session.msg("status", {"execution_state": "idle"}, parent=parent)),
+        ):
+            try:
+                self.handle_outgoing_message(channel, session.serialize(msg))
+            except Exception:
+                log.exception("gpushare gate: could not answer a held execute_request")
+
+    def disconnect(self) -> None:
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+        self._held = []
+        super().disconnect()

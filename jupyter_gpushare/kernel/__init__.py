@@ -1,0 +1,12 @@
+"""Runs inside the kernel: the agent and the %gpushare magics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from . import agent, magics
+
+    agent.load(ipython)
+    magics.register(ipython)

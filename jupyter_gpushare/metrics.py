@@ -1,0 +1,54 @@
+"""Prometheus metrics (created once at import, as prometheus_client wants; no hardware touched).
+
+They appear on the server's ``/metrics``. Names start with ``gpushare_``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+GPU_MEMORY_TOTAL = Gauge("gpushare_gpu_memory_total_bytes", "GPU memory in total", ["gpu"])
+GPU_MEMORY_USED = Gauge("gpushare_gpu_memory_used_bytes", "GPU memory in use", ["gpu"])
+GPU_UTILIZATION = Gauge("gpushare_gpu_utilization_percent", "GPU SM utilization", ["gpu"])
+KERNEL_MEMORY = Gauge(
+    "gpushare_kernel_gpu_memory_bytes", "GPU memory held by a kernel", ["kernel_id", "gpu"]
+)
+KERNEL_HOST_BYTES = Gauge(
+    "gpushare_kernel_released_bytes", "GPU state a released kernel holds in host memory", ["kernel_id"]
+)
+HOST_BYTES = Gauge("gpushare_released_bytes", "GPU state held in host memory by released kernels")
+KERNELS = Gauge("gpushare_kernels", "Kernels by state", ["state"])
+RELEASES = Counter("gpushare_releases", "Releases of kernels' GPU memory", ["method", "outcome"])
+RESTORES = Counter("gpushare_restores", "Restores of kernels' GPU memory", ["method", "outcome"])
+RESTORE_SECONDS = Histogram(
+    "gpushare_restore_seconds",
+    "Time to restore a kernel's GPU state",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+RELEASE_SECONDS = Histogram(
+    "gpushare_release_seconds",
+    "Time to release a kernel's GPU state",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+POLL_SECONDS = Histogram(
+    "gpushare_poll_seconds", "Time of one tracker poll", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1)
+)
+
+_known_kernel_series: set[tuple[str, str]] = set()
+
+
+def set_kernel_memory(values: dict[tuple[str, str], int]) -> None:
+    """Set per-kernel series and remove those of kernels that are gone (no leak of label sets)."""
+    for key in _known_kernel_series - set(values):
+        KERNEL_MEMORY.remove(*key)
+    for key, v in values.items():
+        KERNEL_MEMORY.labels(*key).set(v)
+    _known_kernel_series.clear()
+    _known_kernel_series.update(values)
+
+
+def forget_kernel(kernel_id: str) -> None:
+    try:
+        KERNEL_HOST_BYTES.remove(kernel_id)
+    except KeyError:
+        pass

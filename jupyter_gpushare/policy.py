@@ -1,0 +1,144 @@
+"""Which kernels to release, and which to release to make room: pure functions.
+
+No I/O and no clock of their own: callers pass ``now``-derived numbers in, so the
+benchmark simulator and the tests run this module unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    idle_timeout: float = 600.0  # s; 0 = never release automatically
+    idle_utilization: float = 5.0  # SM % at or below which a kernel counts as idle
+    min_release_bytes: int = 256 << 20
+    pressure_free_fraction: float = 0.1  # 0 = no pressure releases
+    pressure_idle_timeout: float = 120.0  # s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What the policy needs to know about one kernel."""
+
+    kernel_id: str
+    resident: bool  # its GPU state is on the GPU (active / idle)
+    busy: bool  # executing now
+    pinned: bool
+    idle_seconds: float
+    max_utilization: float  # highest SM % over the idle window
+    gpu_bytes: dict[int, int] = field(default_factory=dict)
+    idle_timeout: float | None = None  # per-kernel override (kernelspec, magic); 0 = never
+    releasable: bool = True  # a release method exists for it
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.gpu_bytes.values())
+
+
+@dataclass(frozen=True)
+class Decision:
+    kernel_id: str
+    reason: str
+
+
+def _quiet(c: Candidate, cfg: PolicyConfig) -> bool:
+    """Eligible at all: resident, not busy, not pinned, GPU quiet, holds enough to matter."""
+    is_resident_and_still = c.resident and not c.busy
+    is_gpu_quiet = c.max_utilization <= cfg.idle_utilization
+    holds_enough = c.bytes >= max(cfg.min_release_bytes, 1)
+    opted_out = c.idle_timeout == 0
+    return is_resident_and_still and is_gpu_quiet and holds_enough and not c.pinned \
+        and not opted_out and c.releasable
+
+
+def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:
+    timeout = cfg.idle_timeout if c.idle_timeout is None else c.idle_timeout
+    automatic_release_on = timeout > 0
+    idle_long_enough = c.idle_seconds >= timeout
+    if automatic_release_on and idle_long_enough and _quiet(c, cfg):
+        return Decision(c.kernel_id, f"idle for {c.idle_seconds:.0f} s (idle_timeout {timeout:.0f} s)")
+    return None
+
+
+def seconds_until_release(c: Candidate, cfg: PolicyConfig) -> float | None:
+    """When an automatic release will happen if nothing changes (None: never)."""
+    timeout = cfg.idle_timeout if c.idle_timeout is None else c.idle_timeout
+    if timeout <= 0 or c.pinned or not c.resident or not c.releasable:
+        return None
+    if c.bytes < cfg.min_release_bytes:
+        return None
+    return max(0.0, timeout - c.idle_seconds)
+
+
+def _longest_idle_first(cands: list[Candidate]) -> list[Candidate]:
+    return sorted(cands, key=lambda c: (-c.idle_seconds, -c.bytes, c.kernel_id))
+
+
+def pressure_releases(
+    candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: PolicyConfig
+) -> list[Decision]:
+    """On each GPU whose free fraction is below ``pressure_free_fraction``, release idle
+    kernels (idle >= ``pressure_idle_timeout``) longest-idle first until it is above again."""
+    if cfg.pressure_free_fraction <= 0:
+        return []
+    decisions: list[Decision] = []
+    chosen: set[str] = set()
+    for gpu, capacity in total.items():
+        if not capacity:
+            continue
+        free_now = free.get(gpu, 0)
+        if free_now / capacity >= cfg.pressure_free_fraction:
+            continue
+        pool = [c for c in candidates if c.gpu_bytes.get(gpu) and c.kernel_id not in chosen
+                and _quiet(c, cfg) and c.idle_seconds >= cfg.pressure_idle_timeout]
+        for c in _longest_idle_first(pool):
+            if free_now / capacity >= cfg.pressure_free_fraction:
+                break
+            chosen.add(c.kernel_id)
+            free_now += c.gpu_bytes[gpu]
+            decisions.append(Decision(
+                c.kernel_id,
+                f"memory pressure on GPU {gpu}: idle for {c.idle_seconds:.0f} s",
+            ))
+    return decisions
+
+
+def decide(
+    candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: PolicyConfig
+) -> list[Decision]:
+    """Everything to release now: idle timeouts first, then memory pressure."""
+    out = [d for c in candidates if (d := idle_release(c, cfg)) is not None]
+    taken = {d.kernel_id for d in out}
+    rest = [c for c in candidates if c.kernel_id not in taken]
+    out += pressure_releases(rest, free, total, cfg)
+    return out
+
+
+def make_room(
+    need: dict[int, int], free: dict[int, int], candidates: list[Candidate], cfg: PolicyConfig,
+    exclude: str = "",
+) -> list[Decision] | None:
+    """Kernels to release so ``need`` bytes fit on each GPU; None when it cannot fit.
+
+    Only kernels idle for at least ``pressure_idle_timeout`` are taken, longest idle first,
+    so two people working at once never evict each other.
+    """
+    short = {g: n - free.get(g, 0) for g, n in need.items() if n > free.get(g, 0)}
+    if not short:
+        return []
+    pool = [c for c in candidates if c.kernel_id != exclude and _quiet(c, cfg)
+            and c.idle_seconds >= cfg.pressure_idle_timeout]
+    decisions: list[Decision] = []
+    for c in _longest_idle_first(pool):
+        if not any(c.gpu_bytes.get(g) for g in short):
+            continue
+        decisions.append(Decision(c.kernel_id, f"making room for a restore: idle for {c.idle_seconds:.0f} s"))
+        for g in list(short):
+            short[g] -= c.gpu_bytes.get(g, 0)
+            if short[g] <= 0:
+                del short[g]
+        if not short:
+            return decisions
+    return None

@@ -1,0 +1,54 @@
+"""A kernel provisioner that launches local kernels with the gpushare agent.
+
+It is the stock LocalProvisioner plus, for each kernel: the agent channel's socket path
+and the kernel id in the environment, the admin's ``kernel_env`` defaults (TensorFlow
+allow-growth, JAX no-preallocate) where the user has not set them, and, for IPython
+kernels, ``--ext=jupyter_gpushare.kernel`` so the agent loads in kernels the server
+starts and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jupyter_client.provisioning import LocalProvisioner
+
+from .protocol import KERNEL_ID_ENV, SIMULATED_GPUS_ENV, SOCKET_ENV
+
+NAME = "gpushare-provisioner"
+AGENT_EXTENSION = "jupyter_gpushare.kernel"
+
+
+@dataclass
+class LaunchSettings:
+    socket_path: str
+    kernel_env: dict[str, str] = field(default_factory=dict)
+    simulated_gpus: list[int] | None = None
+    load_agent: bool = True
+
+
+#: set by the server extension at start; None when the extension is not running
+settings: LaunchSettings | None = None
+
+
+def is_ipykernel(cmd: list[str]) -> bool:
+    return any("ipykernel" in part for part in cmd)
+
+
+class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        kwargs = await super().pre_launch(**kwargs)
+        if settings is None:
+            return kwargs
+        env = kwargs.setdefault("env", {})
+        for key, value in settings.kernel_env.items():
+            env.setdefault(key, str(value))
+        env[SOCKET_ENV] = settings.socket_path
+        env[KERNEL_ID_ENV] = self.kernel_id
+        if settings.simulated_gpus:
+            env[SIMULATED_GPUS_ENV] = ",".join(str(n) for n in settings.simulated_gpus)
+        cmd = kwargs.get("cmd") or []
+        if settings.load_agent and is_ipykernel(cmd) and not any(AGENT_EXTENSION in c for c in cmd):
+            kwargs["cmd"] = [*cmd, f"--ext={AGENT_EXTENSION}"]
+        return kwargs

@@ -1,0 +1,182 @@
+"""The simulated GPU node's device side: memory accounting and busy time per process.
+
+The server owns one ``SimNode``; kernels allocate on it through the agent channel, so
+several kernels share (and can exhaust) the same simulated memory exactly as on a real
+GPU. A kernel with no server (plain IPython) gets a private in-process node.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+from .. import clock
+
+GiB = 1 << 30
+DEFAULT_GPUS = (16 * GiB, 16 * GiB)
+DEVICE_NAME = "Simulated GPU"
+
+
+class SimOutOfMemoryError(MemoryError):
+    """Raised like CUDA's out-of-memory error when an allocation does not fit."""
+
+
+def parse_gpus(text: str | None) -> tuple[int, ...]:
+    """``"17179869184,17179869184"`` -> capacities; empty/None -> the default two 16 GiB GPUs."""
+    if not text:
+        return DEFAULT_GPUS
+    sizes = tuple(int(float(part)) for part in text.split(",") if part.strip())
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"simulated GPU sizes must be positive byte counts, got {text!r}")
+    return sizes
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class _Busy:
+    intervals: list[tuple[float, float]]
+    open_since: float | None = None
+
+
+class SimNode:
+    """Memory and busy-time ledger of a node of simulated GPUs. Thread-safe."""
+
+    def __init__(self, capacities: tuple[int, ...] = DEFAULT_GPUS):
+        self.capacities = tuple(capacities)
+        self._lock = threading.Lock()
+        self._used: dict[int, dict[int, int]] = defaultdict(dict)  # gpu -> pid -> bytes
+        self._busy: dict[tuple[int, int], _Busy] = {}
+
+    # -- memory -------------------------------------------------------------------
+    def _check_gpu(self, gpu: int) -> None:
+        if not isinstance(gpu, int) or not 0 <= gpu < len(self.capacities):
+            raise ValueError(
+                f"invalid device {gpu!r}: this node has {len(self.capacities)} simulated GPUs"
+            )
+
+    def used(self, gpu: int) -> int:
+        with self._lock:
+            return sum(self._used[gpu].values())
+
+    def free(self, gpu: int) -> int:
+        return self.capacities[gpu] - self.used(gpu)
+
+    def alloc(self, pid: int, gpu: int, nbytes: int) -> None:
+        self._check_gpu(gpu)
+        if nbytes < 0:
+            raise ValueError("negative allocation")
+        with self._lock:
+            in_use = sum(self._used[gpu].values())
+            if in_use + nbytes > self.capacities[gpu]:
+                raise SimOutOfMemoryError(
+                    f"out of memory on simulated GPU {gpu}: tried to allocate "
+                    f"{format_bytes(nbytes)}; {format_bytes(self.capacities[gpu] - in_use)} free of "
+                    f"{format_bytes(self.capacities[gpu])}"
+                )
+            self._used[gpu][pid] = self._used[gpu].get(pid, 0) + nbytes
+
+    def release(self, pid: int, gpu: int, nbytes: int) -> None:
+        self._check_gpu(gpu)
+        with self._lock:
+            left = self._used[gpu].get(pid, 0) - nbytes
+            if left > 0:
+                self._used[gpu][pid] = left
+            else:
+                self._used[gpu].pop(pid, None)
+
+    def held_by(self, pid: int) -> dict[int, int]:
+        """Bytes per GPU that ``pid`` holds."""
+        with self._lock:
+            return {g: by_pid[pid] for g, by_pid in self._used.items() if by_pid.get(pid)}
+
+    def take_all(self, pid: int) -> dict[int, int]:
+        """Free everything ``pid`` holds (process exit, checkpoint); return what it held."""
+        with self._lock:
+            held = {}
+            for gpu, by_pid in self._used.items():
+                n = by_pid.pop(pid, 0)
+                if n:
+                    held[gpu] = n
+            return held
+
+    def reserve(self, pid: int, per_gpu: dict[int, int]) -> None:
+        """Allocate several GPUs at once, all or nothing (a restore)."""
+        with self._lock:
+            for gpu, n in per_gpu.items():
+                self._check_gpu(gpu)
+                free = self.capacities[gpu] - sum(self._used[gpu].values())
+                if n > free:
+                    raise SimOutOfMemoryError(
+                        f"simulated GPU {gpu} has {format_bytes(free)} free, "
+                        f"{format_bytes(n)} needed"
+                    )
+            for gpu, n in per_gpu.items():
+                self._used[gpu][pid] = self._used[gpu].get(pid, 0) + n
+
+    def drop_pid(self, pid: int) -> None:
+        self.take_all(pid)
+        with self._lock:
+            for key in [k for k in self._busy if k[0] == pid]:
+                del self._busy[key]
+
+    def pids(self) -> dict[int, dict[int, int]]:
+        """pid -> gpu -> bytes, for every pid holding memory."""
+        with self._lock:
+            out: dict[int, dict[int, int]] = defaultdict(dict)
+            for gpu, by_pid in self._used.items():
+                for pid, n in by_pid.items():
+                    if n:
+                        out[pid][gpu] = n
+            return dict(out)
+
+    # -- busy time ----------------------------------------------------------------
+    def busy_begin(self, pid: int, gpu: int, at: float | None = None) -> None:
+        self._check_gpu(gpu)
+        with self._lock:
+            b = self._busy.setdefault((pid, gpu), _Busy([]))
+            if b.open_since is None:
+                b.open_since = clock.now() if at is None else at
+
+    def busy_end(self, pid: int, gpu: int, at: float | None = None) -> None:
+        with self._lock:
+            b = self._busy.get((pid, gpu))
+            if b is None or b.open_since is None:
+                return
+            b.intervals.append((b.open_since, clock.now() if at is None else at))
+            b.open_since = None
+            # keep the ledger bounded: one hour of intervals is more than any window
+            horizon = clock.now() - 3600
+            b.intervals = [iv for iv in b.intervals if iv[1] >= horizon][-10000:]
+
+    def busy_fraction(self, pid: int | None, gpu: int, since: float, until: float) -> float:
+        """Fraction of [since, until] during which ``pid`` (None: any pid) was busy on ``gpu``."""
+        if until <= since:
+            return 0.0
+        spans: list[tuple[float, float]] = []
+        with self._lock:
+            for (p, g), b in self._busy.items():
+                if g != gpu or (pid is not None and p != pid):
+                    continue
+                spans.extend(b.intervals)
+                if b.open_since is not None:
+                    spans.append((b.open_since, until))
+        # union of the clipped spans, so two processes busy at once count once per GPU
+        clipped = sorted((max(s, since), min(e, until)) for s, e in spans if e > since and s < until)
+        total, cur_s, cur_e = 0.0, None, None
+        for s, e in clipped:
+            if cur_e is None or s > cur_e:
+                if cur_e is not None and cur_s is not None:
+                    total += cur_e - cur_s
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        if cur_e is not None and cur_s is not None:
+            total += cur_e - cur_s
+        return min(1.0, total / (until - since))

@@ -1,0 +1,101 @@
+"""The JSON shapes of the REST API (DESIGN.md "Contract"), built from tracker and controller."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import clock
+from .controller import Controller, KernelState
+from .tracker import KernelRecord, Tracker
+
+
+def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
+    rec: KernelRecord | None = controller.tracker.kernels.get(kernel_id)
+    st: KernelState = controller.get(kernel_id)
+    now = clock.now()
+    return {
+        "id": kernel_id,
+        "name": rec.name if rec else "",
+        "path": rec.path if rec else "",
+        "pids": rec.pids if rec else [],
+        "state": st.state,
+        "pinned": st.pinned,
+        "gpu_memory_bytes": rec.gpu_memory_bytes if rec else 0,
+        "released_bytes": st.released_bytes,
+        "gpus": sorted(set(rec.gpu_bytes) | set(st.released_gpus)) if rec else sorted(st.released_gpus),
+        "gpu_bytes": {str(g): b for g, b in (rec.gpu_bytes.items() if rec else ())},
+        "sm_utilization": rec.sm_utilization if rec else None,
+        "idle_seconds": round(rec.idle_seconds(now), 1) if rec else None,
+        "release_in_seconds": _round(controller.release_in(kernel_id)),
+        "idle_timeout": st.idle_timeout if st.idle_timeout is not None else controller.config.idle_timeout,
+        "method": st.method or controller.choose_method(kernel_id),
+        "releases": st.releases,
+        "restores": st.restores,
+        "last_restore_seconds": _round(st.last_restore_seconds, 3),
+        "last_release_seconds": _round(st.last_release_seconds, 3),
+        "error": st.error,
+        "waiting": st.waiting,
+        "execution_state": rec.execution_state if rec else "unknown",
+    }
+
+
+def _round(v: float | None, digits: int = 1) -> float | None:
+    return None if v is None else round(v, digits)
+
+
+def status_view(controller: Controller, backend: str, method: str, available: bool, reason: str) -> dict[str, Any]:
+    tracker = controller.tracker
+    released_per_gpu: dict[int, int] = {}
+    for st in controller.states.values():
+        if st.held:
+            for g, n in st.released_gpus.items():
+                released_per_gpu[g] = released_per_gpu.get(g, 0) + n
+    gpus = [
+        {
+            "index": g.info.index,
+            "uuid": g.info.uuid,
+            "name": g.info.name,
+            "memory_total": g.info.memory_total,
+            "memory_used": g.info.memory_used,
+            "utilization": g.info.utilization,
+            "released_bytes": released_per_gpu.get(g.info.index, 0),
+            "mig": g.info.mig,
+        }
+        for g in sorted(tracker.gpus.values(), key=lambda g: g.info.index)
+    ]
+    return {
+        "backend": backend,
+        "method": method,
+        "available": available,
+        "reason": reason,
+        "idle_timeout": controller.config.idle_timeout,
+        "restore_mode": controller.restore_mode,
+        "gpus": gpus,
+        "kernels": [kernel_view(controller, kid) for kid in list(tracker.kernels)],
+    }
+
+
+def history_view(tracker: Tracker, seconds: float, poll_interval: float) -> dict[str, Any]:
+    now = clock.now()
+    since = now - seconds
+    gpus = {}
+    for index, rec in tracker.gpus.items():
+        rows = [r for r in rec.history if r[0] >= since]
+        gpus[str(index)] = {
+            "t": [round(r[0], 3) for r in rows],
+            "memory_used": [r[1] for r in rows],
+            "utilization": [r[2] for r in rows],
+        }
+    kernels = {}
+    for kid, krec in tracker.kernels.items():
+        krows = [r for r in krec.history if r[0] >= since]
+        per_gpu: dict[str, list[int]] = {}
+        for g in {g for r in krows for g in r[3]}:
+            per_gpu[str(g)] = [r[3].get(g, 0) for r in krows]
+        kernels[kid] = {
+            "t": [round(r[0], 3) for r in krows],
+            "gpu_memory_bytes": [r[1] for r in krows],
+            "sm_utilization": [r[2] for r in krows],
+            "gpu": per_gpu,
+        }
+    return {"now": round(now, 3), "interval": poll_interval, "gpus": gpus, "kernels": kernels}

@@ -1,0 +1,60 @@
+"""A real jupyter_server with the extension on the simulated node, and real kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jupyter_gpushare import clock
+from jupyter_gpushare.sim.node import GiB
+
+pytest_plugins = ("pytest_jupyter.jupyter_server",)
+
+# kernels' logs stay quiet; python buffers would hide a kernel's crash
+os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+@pytest.fixture
+def gpushare_config() -> dict:
+    """Override per test (or per module) to change GPUShareApp traits."""
+    return {}
+
+
+@pytest.fixture
+def jp_server_config(gpushare_config):
+    cfg = {
+        "backend": "simulated",
+        "simulated_gpus": [16 * GiB, 16 * GiB],
+        "poll_interval": 0.2,
+        "idle_timeout": 0,  # no automatic releases unless a test asks for them
+        "min_release_bytes": 0,
+        "pressure_free_fraction": 0.0,
+    }
+    cfg.update(gpushare_config)
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpushare": True}},
+        "GPUShareApp": cfg,
+    }
+
+
+@pytest.fixture(autouse=True)
+def _reset_clock():
+    clock.reset()
+    yield
+    clock.reset()
+
+
+@pytest.fixture
+def gpushare_app(jp_serverapp):
+    return jp_serverapp.extension_manager.extension_points["jupyter_gpushare"].app
+
+
+@pytest.fixture
+def kernels(jp_fetch, jp_ws_fetch, gpushare_app, jp_asyncio_loop):
+    """Start kernels over REST and talk to them over the websocket; all shut down after."""
+    from .helpers import KernelFactory
+
+    factory = KernelFactory(jp_fetch, jp_ws_fetch, gpushare_app)
+    yield factory
+    jp_asyncio_loop.run_until_complete(factory.close())

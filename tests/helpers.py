@@ -1,0 +1,163 @@
+"""Talk to real kernels the way JupyterLab does: REST to start, websocket messages to run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+
+@dataclass
+class Execution:
+    msg_id: str
+    status: str = ""
+    stdout: str = ""
+    stderr: str = ""
+    error: dict[str, Any] | None = None
+    displays: list[dict[str, Any]] = field(default_factory=list)  # display/update_display content
+    results: list[dict[str, Any]] = field(default_factory=list)  # execute_result data
+
+    @property
+    def text(self) -> str:
+        parts = [self.stdout]
+        parts += [r.get("text/plain", "") for r in self.results]
+        parts += [d.get("data", {}).get("text/plain", "") for d in self.displays]
+        return "\n".join(parts)
+
+
+def execute_request(code: str, session: str) -> dict[str, Any]:
+    msg_id = uuid.uuid4().hex
+    return {
+        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "test",
+                   "session": session, "version": "5.3",
+                   "date": datetime.now(timezone.utc).isoformat()},
+        "parent_header": {}, "metadata": {}, "buffers": [], "channel": "shell",
+        "content": {"code": code, "silent": False, "store_history": True,
+                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True},
+    }
+
+
+class KernelConn:
+    """One kernel and one websocket to it."""
+
+    def __init__(self, kernel_id: str, ws: Any):
+        self.id = kernel_id
+        self.ws = ws
+        self.session = uuid.uuid4().hex
+        self.executions: dict[str, Execution] = {}
+        self.order: list[str] = []  # msg_ids in the order the kernel answered them
+        self.event_log: list[dict[str, Any]] = []
+
+    def send(self, code: str) -> str:
+        msg = execute_request(code, self.session)
+        msg_id = msg["header"]["msg_id"]
+        self.executions[msg_id] = Execution(msg_id)
+        self.ws.write_message(json.dumps(msg))
+        return msg_id
+
+    def send_control(self, msg_type: str) -> None:
+        msg = execute_request("", self.session)
+        msg["header"]["msg_type"] = msg_type
+        msg["channel"] = "control"
+        msg["content"] = {}
+        self.ws.write_message(json.dumps(msg))
+
+    async def wait(self, msg_id: str, timeout: float = 60) -> Execution:
+        """Read messages until ``msg_id`` has its reply and the kernel went idle after it."""
+        ex = self.executions[msg_id]
+        deadline = time.monotonic() + timeout
+        idle_seen = reply_seen = False
+        while not (idle_seen and reply_seen):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no reply to {msg_id} in {timeout} s (status {ex.status!r})")
+            raw = await asyncio.wait_for(self.ws.read_message(), left)
+            if raw is None:
+                raise ConnectionError("websocket closed")
+            msg = json.loads(raw)
+            parent = (msg.get("parent_header") or {}).get("msg_id")
+            target = self.executions.get(parent)
+            if target is None:
+                continue
+            kind, content = msg["header"]["msg_type"], msg.get("content", {})
+            if kind == "execute_reply":
+                target.status = content.get("status", "")
+                self.order.append(parent)
+                reply_seen |= parent == msg_id
+            elif kind == "status" and content.get("execution_state") == "idle":
+                idle_seen |= parent == msg_id
+            elif kind == "stream":
+                if content.get("name") == "stdout":
+                    target.stdout += content.get("text", "")
+                else:
+                    target.stderr += content.get("text", "")
+            elif kind == "error":
+                target.error = content
+            elif kind in ("display_data", "update_display_data"):
+                target.displays.append({"type": kind, **content})
+            elif kind == "execute_result":
+                target.results.append(content.get("data", {}))
+        return ex
+
+    async def run(self, code: str, timeout: float = 60, ok: bool = True) -> Execution:
+        ex = await self.wait(self.send(code), timeout)
+        if ok and ex.status != "ok":
+            raise AssertionError(f"cell failed: {ex.error or ex.stderr}\n--- code:\n{code}")
+        return ex
+
+
+class KernelFactory:
+    def __init__(self, jp_fetch: Any, jp_ws_fetch: Any, app: Any):
+        self.fetch = jp_fetch
+        self.ws_fetch = jp_ws_fetch
+        self.app = app
+        self.started: list[KernelConn] = []
+
+    async def start(self, agent: bool = True) -> KernelConn:
+        r = await self.fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
+        kid = json.loads(r.body)["id"]
+        ws = await self.ws_fetch("api", "kernels", kid, "channels")
+        conn = KernelConn(kid, ws)
+        self.started.append(conn)
+        await conn.run("1")  # the kernel is up and answering
+        if agent:
+            await wait_for(lambda: kid in self.app.channel.connections, what="the agent to connect")
+        return conn
+
+    async def close(self) -> None:
+        for conn in self.started:
+            conn.ws.close()
+            try:
+                await self.fetch("api", "kernels", conn.id, method="DELETE")
+            except Exception:
+                pass
+
+
+async def wait_for(predicate: Any, timeout: float = 30, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def get_json(jp_fetch: Any, *path: str, **kw: Any) -> Any:
+    r = await jp_fetch(*path, **kw)
+    return json.loads(r.body)
+
+
+async def kernel_status(jp_fetch: Any, kernel_id: str) -> dict[str, Any] | None:
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    for k in status["kernels"]:
+        if k["id"] == kernel_id:
+            return k
+    return None

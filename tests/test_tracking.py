@@ -1,0 +1,157 @@
+"""Issue 2: tracking simulated GPU memory and utilization per kernel, end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from jupyter_gpushare.sim.node import GiB
+
+from .helpers import get_json, kernel_status, wait_for
+
+ALLOC_3G_GPU1 = (
+    "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+    "x = simgpu.zeros((3, 1024, 1024, 1024), dtype=np.uint8, device=1)"
+)
+
+
+async def test_status_shows_simulated_node(jp_fetch):
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    assert status["backend"] == "simulated"
+    assert status["method"] == "simulated"
+    assert [g["index"] for g in status["gpus"]] == [0, 1]
+    assert all(g["memory_total"] == 16 * GiB for g in status["gpus"])
+    assert status["kernels"] == []
+
+
+async def test_allocation_shows_on_kernel_and_gpu_within_two_polls(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(ALLOC_3G_GPU1)
+    for _ in range(2):
+        await gpushare_app.poll_once()
+    info = await kernel_status(jp_fetch, k.id)
+    assert info is not None
+    assert info["gpu_memory_bytes"] == 3 * GiB
+    assert info["gpus"] == [1]
+    assert info["pids"] and info["state"] in ("active", "idle")
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    gpus = {g["index"]: g for g in status["gpus"]}
+    assert gpus[1]["memory_used"] == 3 * GiB
+    assert gpus[0]["memory_used"] == 0
+
+
+async def test_busy_work_shows_utilization(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(ALLOC_3G_GPU1)
+    await gpushare_app.poll_once()
+    msg_id = k.send("simgpu.burn(1.5, device=1)")
+    await wait_for(lambda: gpushare_app.node.busy_fraction(None, 1, 0, 1e12) >= 0, what="burn start")
+    import asyncio
+
+    await asyncio.sleep(0.6)
+    await gpushare_app.poll_once()
+    info = await kernel_status(jp_fetch, k.id)
+    await k.wait(msg_id)
+    assert info["sm_utilization"] is not None and info["sm_utilization"] > 50
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    assert {g["index"]: g for g in status["gpus"]}[1]["utilization"] > 50
+
+
+async def test_two_kernels_are_attributed_separately_and_shutdown_drops(jp_fetch, kernels, gpushare_app):
+    a = await kernels.start()
+    b = await kernels.start()
+    await a.run(ALLOC_3G_GPU1)
+    await b.run("from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+                "y = simgpu.zeros((1024, 1024, 1024), dtype=np.uint8, device=0)")
+    await gpushare_app.poll_once()
+    ia, ib = await kernel_status(jp_fetch, a.id), await kernel_status(jp_fetch, b.id)
+    assert (ia["gpu_memory_bytes"], ia["gpus"]) == (3 * GiB, [1])
+    assert (ib["gpu_memory_bytes"], ib["gpus"]) == (1 * GiB, [0])
+    assert set(ia["pids"]).isdisjoint(ib["pids"])
+
+    await jp_fetch("api", "kernels", a.id, method="DELETE")
+    await wait_for(lambda: a.id not in gpushare_app.channel.connections, what="agent disconnect")
+    await gpushare_app.poll_once()
+    assert await kernel_status(jp_fetch, a.id) is None
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    assert {g["index"]: g for g in status["gpus"]}[1]["memory_used"] == 0
+    assert a.id not in gpushare_app.tracker.kernels
+
+
+async def test_out_of_memory_raises_clear_error_in_kernel(kernels):
+    k = await kernels.start()
+    ex = await k.run(
+        "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+        "big = simgpu.zeros((17, 1024, 1024, 1024), dtype=np.uint8, device=0)", ok=False)
+    assert ex.status == "error"
+    assert ex.error["ename"] == "SimOutOfMemoryError"
+    assert "out of memory on simulated GPU 0" in ex.error["evalue"]
+    assert "16.0 GiB" in ex.error["evalue"]
+
+
+async def test_out_of_memory_counts_other_kernels(kernels):
+    a = await kernels.start()
+    b = await kernels.start()
+    await a.run("from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+                "x = simgpu.zeros((10, 1024, 1024, 1024), dtype=np.uint8, device=0)")
+    ex = await b.run("from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+                     "y = simgpu.zeros((10, 1024, 1024, 1024), dtype=np.uint8, device=0)", ok=False)
+    assert ex.error and "out of memory" in ex.error["evalue"]
+
+
+async def test_history_has_series_per_gpu_and_kernel(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(ALLOC_3G_GPU1)
+    for _ in range(3):
+        await gpushare_app.poll_once()
+    hist = await get_json(jp_fetch, "api", "gpushare", "history", params={"seconds": 60})
+    assert set(hist["gpus"]) == {"0", "1"}
+    assert hist["gpus"]["1"]["memory_used"][-1] == 3 * GiB
+    series = hist["kernels"][k.id]
+    assert series["gpu_memory_bytes"][-1] == 3 * GiB
+    assert series["gpu"]["1"][-1] == 3 * GiB
+    assert len(series["t"]) == len(series["sm_utilization"]) >= 3
+
+
+@pytest.mark.parametrize("seconds", ["abc", "-1", "0", "99999999"])
+async def test_history_rejects_bad_seconds(jp_fetch, seconds):
+    with pytest.raises(HTTPClientError) as e:
+        await jp_fetch("api", "gpushare", "history", params={"seconds": seconds})
+    assert e.value.code == 400
+
+
+async def test_unauthenticated_status_is_refused(jp_fetch):
+    for path in (("status",), ("history",)):
+        with pytest.raises(HTTPClientError) as e:
+            await jp_fetch("api", "gpushare", *path, headers={"Authorization": "token wrong"})
+        assert e.value.code == 403
+
+
+async def test_polling_status_is_not_activity(jp_fetch, jp_serverapp):
+    await jp_fetch("api", "contents")  # a tracked request sets the activity clock
+    before = jp_serverapp.web_app.settings["api_last_activity"]
+    await jp_fetch("api", "gpushare", "status")
+    await jp_fetch("api", "gpushare", "history")
+    assert jp_serverapp.web_app.settings["api_last_activity"] == before
+
+
+async def test_metrics_exposed(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(ALLOC_3G_GPU1)
+    await gpushare_app.poll_once()
+    r = await jp_fetch("metrics")
+    text = r.body.decode()
+    assert 'gpushare_gpu_memory_used_bytes{gpu="1"} 3.221225472e+09' in text
+    assert f'gpushare_kernel_gpu_memory_bytes{{gpu="1",kernel_id="{k.id}"}} 3.221225472e+09' in text
+
+
+async def test_events_schema_registered(jp_serverapp):
+    from jupyter_gpushare.events import KERNEL_SCHEMA_ID
+
+    assert KERNEL_SCHEMA_ID in jp_serverapp.event_logger.schemas.schema_ids
+
+
+def test_json_shapes_are_json(gpushare_app):
+    json.dumps(gpushare_app.status())
