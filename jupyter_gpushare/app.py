@@ -207,6 +207,7 @@ class GPUShareApp(ExtensionApp):
         self.backend_reason = ""
         self.method_name = "off"
         self._started = asyncio.Event()
+        self._poll_lock = asyncio.Lock()
         self._start_task: Any = None
         self._poll_task: asyncio.Task[None] | None = None
         self.socket_path = socket_path(jupyter_runtime_dir())
@@ -332,7 +333,9 @@ class GPUShareApp(ExtensionApp):
         current = self.serverapp.kernel_websocket_connection_class
         if current is ZMQChannelsWebsocketConnection:
             self.serverapp.kernel_websocket_connection_class = GateConnection
+            # ExtensionApp merges self.settings into the web app's after this method: set both
             self.serverapp.web_app.settings["kernel_websocket_connection_class"] = GateConnection
+            self.settings["kernel_websocket_connection_class"] = GateConnection
         elif not (isinstance(current, type) and issubclass(current, GateConnection)):
             self.log.warning(
                 "gpushare: ServerApp.kernel_websocket_connection_class is %s; the gate is off, so "
@@ -388,10 +391,12 @@ class GPUShareApp(ExtensionApp):
             await asyncio.sleep(self.poll_interval)
 
     async def poll_once(self) -> None:
-        await self.tracker.poll()
-        metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
-        await self.controller.tick()
-        self._export_metrics()
+        """One sample and one policy pass; polls never overlap (the loop, an agent's release)."""
+        async with self._poll_lock:
+            await self.tracker.poll()
+            metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
+            await self.controller.tick()
+            self._export_metrics()
 
     async def stop_extension(self) -> None:
         if self._poll_task is not None:

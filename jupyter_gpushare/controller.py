@@ -464,4 +464,4 @@ class _Shower:
             await self.agent.request("show", timeout=5, parent=self.parent,
                                      display_id=self.display_id, text=text)
         except Exception as e:  # progress is a courtesy; never fail a restore over it
-            log.debug("gpushare: could not show progress: %s", e)
+            log.warning("gpushare: could not show progress: %s", e)

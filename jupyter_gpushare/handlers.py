@@ -13,7 +13,6 @@ from typing import Any
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
-from jupyter_server.utils import url_path_join
 from tornado import web
 
 from .controller import ControllerError
@@ -32,7 +31,11 @@ class GPUShareHandler(ExtensionHandlerMixin, APIHandler):
 
     def _handle_request_exception(self, e: BaseException) -> None:
         if isinstance(e, ControllerError):  # the caller's error, never a 500
-            e = web.HTTPError(e.status, e.message)
+            try:  # tornado reads sys.exc_info(), so raise the HTTP form for it to see
+                raise web.HTTPError(e.status, e.message.replace("%", "%%")) from e
+            except web.HTTPError as http_error:
+                super()._handle_request_exception(http_error)
+            return
         super()._handle_request_exception(e)  # type: ignore[arg-type]
 
     def write_json(self, data: Any, status: int = 200) -> None:
@@ -126,9 +129,9 @@ def handlers() -> list[tuple[str, type]]:
     """Routes relative to the server's base_url (ExtensionApp prefixes it)."""
     root = "/api/gpushare"
     return [
-        (url_path_join(root, "status"), StatusHandler),
-        (url_path_join(root, "history"), HistoryHandler),
-        (url_path_join(root, "kernels", KERNEL_ID, "release"), ReleaseHandler),
-        (url_path_join(root, "kernels", KERNEL_ID, "restore"), RestoreHandler),
-        (url_path_join(root, "kernels", KERNEL_ID, "pin"), PinHandler),
+        (f"{root}/status", StatusHandler),
+        (f"{root}/history", HistoryHandler),
+        (f"{root}/kernels/{KERNEL_ID}/release", ReleaseHandler),
+        (f"{root}/kernels/{KERNEL_ID}/restore", RestoreHandler),
+        (f"{root}/kernels/{KERNEL_ID}/pin", PinHandler),
     ]

@@ -25,7 +25,8 @@ class ProtocolError(ValueError):
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return (json.dumps(message, separators=(",", ":")) + "\n").encode()
+    # default=str: message headers carry datetimes (a cell's parent header, for progress lines)
+    return (json.dumps(message, separators=(",", ":"), default=str) + "\n").encode()
 
 
 def decode(line: bytes) -> dict[str, Any]:

@@ -33,7 +33,8 @@ def jp_server_config(gpushare_config):
     }
     cfg.update(gpushare_config)
     return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_gpushare": True}},
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpushare": True},
+                      "reraise_server_extension_failures": True},
         "GPUShareApp": cfg,
     }
 

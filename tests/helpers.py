@@ -44,9 +44,10 @@ def execute_request(code: str, session: str) -> dict[str, Any]:
 class KernelConn:
     """One kernel and one websocket to it."""
 
-    def __init__(self, kernel_id: str, ws: Any):
+    def __init__(self, kernel_id: str, ws: Any, kernel_manager: Any = None):
         self.id = kernel_id
         self.ws = ws
+        self.km = kernel_manager
         self.session = uuid.uuid4().hex
         self.executions: dict[str, Execution] = {}
         self.order: list[str] = []  # msg_ids in the order the kernel answered them
@@ -105,6 +106,10 @@ class KernelConn:
 
     async def run(self, code: str, timeout: float = 60, ok: bool = True) -> Execution:
         ex = await self.wait(self.send(code), timeout)
+        if self.km is not None:
+            # the server's activity monitor reads iopub on its own socket: let it catch up
+            await wait_for(lambda: self.km.get_kernel(self.id).execution_state != "busy",
+                           what="the server to see the kernel idle")
         if ok and ex.status != "ok":
             raise AssertionError(f"cell failed: {ex.error or ex.stderr}\n--- code:\n{code}")
         return ex
@@ -121,7 +126,7 @@ class KernelFactory:
         r = await self.fetch("api", "kernels", method="POST", body=json.dumps({"name": "python3"}))
         kid = json.loads(r.body)["id"]
         ws = await self.ws_fetch("api", "kernels", kid, "channels")
-        conn = KernelConn(kid, ws)
+        conn = KernelConn(kid, ws, self.app.serverapp.kernel_manager)
         self.started.append(conn)
         await conn.run("1")  # the kernel is up and answering
         if agent:

@@ -1,0 +1,315 @@
+"""Issue 3: release idle kernels' GPU memory and restore it transparently on the next cell."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from jupyter_gpushare import clock
+from jupyter_gpushare.events import KERNEL_SCHEMA_ID
+from jupyter_gpushare.sim.node import GiB
+
+from .helpers import get_json, kernel_status, wait_for
+
+IDLE = 60.0
+
+
+@pytest.fixture
+def gpushare_config():
+    return {"idle_timeout": IDLE, "pressure_idle_timeout": 30.0}
+
+
+@pytest.fixture
+def events(jp_serverapp):
+    seen: list[dict] = []
+
+    async def listener(logger, schema_id, data):
+        seen.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=KERNEL_SCHEMA_ID, listener=listener)
+    return seen
+
+
+MiB = 1 << 20
+SMALL_NODE = {"idle_timeout": IDLE, "pressure_idle_timeout": 30.0, "simulated_gpus": [2 * GiB, 2 * GiB]}
+
+
+def hold(mib: int, device: int = 0, name: str = "x", chunk: int = 256) -> str:
+    """A cell that holds ``mib`` MiB in arrays of distinct data, with their checksums."""
+    n, size = max(1, mib // chunk), min(mib, chunk) * MiB // 4
+    return (
+        "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+        f"{name} = [simgpu.array(np.arange({size}, dtype=np.uint32) * (2 * i + 1), device={device},"
+        f" copy=False) for i in range({n})]\n"
+        f"{name}_sum = [a.checksum() for a in {name}]"
+    )
+
+
+async def idle_past_timeout(app, seconds: float = IDLE + 1) -> None:
+    await app.poll_once()
+    clock.advance(seconds)
+    await app.poll_once()
+
+
+async def test_idle_kernel_is_released_and_next_cell_restores_identical_data(
+    jp_fetch, kernels, gpushare_app, events
+):
+    k = await kernels.start()
+    await k.run(hold(4096, chunk=1024))
+    await gpushare_app.poll_once()
+    assert gpushare_app.node.used(0) == 4 * GiB
+
+    await idle_past_timeout(gpushare_app)
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "released", what="release")
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] == "released"
+    assert info["released_bytes"] == 4 * GiB
+    assert gpushare_app.node.used(0) == 0  # back to the pool
+
+    ex = await k.run("assert [a.checksum() for a in x] == x_sum\nprint('same data')")
+    assert "same data" in ex.stdout
+    shown = [d["data"]["text/plain"] for d in ex.displays]
+    assert any("restoring 4.0 GiB" in s for s in shown), shown
+    assert any(s.startswith("gpushare: restored 4.0 GiB in") for s in shown), shown
+    st = gpushare_app.controller.states[k.id]
+    assert (st.state, st.restores, st.releases) == ("active", 1, 1)
+    assert gpushare_app.node.used(0) == 4 * GiB
+    actions = [e["action"] for e in events if e["kernel_id"] == k.id]
+    assert actions == ["released", "restored"]
+    released = next(e for e in events if e["action"] == "released")
+    assert released["bytes"] == 4 * GiB and released["method"] == "simulated"
+
+
+async def test_busy_kernel_is_not_released(kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(256))
+    msg_id = k.send("simgpu.burn(1.0)")
+    await wait_for(lambda: gpushare_app.serverapp.kernel_manager.get_kernel(k.id).execution_state == "busy",
+                   what="busy")
+    await idle_past_timeout(gpushare_app)
+    await asyncio.sleep(0.1)
+    assert gpushare_app.controller.states[k.id].state not in ("releasing", "released")
+    await k.wait(msg_id)
+
+
+async def test_gpu_busy_kernel_is_not_released(kernels, gpushare_app):
+    """SM utilization above idle_utilization in the window keeps a kernel resident."""
+    k = await kernels.start()
+    await k.run(hold(256) + "\nimport threading\nt = threading.Thread(target=simgpu.burn, args=(1.0,))\nt.start()")
+    await asyncio.sleep(0.5)
+    await gpushare_app.poll_once()  # samples utilization while the thread burns
+    clock.advance(IDLE / 2)
+    await gpushare_app.poll_once()
+    assert gpushare_app.controller.states[k.id].state not in ("releasing", "released")
+    await k.run("t.join()")
+
+
+async def test_pinned_kernel_is_not_released(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(256))
+    r = await jp_fetch("api", "gpushare", "kernels", k.id, "pin", method="PUT",
+                       body=json.dumps({"pinned": True}))
+    assert json.loads(r.body)["pinned"] is True
+    await idle_past_timeout(gpushare_app)
+    await asyncio.sleep(0.1)
+    assert gpushare_app.controller.states[k.id].state == "idle"
+
+
+@pytest.mark.parametrize("gpushare_config", [{"idle_timeout": IDLE, "min_release_bytes": 512 * MiB}])
+async def test_kernel_under_min_release_bytes_is_not_released(kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(256))
+    await idle_past_timeout(gpushare_app)
+    await asyncio.sleep(0.1)
+    assert gpushare_app.controller.states[k.id].state == "idle"
+
+
+async def test_execute_requests_sent_during_release_run_in_order(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(2048) + "\nseen = []")
+    await gpushare_app.poll_once()
+    release = asyncio.ensure_future(
+        jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    )
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "releasing", what="releasing")
+    ids = [k.send(f"seen.append({i})\nassert [a.checksum() for a in x] == x_sum") for i in range(5)]
+    for msg_id in ids:
+        assert (await k.wait(msg_id)).status == "ok"
+    assert k.order[-5:] == ids
+    await release
+    ex = await k.run("print(seen)")
+    assert ex.stdout.strip() == "[0, 1, 2, 3, 4]"
+    st = gpushare_app.controller.states[k.id]
+    assert (st.releases, st.restores, st.state) == (1, 1, "active")
+
+
+@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+async def test_restore_without_room_releases_another_idle_kernel(jp_fetch, kernels, gpushare_app):
+    a = await kernels.start()
+    b = await kernels.start()
+    await a.run(hold(1280, name="a"))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
+    await b.run(hold(1280, name="b"))  # fits only because a is released
+    await gpushare_app.poll_once()
+    clock.advance(31)  # b idle past pressure_idle_timeout, not past idle_timeout
+    await gpushare_app.poll_once()
+    assert gpushare_app.controller.states[b.id].state not in ("releasing", "released")
+
+    await a.run("assert [v.checksum() for v in a] == a_sum")
+    assert gpushare_app.controller.states[a.id].state == "active"
+    assert gpushare_app.controller.states[b.id].state == "released"
+    await b.run("assert [v.checksum() for v in b] == b_sum")  # and b comes back in turn
+    assert gpushare_app.controller.states[a.id].state == "released"
+
+
+@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+async def test_restore_without_room_waits_and_says_why(jp_fetch, kernels, gpushare_app, events):
+    a = await kernels.start()
+    b = await kernels.start()
+    await a.run(hold(1280, name="a"))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
+    await b.run(hold(1280, name="b"))  # b is busy-recent: never evicted
+    await gpushare_app.poll_once()
+
+    r = await jp_fetch("api", "gpushare", "kernels", a.id, "restore", method="POST", body=b"")
+    assert r.code == 202
+    body = json.loads(r.body)
+    assert body["state"] == "released"
+    assert "waiting for memory: needs 1.2 GiB on GPU 0 (768.0 MiB free)" in body["waiting"]
+    assert any(e["action"] == "restore_waiting" for e in events)
+
+    msg_id = a.send("assert [v.checksum() for v in a] == a_sum\nprint('a back')")
+    await asyncio.sleep(0.3)
+    assert a.executions[msg_id].status == ""  # held: no room yet
+    await b.run("del b")  # memory frees
+    ex = await a.wait(msg_id)
+    assert "a back" in ex.stdout
+    assert gpushare_app.controller.states[a.id].state == "active"
+
+
+@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+async def test_interrupt_stops_a_cell_waiting_for_memory(jp_fetch, kernels, gpushare_app):
+    a = await kernels.start()
+    b = await kernels.start()
+    await a.run(hold(1280, name="a"))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
+    await b.run(hold(1280, name="b"))
+    msg_id = a.send("print('should not run yet')")
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting")
+    a.send_control("interrupt_request")
+    ex = await a.wait(msg_id)
+    assert ex.status == "error" and ex.error["ename"] == "KeyboardInterrupt"
+    assert "should not run" not in ex.stdout
+    assert gpushare_app.controller.states[a.id].state == "released"  # still held, nothing lost
+
+
+async def test_rest_actions_and_their_errors(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+
+    async def call(action: str, method: str = "POST", body: bytes = b"", kid: str = k.id):
+        try:
+            r = await jp_fetch("api", "gpushare", "kernels", kid, action, method=method, body=body)
+            return r.code, json.loads(r.body)
+        except HTTPClientError as e:
+            return e.code, json.loads(e.response.body)
+
+    code, body = await call("release", kid="no-such-kernel")
+    assert code == 404 and "no kernel" in body["message"]
+    code, body = await call("release")
+    assert code == 409 and "holds no GPU memory" in body["message"]
+    code, body = await call("restore")
+    assert code == 409 and "not released" in body["message"]
+
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    code, body = await call("release")
+    assert code == 200 and body["state"] == "released" and body["released_bytes"] == 256 * MiB
+    code, body = await call("release")
+    assert code == 409 and "already released" in body["message"]
+    code, body = await call("restore")
+    assert code == 200 and body["state"] == "active"
+
+    for bad in (b"not json", b"[1]", b'{"pinned": "yes"}', b"{}"):
+        code, body = await call("pin", "PUT", bad)
+        assert code == 400, bad
+    code, body = await call("pin", "PUT", b'{"pinned": true}')
+    assert code == 200 and body["pinned"] is True
+    code, body = await call("pin", "PUT", b'{"pinned": true}', kid="nope")
+    assert code == 404
+
+    with pytest.raises(HTTPClientError) as e:
+        await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"",
+                       headers={"Authorization": "token wrong"})
+    assert e.value.code == 403
+    assert gpushare_app.controller.states[k.id].state == "active"  # nothing changed
+
+
+async def test_release_that_fails_leaves_kernel_running(jp_fetch, kernels, gpushare_app):
+    gpushare_app.methods["simulated"].lock_timeout = 0.3
+    k = await kernels.start()
+    await k.run(hold(256) + "\nimport threading\nt = threading.Thread(target=simgpu.burn, args=(2.0,))\nt.start()")
+    await gpushare_app.poll_once()
+    with pytest.raises(HTTPClientError) as e:
+        await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    assert e.value.code == 409
+    message = json.loads(e.value.response.body)["message"]
+    assert "release failed" in message and "lock" in message
+    st = gpushare_app.controller.states[k.id]
+    assert st.state in ("active", "idle") and st.error and st.releases == 0
+    await k.run("t.join()\nassert [a.checksum() for a in x] == x_sum")
+    assert gpushare_app.node.used(0) == 256 * MiB
+
+
+async def test_kernel_restart_while_released_drops_held_state(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(512))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    await jp_fetch("api", "kernels", k.id, "restart", method="POST", body=b"")
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state != "released", what="drop")
+    st = gpushare_app.controller.states[k.id]
+    assert st.released_bytes == 0 and "restarted" in (st.error or "")
+    ex = await k.run("print('x' in dir())")
+    assert ex.stdout.strip() == "False"  # a fresh process, as a restart means
+    await gpushare_app.poll_once()
+    assert gpushare_app.node.used(0) == 0
+
+
+async def test_released_kernel_shutdown_frees_everything(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(512))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    await jp_fetch("api", "kernels", k.id, method="DELETE")
+    await wait_for(lambda: k.id not in gpushare_app.channel.connections, what="disconnect")
+    await gpushare_app.poll_once()
+    assert k.id not in gpushare_app.controller.states
+    assert gpushare_app.node.used(0) == 0
+
+
+async def test_server_shutdown_restores_released_kernels(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    await gpushare_app.controller.shutdown()
+    assert gpushare_app.controller.states[k.id].state == "active"
+    await k.run("assert [a.checksum() for a in x] == x_sum")
+
+
+async def test_status_lists_release_time_and_state(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    clock.advance(20)
+    await gpushare_app.poll_once()
+    info = await kernel_status(jp_fetch, k.id)
+    assert 35 <= info["release_in_seconds"] <= 41
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    assert status["idle_timeout"] == IDLE
