@@ -1,0 +1,57 @@
+"""Framework adapters that move a kernel's device objects to host memory and back.
+
+An adapter is used only when its framework is already imported: a kernel that never
+imported torch has no torch tensors, and importing it here would cost seconds and a CUDA
+context. So this package imports no framework, and adapter modules are imported lazily.
+
+Typical use inside the kernel agent::
+
+    adapters = present_adapters()
+    reports = [a.offload(namespace) for a in adapters]   # release
+    reports = [a.reload() for a in adapters]             # restore (same instances)
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
+
+from .base import OffloadAdapter, OffloadReport
+
+#: (framework module that must be imported, "adapter module:class"), in offload order
+ADAPTERS: list[tuple[str, str]] = [
+    ("torch", "jupyter_gpushare.kernel.offload.torch_adapter:TorchAdapter"),
+    ("cupy", "jupyter_gpushare.kernel.offload.cupy_adapter:CupyAdapter"),
+    ("jax", "jupyter_gpushare.kernel.offload.jax_adapter:JaxAdapter"),
+]
+
+
+def adapter_class(spec: str) -> type[OffloadAdapter]:
+    module_name, _, class_name = spec.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def present_adapters() -> list[OffloadAdapter]:
+    """New adapters (default, real-device settings) for the frameworks imported right now."""
+    return [adapter_class(spec)() for module, spec in ADAPTERS if module in sys.modules]
+
+
+def gpu_names(namespace: dict[str, Any], adapters: list[OffloadAdapter] | None = None) -> set[str]:
+    """Top-level user names that refer (directly or through containers, attributes and
+    closures) to device objects of any present framework, including objects the given
+    adapters hold offloaded right now."""
+    names: set[str] = set()
+    for adapter in present_adapters() if adapters is None else adapters:
+        names |= adapter.gpu_names(namespace)  # type: ignore[attr-defined]
+    return names
+
+
+__all__ = [
+    "ADAPTERS",
+    "OffloadAdapter",
+    "OffloadReport",
+    "adapter_class",
+    "gpu_names",
+    "present_adapters",
+]

@@ -1,0 +1,309 @@
+"""JAX: move device arrays bound in the namespace to host memory and back, by rebinding.
+
+JAX arrays are immutable and expose no way to swap their buffer, so ``id()`` cannot survive.
+Instead the places that hold them are rebound:
+
+- each top-level user name (and ``Out`` entry) holding a pytree (dicts, lists, tuples,
+  namedtuples, flax/optax/equinox structures) gets the same tree with NumPy leaves while
+  offloaded and the same tree with fresh device arrays after the reload (containers are
+  rebuilt, leaves shared between names stay shared);
+- arrays inside objects that are not pytrees (attributes, closures, dict/list members) are
+  rebound where they sit; arrays held only by a tuple, set or partial inside such an object
+  cannot be rebound and stay on the device (reported).
+
+Memory is released only when nothing else holds the old array. An array that is still alive
+after the rebinding (held outside the namespace) is reported and, on reload, that very
+array is put back, so it never exists twice on the device. ``jax.live_arrays()`` tells
+what else stays on the device.
+
+Sharding, committed placement and weak type are restored; dtype and values are bitwise.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import OffloadAdapter, OffloadReport
+from .walk import Ref, is_user_name, names_reaching, namespace_roots, walk
+
+
+def _jax() -> Any:
+    import jax
+
+    return jax
+
+
+def _on_accelerator(array: Any) -> bool:
+    return any(device.platform != "cpu" for device in array.devices())
+
+
+def _to_numpy(array: Any) -> Any:
+    import numpy
+
+    return numpy.array(array, copy=True)  # a copy: on CPU, asarray may share the buffer
+
+
+@dataclass
+class _Held:
+    """One device array while offloaded."""
+
+    host: Any
+    sharding: Any
+    committed: bool
+    weak_type: bool
+    path: str
+    nbytes: int
+    original: weakref.ref[Any]
+    new: Any = None  # the device array after reload
+
+
+@dataclass
+class _Binding:
+    """A slot we rebound: ``ref`` holds ``host_value`` while offloaded."""
+
+    ref: Ref
+    host_value: Any
+    treedef: Any  # None when the slot holds a single array found inside an object
+    leaves: list[Any] = field(default_factory=list)  # _Held markers or the original leaves
+    root: str = ""  # the top-level name it was reached from
+
+
+def _root_name(path: str) -> str:
+    match = re.match(r"[A-Za-z_][A-Za-z0-9_]*", path)
+    return match.group(0) if match else ""
+
+
+class JaxAdapter(OffloadAdapter):
+    module = "jax"
+    name = "jax"
+
+    def __init__(
+        self,
+        *,
+        is_device: Callable[[Any], bool] | None = None,
+        to_host: Callable[[Any], Any] | None = None,
+        max_depth: int = 100,
+        max_objects: int = 1_000_000,
+    ) -> None:
+        """is_device(array): which arrays to move (default: on a non-CPU device);
+        to_host(array) -> a host copy (default: a NumPy copy)."""
+        self.is_device = is_device or _on_accelerator
+        self.to_host = to_host or _to_numpy
+        self.walk_options = {"max_depth": max_depth, "max_objects": max_objects}
+        self._held: list[_Held] = []
+        self._bindings: list[_Binding] = []
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._bindings)
+
+    def device_bytes(self) -> int:
+        total = 0
+        for device in _jax().local_devices():
+            if device.platform == "cpu":
+                continue
+            stats = device.memory_stats() or {}
+            total += max(
+                stats.get("bytes_reserved", 0),
+                stats.get("pool_bytes", 0),
+                stats.get("bytes_in_use", 0),
+            )
+        return total
+
+    def trim(self) -> int:
+        """JAX offers no way to return its allocator's cache; with
+        ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` freed buffers go back at once."""
+        return 0
+
+    # -- offload ----------------------------------------------------------------------------
+
+    def _is_target(self, obj: Any) -> bool:
+        return isinstance(obj, _jax().Array) and self.is_device(obj)
+
+    def offload(self, namespace: dict[str, Any]) -> OffloadReport:
+        report = OffloadReport(framework=self.name)
+        if self._bindings:
+            return report
+        start = time.perf_counter()
+        before = self.device_bytes()
+        held: dict[int, _Held] = {}
+        originals: list[Any] = []  # alive until every slot is rebound (ids stay unique)
+
+        def hold(array: Any, path: str) -> _Held:
+            entry = held.get(id(array))
+            if entry is None:
+                originals.append(array)
+                entry = held[id(array)] = _Held(
+                    host=self.to_host(array),
+                    sharding=array.sharding,
+                    committed=bool(getattr(array, "_committed", True)),
+                    weak_type=bool(getattr(array, "weak_type", False)),
+                    path=path,
+                    nbytes=int(array.nbytes),
+                    original=weakref.ref(array),
+                )
+            return entry
+
+        bindings, objects = self._bind_trees(namespace, hold)
+        bindings += self._bind_in_objects(objects, hold, report)
+        for binding in bindings:
+            binding.ref.rebind(binding.host_value)
+        objects.clear()
+        originals.clear()  # from here on only the rebound slots decide what stays alive
+        self._held = list(held.values())
+        self._bindings = bindings
+        held.clear()
+
+        alive = self._still_alive()
+        for entry in self._held:
+            if entry.original() is None:
+                report.bytes += entry.nbytes
+                report.count += 1
+        for entry in alive:
+            report.skipped.append(
+                f"{entry.path}: still referenced outside the namespace; "
+                f"{entry.nbytes} bytes stay on the device"
+            )
+        self._report_unreachable(report)
+        report.freed_bytes = max(0, before - self.device_bytes())
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _bind_trees(
+        self, namespace: dict[str, Any], hold: Callable[[Any, str], _Held]
+    ) -> tuple[list[_Binding], list[tuple[str, Any]]]:
+        """Rebuild each top-level pytree with host leaves; return the non-pytree leaves."""
+        tree_util = _jax().tree_util
+        bindings = []
+        objects: list[tuple[str, Any]] = []
+        for path, value, ref in namespace_roots(namespace):
+            if ref is None:
+                continue  # traceback frames: cannot rebind, reported via live arrays
+            try:
+                leaves, treedef = tree_util.tree_flatten(value)
+            except Exception:
+                leaves, treedef = [value], None
+            if treedef is None:
+                objects.append((path, value))
+                continue
+            marked = []
+            for index, leaf in enumerate(leaves):
+                if self._is_target(leaf):
+                    marked.append(
+                        hold(leaf, path if treedef.num_leaves == 1 else f"{path}<{index}>")
+                    )
+                else:
+                    marked.append(leaf)
+                    objects.append((f"{path}<{index}>", leaf))
+            if any(isinstance(leaf, _Held) for leaf in marked):
+                host_leaves = [m.host if isinstance(m, _Held) else m for m in marked]
+                host_value = tree_util.tree_unflatten(treedef, host_leaves)
+                bindings.append(_Binding(ref, host_value, treedef, marked, _root_name(path)))
+        return bindings, objects
+
+    def _bind_in_objects(
+        self,
+        objects: list[tuple[str, Any]],
+        hold: Callable[[Any, str], _Held],
+        report: OffloadReport,
+    ) -> list[_Binding]:
+        """Arrays inside objects that are not pytrees: rebind them where they sit."""
+        result = walk([(p, o, None) for p, o in objects], self._is_target, **self.walk_options)
+        if result.truncated:
+            report.skipped.append(f"<walk>: stopped after {result.visited} objects")
+        bindings = []
+        for found in result.found.values():
+            fixed = [ref for ref in found.refs if not ref.rebindable]
+            if fixed:
+                kinds = sorted({type(ref.container).__name__ for ref in fixed})
+                report.skipped.append(
+                    f"{found.path}: held by {', '.join(kinds)} (cannot rebind); left on the device"
+                )
+                continue
+            entry = hold(found.obj, found.path)
+            root = _root_name(found.path)
+            bindings.extend(_Binding(ref, entry.host, None, [entry], root) for ref in found.refs)
+        result.release()
+        return bindings
+
+    def _still_alive(self) -> list[_Held]:
+        alive = [entry for entry in self._held if entry.original() is not None]
+        if alive:
+            gc.collect()  # a reference cycle may be all that keeps them
+            alive = [entry for entry in alive if entry.original() is not None]
+        return alive
+
+    def _report_unreachable(self, report: OffloadReport) -> None:
+        known = {id(entry.original()) for entry in self._held if entry.original() is not None}
+        rest = [a for a in _jax().live_arrays() if id(a) not in known and self._is_target(a)]
+        if rest:
+            nbytes = sum(int(a.nbytes) for a in rest)
+            report.skipped.append(
+                f"<live arrays>: {len(rest)} device arrays ({nbytes} bytes) not reachable from "
+                "the namespace (closures in tuples, jit constants, library state) stay on the device"
+            )
+
+    # -- reload ------------------------------------------------------------------------------
+
+    def reload(self) -> OffloadReport:
+        report = OffloadReport(framework=self.name)
+        if not self._bindings:
+            return report
+        start = time.perf_counter()
+        jax = _jax()
+        try:
+            for entry in self._held:
+                entry.new = entry.original()
+                if entry.new is None:
+                    entry.new = self._to_device(entry)
+                    report.bytes += entry.nbytes
+                    report.count += 1
+            jax.block_until_ready([entry.new for entry in self._held])
+        except BaseException:
+            for entry in self._held:
+                entry.new = None  # still offloaded; a later reload may find room
+            raise
+        tree_util = jax.tree_util
+        for binding in self._bindings:
+            if binding.ref.current() is not binding.host_value:
+                report.skipped.append(f"{binding.root}: rebound while offloaded; kept as is")
+                continue
+            if binding.treedef is None:
+                binding.ref.rebind(binding.leaves[0].new)
+            else:
+                leaves = [m.new if isinstance(m, _Held) else m for m in binding.leaves]
+                binding.ref.rebind(tree_util.tree_unflatten(binding.treedef, leaves))
+        self._held, self._bindings = [], []
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def _to_device(self, entry: _Held) -> Any:
+        jax = _jax()
+        if entry.committed:
+            array = jax.device_put(entry.host, entry.sharding)
+        else:  # uncommitted arrays follow their computations to any device; keep it so
+            array = jax.device_put(entry.host)
+        if entry.weak_type:
+            from jax._src.lax import lax as lax_internal
+
+            array = lax_internal._convert_element_type(array, weak_type=True)
+        return array
+
+    # -- names ------------------------------------------------------------------------------
+
+    def gpu_names(self, namespace: dict[str, Any]) -> set[str]:
+        """Top-level user names bound to device arrays, or to what this adapter offloaded."""
+        names = {b.root for b in self._bindings if is_user_name(b.root) and b.root in namespace}
+        jax = _jax()
+        names |= names_reaching(
+            namespace,
+            lambda obj: isinstance(obj, jax.Array) and self.is_device(obj),
+            **self.walk_options,
+        )
+        return names

@@ -1,0 +1,331 @@
+"""PyTorch: move every device tensor reachable from the namespace to host memory, in place.
+
+How: tensors are grouped by the storage they share. Each storage is copied once to (pinned)
+host memory, then every tensor of the group is re-pointed at the host copy with
+``tensor.set_(storage, offset, size, stride)``. Reload does the reverse with a fresh device
+storage. The Python objects never change, so ``id()``, ``requires_grad``, ``.grad``,
+Parameter identity inside optimizers, tied weights and views (all aliases of one storage
+follow together) survive. ``set_`` bumps the autograd version counter; the old values are
+put back, so a graph built before the release can still run ``backward`` after the reload.
+
+Safety rule: a storage is moved only if every tensor using it was found. The storage's use
+count (tensors plus one Python wrapper) proves it; when something outside the namespace also
+uses it (an autograd graph that saved an output, a C++ structure, a compiled graph's
+constant), moving the tensors we see would split the aliases, so the storage stays on the
+device and is reported in ``skipped``. While offloaded, the tensors are ordinary host tensors:
+code that touches one by mistake computes on the CPU or gets a device-mismatch error, it never
+reads freed device memory.
+
+The move is parametrised by ``is_device`` / ``to_host`` / ``to_device`` / ``synchronize``, so
+tests run the very same logic between two CPU storages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .base import OffloadAdapter, OffloadReport
+from .walk import Child, Ref, names_reaching, walk_namespace
+
+if TYPE_CHECKING:  # torch is imported only when the adapter is used (it is then loaded already)
+    import torch
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over ``storage`` (tensor ``copy_`` works across every device pair)."""
+    torch = _torch()
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def cuda_to_pinned(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    """Default ``to_host``: an asynchronous copy into page-locked host memory."""
+    torch = _torch()
+    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(_byte_view(storage), non_blocking=True)
+    return host.untyped_storage()
+
+
+def pinned_to_cuda(host: torch.UntypedStorage, device: torch.device) -> torch.UntypedStorage:
+    """Default ``to_device``: a fresh storage on ``device``, filled asynchronously."""
+    torch = _torch()
+    new = torch.empty(host.nbytes(), dtype=torch.uint8, device=device)
+    new.copy_(_byte_view(host), non_blocking=True)
+    return new.untyped_storage()
+
+
+def _cuda_synchronize() -> None:
+    torch = _torch()
+    if torch.cuda.is_initialized():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+
+
+def _cuda_reserved() -> int:
+    """Bytes the caching allocator holds on all GPUs; 0 without touching an unused CUDA."""
+    torch = _torch()
+    if not torch.cuda.is_initialized():
+        return 0
+    return sum(torch.cuda.memory_reserved(i) for i in range(torch.cuda.device_count()))
+
+
+def _empty_caches() -> None:
+    torch = _torch()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _release_pinned_cache() -> None:
+    """Hand cached page-locked blocks back to the OS once the host copies are gone."""
+    torch = _torch()
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_initialized():
+        empty()
+
+
+def tensor_children(tensor: Any) -> Iterable[Child]:
+    """What a tensor leads to: its gradient, the base of a view, Python attributes, and the
+    inner tensors of wrapper subclasses (``__tensor_flatten__``, e.g. DTensor)."""
+    # .grad of a non-leaf warns (and is None) unless it called retain_grad()
+    grad = tensor.grad if tensor.is_leaf or tensor.retains_grad else None
+    if grad is not None:
+        yield ".grad", grad, Ref(tensor, "grad", "fixed")
+    if tensor._base is not None:
+        yield "._base", tensor._base, Ref(tensor, "_base", "fixed")
+    attrs = getattr(tensor, "__dict__", None)
+    if attrs:
+        for key, value in list(attrs.items()):
+            yield f".{key}", value, Ref(tensor, key, "attr")
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is not None:
+        inner_names, _ = flatten(tensor)
+        for name in inner_names:
+            yield f".{name}", getattr(tensor, name), Ref(tensor, name, "fixed")
+
+
+@dataclass
+class _Group:
+    """Tensors sharing one storage, and where their bytes live while offloaded."""
+
+    device: Any  # torch.device the storage came from
+    nbytes: int
+    tensors: list[Any] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
+    host: Any = None  # torch.UntypedStorage while offloaded
+
+
+class TorchAdapter(OffloadAdapter):
+    module = "torch"
+    name = "torch"
+
+    def __init__(
+        self,
+        *,
+        is_device: Callable[[Any], bool] | None = None,
+        to_host: Callable[[Any], Any] | None = None,
+        to_device: Callable[[Any, Any], Any] | None = None,
+        synchronize: Callable[[], None] | None = None,
+        max_depth: int = 100,
+        max_objects: int = 1_000_000,
+    ) -> None:
+        """Defaults move CUDA tensors to pinned host memory and back.
+
+        is_device(tensor) -> bool: which tensors live on "the device".
+        to_host(storage) -> host storage with the same bytes (may be asynchronous).
+        to_device(host storage, device) -> new device storage with the same bytes.
+        synchronize(): waits for the asynchronous copies.
+        """
+        self.is_device = is_device or (lambda t: t.is_cuda)
+        self.to_host = to_host or cuda_to_pinned
+        self.to_device = to_device or pinned_to_cuda
+        self.synchronize = synchronize or _cuda_synchronize
+        self.walk_options = {"max_depth": max_depth, "max_objects": max_objects}
+        self._groups: list[_Group] = []
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self._groups)
+
+    # -- the interface ------------------------------------------------------------------
+
+    def device_bytes(self) -> int:
+        return _cuda_reserved()
+
+    def trim(self) -> int:
+        before = _cuda_reserved()
+        _empty_caches()
+        return max(0, before - _cuda_reserved())
+
+    def offload(self, namespace: dict[str, Any]) -> OffloadReport:
+        report = OffloadReport(framework=self.name)
+        if self._groups:
+            return report  # already offloaded: a second release moves nothing
+        start = time.perf_counter()
+        reserved_before = _cuda_reserved()
+        groups = self._find_groups(namespace, report)
+
+        # 1. copy every storage to host; nothing has changed yet if this fails
+        for group, storage in groups:
+            group.host = self.to_host(storage)
+        self.synchronize()
+        # 2. re-point every tensor at its host copy; drop the last device references
+        self._groups = _swap_groups([group for group, _ in groups], report)
+        for group in self._groups:
+            report.bytes += group.nbytes
+            report.count += len(group.tensors)
+        del groups
+        _empty_caches()
+        report.freed_bytes = max(0, reserved_before - _cuda_reserved())
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def reload(self) -> OffloadReport:
+        report = OffloadReport(framework=self.name)
+        if not self._groups:
+            return report
+        start = time.perf_counter()
+        # 1. allocate and fill every device storage; on failure (out of memory) the state is
+        # still fully offloaded and a later reload can try again
+        try:
+            fresh = [self.to_device(group.host, group.device) for group in self._groups]
+            self.synchronize()
+        except BaseException:
+            fresh = []
+            _empty_caches()
+            raise
+        # 2. re-point the tensors at the device storages, then let the host copies go
+        _swap(
+            [(group.tensors, storage) for group, storage in zip(self._groups, fresh, strict=True)]
+        )
+        for group in self._groups:
+            report.bytes += group.nbytes
+            report.count += len(group.tensors)
+        self._groups = []
+        del fresh
+        _release_pinned_cache()
+        report.seconds = time.perf_counter() - start
+        return report
+
+    # -- names, for lazy restore ----------------------------------------------------------
+
+    def gpu_names(self, namespace: dict[str, Any]) -> set[str]:
+        """Top-level user names that reach a device tensor (or one this adapter offloaded)."""
+        torch = _torch()
+        held = {id(t) for group in self._groups for t in group.tensors}
+
+        def on_device(obj: Any) -> bool:
+            return isinstance(obj, torch.Tensor) and (id(obj) in held or self.is_device(obj))
+
+        return names_reaching(
+            namespace, on_device, target_children=tensor_children, **self.walk_options
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _find_groups(
+        self, namespace: dict[str, Any], report: OffloadReport
+    ) -> list[tuple[_Group, Any]]:
+        torch = _torch()
+        result = walk_namespace(
+            namespace,
+            lambda obj: isinstance(obj, torch.Tensor),
+            target_children=tensor_children,
+            **self.walk_options,
+        )
+        if result.truncated:
+            report.skipped.append(
+                f"<walk>: stopped after {result.visited} objects; "
+                "tensors beyond them stay on the device"
+            )
+        groups: dict[int, tuple[_Group, Any]] = {}
+        for found in result.found.values():
+            tensor = found.obj
+            try:
+                if not self.is_device(tensor):
+                    continue
+                storage = tensor.untyped_storage()
+            except Exception as exc:  # sparse, nested, wrapper subclasses without storage
+                report.skipped.append(f"{found.path}: {type(exc).__name__}: {exc}")
+                continue
+            key = storage._cdata
+            if key not in groups:
+                groups[key] = (_Group(storage.device, storage.nbytes()), storage)
+            group = groups[key][0]
+            group.tensors.append(tensor)
+            group.paths.append(found.path)
+        result.release()
+
+        movable = []
+        for group, storage in groups.values():
+            # users = tensors sharing the storage + the one Python wrapper we hold
+            users = torch._C._storage_Use_Count(storage._cdata)
+            if users > len(group.tensors) + 1:
+                report.skipped.append(
+                    f"{group.paths[0]}: its storage is also used by {users - 1 - len(group.tensors)}"
+                    " tensor(s) outside the namespace (autograd graph, C++ or compiled state);"
+                    " left on the device"
+                )
+                continue
+            movable.append((group, storage))
+        return movable
+
+
+def _swap_groups(groups: list[_Group], report: OffloadReport) -> list[_Group]:
+    """Re-point each group at its host copy; a group that refuses stays on the device."""
+    try:
+        _swap([(group.tensors, group.host) for group in groups])  # fast path: one batch
+        return groups
+    except Exception:
+        pass  # rolled back: find the group that refuses, one at a time
+    moved = []
+    for group in groups:
+        try:
+            _swap([(group.tensors, group.host)])
+        except Exception as exc:
+            group.host = None
+            report.skipped.append(
+                f"{group.paths[0]}: cannot be re-pointed ({type(exc).__name__}: {exc});"
+                " left on the device"
+            )
+            continue
+        moved.append(group)
+    return moved
+
+
+def _swap(moves: list[tuple[list[Any], Any]]) -> None:
+    """Point every tensor at its new storage with the same view geometry, keeping autograd's
+    version counters (a saved graph must not think its inputs were modified).
+
+    All or nothing: if one tensor refuses, the ones already moved are put back."""
+    torch = _torch()
+    tensors = [tensor for group, _ in moves for tensor in group]
+    tracked = [t for t in tensors if not t.is_inference()]  # inference tensors have no version
+    versions = [t._version for t in tracked]
+    done: list[tuple[Any, Any]] = []
+    try:
+        for group, storage in moves:
+            for tensor in group:
+                old = tensor.untyped_storage()
+                _set(torch, tensor, storage)
+                done.append((tensor, old))
+    except BaseException:
+        for tensor, old in reversed(done):
+            _set(torch, tensor, old)
+        raise
+    finally:
+        torch._C._autograd._unsafe_set_version_counter(tuple(tracked), tuple(versions))
+
+
+def _set(torch: Any, tensor: Any, storage: Any) -> None:
+    # in-place updates of inference tensors are allowed only in inference mode
+    mode = torch.inference_mode() if tensor.is_inference() else torch.no_grad()
+    with mode:
+        tensor.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
