@@ -13,7 +13,19 @@ from typing import Any
 from jupyter_core.paths import jupyter_runtime_dir
 from jupyter_server.extension.application import ExtensionApp
 from tornado.ioloop import IOLoop
-from traitlets import Bool, Dict, Enum, Float, Int, List, TraitError, Type, Unicode, default, validate
+from traitlets import (
+    Bool,
+    Dict,
+    Enum,
+    Float,
+    Int,
+    List,
+    TraitError,
+    Type,
+    Unicode,
+    default,
+    validate,
+)
 
 from . import metrics, provisioner
 from .channel import AgentConnection, AgentServer, Refused, socket_path
@@ -200,6 +212,12 @@ class GPUShareApp(ExtensionApp):
         return proposal["value"]
 
     # -- wiring ---------------------------------------------------------------------------------
+    @property
+    def server(self) -> Any:
+        """The ServerApp we are loaded into (always set once the extension is linked)."""
+        assert self.serverapp is not None
+        return self.serverapp
+
     def initialize_settings(self) -> None:
         self.node: SimNode | None = None
         self.telemetry: Telemetry | None = None
@@ -221,7 +239,7 @@ class GPUShareApp(ExtensionApp):
         self._wire_core()
         self._install_gate()
         self._install_provisioner()
-        self.serverapp.event_logger.register_event_schema(KERNEL_SCHEMA_PATH)
+        self.server.event_logger.register_event_schema(KERNEL_SCHEMA_PATH)
         self.settings[SETTINGS_KEY] = self.controller
         IOLoop.current().add_callback(self._start)
 
@@ -231,7 +249,7 @@ class GPUShareApp(ExtensionApp):
     def _choose_backend(self) -> None:
         choice = self.backend
         if self.telemetry_class is not None:
-            self.telemetry = self.telemetry_class()
+            self.telemetry = self.telemetry_class()  # type: ignore[abstract]
             self.backend_name = self.telemetry.name or "custom"
             self.backend_reason = f"telemetry_class = {self.telemetry_class.__name__}"
         elif choice in ("auto", "nvml"):
@@ -261,8 +279,8 @@ class GPUShareApp(ExtensionApp):
 
         assert self.telemetry is not None
         self.tracker = Tracker(
-            self.serverapp.kernel_manager, self.telemetry, self.history_seconds, self.poll_interval,
-            session_manager=self.serverapp.session_manager, agent_reports=self._agent_report,
+            self.server.kernel_manager, self.telemetry, self.history_seconds, self.poll_interval,
+            session_manager=self.server.session_manager, agent_reports=self._agent_report,
         )
         self.tracker.idle_utilization = self.idle_utilization
         if self.backend_name == "simulated":
@@ -328,13 +346,15 @@ class GPUShareApp(ExtensionApp):
         return name
 
     def _install_gate(self) -> None:
-        from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
+        from jupyter_server.services.kernels.connection.channels import (
+            ZMQChannelsWebsocketConnection,
+        )
 
-        current = self.serverapp.kernel_websocket_connection_class
+        current = self.server.kernel_websocket_connection_class
         if current is ZMQChannelsWebsocketConnection:
-            self.serverapp.kernel_websocket_connection_class = GateConnection
+            self.server.kernel_websocket_connection_class = GateConnection
             # ExtensionApp merges self.settings into the web app's after this method: set both
-            self.serverapp.web_app.settings["kernel_websocket_connection_class"] = GateConnection
+            self.server.web_app.settings["kernel_websocket_connection_class"] = GateConnection
             self.settings["kernel_websocket_connection_class"] = GateConnection
         elif not (isinstance(current, type) and issubclass(current, GateConnection)):
             self.log.warning(
@@ -412,7 +432,7 @@ class GPUShareApp(ExtensionApp):
     # -- agent channel ------------------------------------------------------------------------
     async def _authorize(self, kernel_id: str, pid: int) -> None:
         """The peer must be (a child of) the process of the kernel it claims to be."""
-        km = self.serverapp.kernel_manager
+        km = self.server.kernel_manager
         for _ in range(100):  # a kernel that is still starting appears within a few seconds
             if kernel_id in km and self.tracker.kernel_pid(kernel_id) is not None:
                 break
@@ -511,8 +531,8 @@ class GPUShareApp(ExtensionApp):
 
     def _kernelspec_overrides(self, kernel_id: str) -> dict[str, Any]:
         try:
-            spec = self.serverapp.kernel_manager.get_kernel(kernel_id).kernel_spec
-            meta = (spec.metadata or {}).get("gpushare") or {}
+            spec = self.server.kernel_manager.get_kernel(kernel_id).kernel_spec
+            meta = (getattr(spec, "metadata", None) or {}).get("gpushare") or {}
         except Exception:  # no spec (remote kernels): no overrides
             return {}
         out: dict[str, Any] = {}
@@ -521,7 +541,7 @@ class GPUShareApp(ExtensionApp):
         return out
 
     def _emit(self, data: dict[str, Any]) -> None:
-        self.serverapp.event_logger.emit(schema_id=KERNEL_SCHEMA_ID, data=data)
+        self.server.event_logger.emit(schema_id=KERNEL_SCHEMA_ID, data=data)
 
     def _export_metrics(self) -> None:
         for g in self.tracker.gpus.values():

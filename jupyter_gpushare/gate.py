@@ -138,7 +138,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             except Exception:
                 log.exception("gpushare gate: could not answer a held execute_request")
 
-    def disconnect(self) -> None:
+    def disconnect(self) -> None:  # type: ignore[override]  # the stock one is sync too
         if self._drain_task is not None:
             self._drain_task.cancel()
         self._held = []

@@ -36,7 +36,7 @@ class GPUShareHandler(ExtensionHandlerMixin, APIHandler):
             except web.HTTPError as http_error:
                 super()._handle_request_exception(http_error)
             return
-        super()._handle_request_exception(e)  # type: ignore[arg-type]
+        super()._handle_request_exception(e)
 
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)

@@ -36,7 +36,7 @@ def is_ipykernel(cmd: list[str]) -> bool:
     return any("ipykernel" in part for part in cmd)
 
 
-class GPUShareProvisioner(LocalProvisioner):  # type: ignore[misc]
+class GPUShareProvisioner(LocalProvisioner):
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         kwargs = await super().pre_launch(**kwargs)
         if settings is None:

@@ -6,7 +6,8 @@ from typing import Any
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from . import agent, magics
+    from .agent import load
+    from .magics import register
 
-    agent.load(ipython)
-    magics.register(ipython)
+    load(ipython)
+    register(ipython)

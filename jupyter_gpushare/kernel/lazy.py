@@ -35,7 +35,7 @@ def _holds_gpu(obj: Any, depth: int = 0, seen: set[int] | None = None) -> bool:
         return True
     if mod.startswith(("jax", "jaxlib")):
         return True
-    if mod.startswith("torch.nn") or hasattr(obj, "parameters") and mod.startswith("torch"):
+    if mod.startswith("torch.nn") or (hasattr(obj, "parameters") and mod.startswith("torch")):
         return True
     if isinstance(obj, dict):
         return any(_holds_gpu(v, depth + 1, seen) for v in list(obj.values())[:1000])

@@ -19,8 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from ..protocol import SIMULATED_GPUS_ENV
 from .node import SimNode, SimOutOfMemoryError, format_bytes, parse_gpus
 
