@@ -413,6 +413,8 @@ class GPUShareApp(ExtensionApp):
     async def poll_once(self) -> None:
         """One sample and one policy pass; polls never overlap (the loop, an agent's release)."""
         async with self._poll_lock:
+            if self.tracker.foreign_pids:
+                await self._refresh_agent_reports()
             await self.tracker.poll()
             metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
             await self.controller.tick()
@@ -441,6 +443,16 @@ class GPUShareApp(ExtensionApp):
             raise Refused(f"no kernel {kernel_id} on this server")
         if not self.tracker.owns_pid(kernel_id, pid):
             raise Refused(f"pid {pid} is not a process of kernel {kernel_id}")
+
+    async def _refresh_agent_reports(self) -> None:
+        """NVML cannot see our pids (a container): ask each agent what its frameworks hold."""
+        async def one(conn: AgentConnection) -> None:
+            try:
+                conn.report = await conn.request("report", timeout=2)
+            except Exception as e:  # a busy or gone agent keeps its last report
+                self.log.debug("gpushare: no report from kernel %s: %s", conn.kernel_id, e)
+
+        await asyncio.gather(*(one(c) for c in list(self.channel.connections.values())))
 
     def _agent_report(self, kernel_id: str) -> dict[str, Any] | None:
         conn = self.channel.connections.get(kernel_id)

@@ -181,8 +181,8 @@ class Tracker:
         if not gpu_bytes and self.foreign_pids and self.agent_reports is not None:
             report = self.agent_reports(rec.id) or {}
             framework_bytes = int(report.get("framework_bytes") or 0)
-            if framework_bytes:  # attributed by the agent's own count: GPU unknown (-1)
-                gpu_bytes[-1] = framework_bytes
+            if framework_bytes:  # the agent's own count; which GPU is known only on a 1-GPU node
+                gpu_bytes[0 if len(self.gpus) == 1 else -1] = framework_bytes
         rec.gpu_bytes = gpu_bytes
         rec.sm_utilization = max(utils) if utils else (0.0 if gpu_bytes else None)
         if rec.sm_utilization and rec.sm_utilization > self.idle_utilization:

@@ -104,6 +104,18 @@ class KernelConn:
                 target.results.append(content.get("data", {}))
         return ex
 
+    async def ready(self, timeout: float = 60) -> None:
+        """After a restart: iopub messages sent before our subscription reconnects are lost,
+        so retry a trivial cell until one completes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await self.wait(self.send("1"), timeout=5)
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
     async def run(self, code: str, timeout: float = 60, ok: bool = True) -> Execution:
         ex = await self.wait(self.send(code), timeout)
         if self.km is not None:

@@ -275,6 +275,7 @@ async def test_kernel_restart_while_released_drops_held_state(jp_fetch, kernels,
     await wait_for(lambda: gpushare_app.controller.states[k.id].state != "released", what="drop")
     st = gpushare_app.controller.states[k.id]
     assert st.released_bytes == 0 and "restarted" in (st.error or "")
+    await k.ready()
     ex = await k.run("print('x' in dir())")
     assert ex.stdout.strip() == "False"  # a fresh process, as a restart means
     await gpushare_app.poll_once()
