@@ -56,6 +56,7 @@ class KernelState:
     released_bytes: int = 0
     released_gpus: dict[int, int] = field(default_factory=dict)
     released_pid: int | None = None
+    released_pid_bytes: dict[int, dict[int, int]] = field(default_factory=dict)
     released_at: float | None = None
     release_failed_at: float | None = None
     idle_timeout: float | None = None  # per-kernel override (kernelspec metadata, magic)
@@ -200,11 +201,15 @@ class Controller:
 
     # -- release -----------------------------------------------------------------------------
     def _target(self, kid: str, rec: KernelRecord | None, st: KernelState) -> KernelTarget:
-        pids = rec.pids if rec else []
-        gpu_bytes = dict(st.released_gpus) if st.held else (
-            {g: b for g, b in rec.gpu_bytes.items() if g >= 0} if rec else {}
-        )
-        return KernelTarget(kernel_id=kid, pids=pids, gpu_bytes=gpu_bytes, agent=self.agent(kid))
+        if st.held:  # what the kernel held when released: nothing of it is on the GPU now
+            gpu_bytes, pid_bytes = dict(st.released_gpus), st.released_pid_bytes
+        else:
+            gpu_bytes = {g: b for g, b in rec.gpu_bytes.items() if g >= 0} if rec else {}
+            pid_bytes = rec.pid_gpu_bytes if rec else {}
+        # only pids that hold GPU memory have something to checkpoint (the driver needs a context)
+        pids = [p for p in (rec.pids if rec else []) if p in pid_bytes] or (rec.pids[:1] if rec else [])
+        return KernelTarget(kernel_id=kid, pids=pids, gpu_bytes=gpu_bytes, agent=self.agent(kid),
+                            extra={"pid_gpu_bytes": {p: dict(b) for p, b in pid_bytes.items()}})
 
     async def release(
         self, kernel_id: str, reason: str = "requested", automatic: bool = False,
@@ -248,6 +253,7 @@ class Controller:
             st.released_bytes = result.bytes or target_bytes(target)
             st.released_gpus = dict(target.gpu_bytes)
             st.released_pid = rec.pids[0] if rec.pids else None
+            st.released_pid_bytes = target.extra.get("pid_gpu_bytes", {})
             st.released_at = clock.now()
             st.release_failed_at = None
             st.releases += 1
@@ -312,6 +318,7 @@ class Controller:
         st.restores += 1
         st.last_restore_seconds = seconds
         st.released_bytes, st.released_gpus, st.released_pid, st.released_at = 0, {}, None, None
+        st.released_pid_bytes = {}
         self.tracker.touch(kid)
         self._notify_agent(kid, ACTIVE)
         metrics.RESTORES.labels(method.name, "ok").inc()
@@ -383,6 +390,7 @@ class Controller:
                     kernel_id, why)
         st.state, st.error, st.waiting = UNTRACKED, f"{why}: released state dropped", None
         st.released_bytes, st.released_gpus, st.released_pid, st.released_at = 0, {}, None, None
+        st.released_pid_bytes = {}
         metrics.forget_kernel(kernel_id)
         self._memory_freed.set()
 

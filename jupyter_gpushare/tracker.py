@@ -29,6 +29,7 @@ class KernelRecord:
     path: str = ""  # the notebook (from the session manager)
     pids: list[int] = field(default_factory=list)
     gpu_bytes: dict[int, int] = field(default_factory=dict)  # GPU index -> bytes held now
+    pid_gpu_bytes: dict[int, dict[int, int]] = field(default_factory=dict)  # pid -> GPU -> bytes
     sm_utilization: float | None = None  # percent, last sample
     execution_state: str = "unknown"
     last_activity: float = 0.0  # epoch seconds (server activity or GPU use, the later)
@@ -172,10 +173,13 @@ class Tracker:
         rec.pids = self.kernel_pids(rec.id)
 
         gpu_bytes: dict[int, int] = {}
+        pid_gpu_bytes: dict[int, dict[int, int]] = {}
         utils: list[float] = []
         for pid in rec.pids:
             for u in by_pid.get(pid, ()):
                 gpu_bytes[u.gpu] = gpu_bytes.get(u.gpu, 0) + u.memory_bytes
+                per_pid = pid_gpu_bytes.setdefault(pid, {})
+                per_pid[u.gpu] = per_pid.get(u.gpu, 0) + u.memory_bytes
                 if u.sm_utilization is not None:
                     utils.append(u.sm_utilization)
         if not gpu_bytes and self.foreign_pids and self.agent_reports is not None:
@@ -184,6 +188,7 @@ class Tracker:
             if framework_bytes:  # the agent's own count; which GPU is known only on a 1-GPU node
                 gpu_bytes[0 if len(self.gpus) == 1 else -1] = framework_bytes
         rec.gpu_bytes = gpu_bytes
+        rec.pid_gpu_bytes = pid_gpu_bytes
         rec.sm_utilization = max(utils) if utils else (0.0 if gpu_bytes else None)
         if rec.sm_utilization and rec.sm_utilization > self.idle_utilization:
             activity = max(activity, now)  # GPU work counts as activity

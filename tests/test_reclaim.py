@@ -314,3 +314,26 @@ async def test_status_lists_release_time_and_state(jp_fetch, kernels, gpushare_a
     assert 35 <= info["release_in_seconds"] <= 41
     status = await get_json(jp_fetch, "api", "gpushare", "status")
     assert status["idle_timeout"] == IDLE
+
+
+async def test_client_bypassing_the_gate_is_restored_by_the_agent(jp_fetch, kernels, gpushare_app, events):
+    """Restore trigger 2: nbclient-style clients talk to the kernel's ZMQ ports directly."""
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    client = gpushare_app.serverapp.kernel_manager.get_kernel(k.id).client()
+    client.start_channels()
+    try:
+        outputs: list[dict] = []
+        reply = await client._async_execute_interactive(
+            "assert [a.checksum() for a in x] == x_sum\nprint('direct ok')",
+            output_hook=lambda msg: outputs.append(msg), timeout=60,
+        )
+    finally:
+        client.stop_channels()
+    assert reply["content"]["status"] == "ok"
+    assert any("direct ok" in m["content"].get("text", "") for m in outputs)
+    assert any("restored" in m["content"].get("data", {}).get("text/plain", "") for m in outputs)
+    restored = [e for e in events if e["action"] == "restored"]
+    assert restored and restored[-1]["reason"] == "agent"
