@@ -15,9 +15,14 @@ def demo(args: argparse.Namespace, extra: list[str]) -> int:
     from .demo import write_demo
 
     if args.backend == "auto":
+        import logging
+
         from .telemetry.nvml import probe
 
-        backend, why = doctor.auto_backend(probe())
+        quiet = logging.getLogger("jupyter_gpushare.cli.probe")
+        quiet.addHandler(logging.NullHandler())
+        quiet.propagate = False  # the line below says it once
+        backend, why = doctor.auto_backend(probe(quiet))
     else:
         backend, why = args.backend, "asked for on the command line"
     simulated = backend == "simulated"

@@ -12,7 +12,7 @@ from jupyter_gpushare import clock
 from jupyter_gpushare.events import KERNEL_SCHEMA_ID
 from jupyter_gpushare.sim.node import GiB
 
-from .helpers import get_json, kernel_status, wait_for
+from .helpers import execute_request, get_json, kernel_status, wait_for
 
 IDLE = 60.0
 
@@ -186,6 +186,16 @@ async def test_restore_without_room_waits_and_says_why(jp_fetch, kernels, gpusha
     msg_id = a.send("assert [v.checksum() for v in a] == a_sum\nprint('a back')")
     await asyncio.sleep(0.3)
     assert a.executions[msg_id].status == ""  # held: no room yet
+    a.ws.write_message(json.dumps({**execute_request("", a.session), "channel": "shell",
+                                   "header": {**execute_request("", a.session)["header"],
+                                              "msg_type": "kernel_info_request", "msg_id": "ki-1"},
+                                   "content": {}}))
+    while True:  # a kernel_info_request is not held behind the waiting cell
+        msg = json.loads(await asyncio.wait_for(a.ws.read_message(), 30))
+        if msg["header"]["msg_type"] == "kernel_info_reply":
+            assert msg["parent_header"]["msg_id"] == "ki-1"
+            break
+    assert a.executions[msg_id].status == ""
     await b.run("del b")  # memory frees
     ex = await a.wait(msg_id)
     assert "a back" in ex.stdout
@@ -337,3 +347,47 @@ async def test_client_bypassing_the_gate_is_restored_by_the_agent(jp_fetch, kern
     assert any("restored" in m["content"].get("data", {}).get("text/plain", "") for m in outputs)
     restored = [e for e in events if e["action"] == "restored"]
     assert restored and restored[-1]["reason"] == "agent"
+
+
+async def test_release_and_restore_update_metrics(jp_fetch, kernels, gpushare_app):
+    def sample(name: str, **labels: str) -> float:
+        from prometheus_client import REGISTRY
+
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before = (sample("gpushare_releases_total", method="simulated", outcome="ok"),
+              sample("gpushare_restores_total", method="simulated", outcome="ok"),
+              sample("gpushare_restore_seconds_count"))
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    text = (await jp_fetch("metrics")).body.decode()
+    assert f'gpushare_kernel_released_bytes{{kernel_id="{k.id}"}} 2.68435456e+08' in text
+    assert "gpushare_released_bytes 2.68435456e+08" in text
+    await jp_fetch("api", "gpushare", "kernels", k.id, "restore", method="POST", body=b"")
+    after = (sample("gpushare_releases_total", method="simulated", outcome="ok"),
+             sample("gpushare_restores_total", method="simulated", outcome="ok"),
+             sample("gpushare_restore_seconds_count"))
+    assert [b - a for a, b in zip(before, after, strict=True)] == [1, 1, 1]
+    assert sample("gpushare_released_bytes") == 0
+
+
+async def test_kernels_that_come_and_go_leave_nothing_behind(jp_fetch, kernels, gpushare_app):
+    from jupyter_gpushare import metrics
+
+    started = [await kernels.start() for _ in range(3)]
+    for k in started:
+        await k.run(hold(256))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", started[0].id, "release", method="POST", body=b"")
+    for k in started:
+        await jp_fetch("api", "kernels", k.id, method="DELETE")
+    await wait_for(lambda: not gpushare_app.channel.connections, what="all agents gone")
+    await gpushare_app.poll_once()
+    assert gpushare_app.tracker.kernels == {}
+    assert gpushare_app.tracker._procs == {}
+    assert gpushare_app.controller.states == {}
+    assert gpushare_app.node.pids() == {}
+    assert not any(kid in str(key) for key in metrics._known_kernel_series for kid in
+                   (k.id for k in started))
