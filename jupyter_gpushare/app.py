@@ -180,11 +180,10 @@ class GPUShareApp(ExtensionApp):
     ).tag(config=True)
 
     telemetry_class = Type(
-        default_value=None,
+        default_value=Telemetry,
         klass=Telemetry,
-        allow_none=True,
         help="""A Telemetry subclass to use instead of the one backend picks (tests, other
-        hardware). Default None.""",
+        hardware). Default: the abstract base class itself, which means "as backend says".""",
     ).tag(config=True)
 
     @validate("poll_interval", "restore_grace", "history_seconds", "lock_timeout")
@@ -248,7 +247,7 @@ class GPUShareApp(ExtensionApp):
 
     def _choose_backend(self) -> None:
         choice = self.backend
-        if self.telemetry_class is not None:
+        if self.telemetry_class is not Telemetry:
             self.telemetry = self.telemetry_class()  # type: ignore[abstract]
             self.backend_name = self.telemetry.name or "custom"
             self.backend_reason = f"telemetry_class = {self.telemetry_class.__name__}"
@@ -365,19 +364,20 @@ class GPUShareApp(ExtensionApp):
     def _install_provisioner(self) -> None:
         from jupyter_client.provisioning.factory import KernelProvisionerFactory
 
-        if not self.load_agent:
-            return
         provisioner.settings = provisioner.LaunchSettings(
             socket_path=self.socket_path,
             kernel_env={str(k): str(v) for k, v in self.kernel_env.items()},
             simulated_gpus=list(self.node.capacities) if self.node else None,
+            load_agent=self.load_agent,  # kernel_env applies either way
         )
         factory = KernelProvisionerFactory.instance()
         if factory.default_provisioner_name in ("local-provisioner", provisioner.NAME):
             factory.default_provisioner_name = provisioner.NAME
         else:
-            self.log.warning("gpushare: kernels use provisioner %s; the agent loads only where "
-                             "%%load_ext jupyter_gpushare is run", factory.default_provisioner_name)
+            self.log.warning(
+                "gpushare: kernels use provisioner %s, so they start without the gpushare agent "
+                "(tracking by NVML only). Subclass jupyter_gpushare.provisioner.GPUShareProvisioner "
+                "in yours to keep both.", factory.default_provisioner_name)
 
     # -- start / stop -----------------------------------------------------------------------------
     async def _start(self) -> None:

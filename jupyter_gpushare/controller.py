@@ -294,8 +294,11 @@ class Controller:
         method = self.methods[st.method or ""]
         need = dict(st.released_gpus)
         shown = _Shower(self.agent(kid), parent)
-        if not await self._wait_for_room(st, need, shown):
-            return  # the held state was dropped while we waited (restart, shutdown)
+        try:
+            if not await self._wait_for_room(st, need, shown):
+                return  # the held state was dropped while we waited (restart, shutdown)
+        finally:
+            st.waiting = None  # done, dropped or cancelled (an interrupt): not waiting any more
         st.state, st.error = RESTORING, None
         expected = st.last_restore_seconds
         await shown(f"gpushare: restoring {format_bytes(st.released_bytes)} to GPU "

@@ -63,12 +63,26 @@ class GateConnection(ZMQChannelsWebsocketConnection):
                 self._cancel_waiting("interrupted while waiting for the GPU state to be restored")
             super().handle_incoming_message(incoming_msg)
             return
-        if self._held or self._must_wait(controller):
+        if self._held or (self._must_wait(controller) and not self._only_gpushare_magics(incoming_msg)):
             self._held.append((incoming_msg, header))
             if self._drain_task is None:
                 self._drain_task = asyncio.ensure_future(self._drain(controller))
             return
         super().handle_incoming_message(incoming_msg)
+
+    def _only_gpushare_magics(self, ws_msg: Any) -> bool:
+        """A cell of `%gpushare ...` lines only (status, restore, pin) runs without a restore."""
+        try:
+            if self.subprotocol == V1:
+                _, msg_list = deserialize_msg_from_ws_v1(ws_msg)
+                content = self.get_part("content", None, msg_list)
+            else:
+                content = json.loads(ws_msg).get("content") or {}
+            code = str(content.get("code", ""))
+        except Exception:
+            return False
+        lines = [ln.strip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+        return bool(lines) and all(ln.split()[0] == "%gpushare" for ln in lines)
 
     def _must_wait(self, controller: Controller) -> bool:
         st = controller.states.get(self.kernel_id)

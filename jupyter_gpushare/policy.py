@@ -48,7 +48,8 @@ def _quiet(c: Candidate, cfg: PolicyConfig) -> bool:
     is_resident_and_still = c.resident and not c.busy
     is_gpu_quiet = c.max_utilization <= cfg.idle_utilization
     holds_enough = c.bytes >= max(cfg.min_release_bytes, 1)
-    opted_out = c.idle_timeout == 0
+    # idle_timeout 0 (the kernel's, else the server's) = never release automatically at all
+    opted_out = (cfg.idle_timeout if c.idle_timeout is None else c.idle_timeout) == 0
     return is_resident_and_still and is_gpu_quiet and holds_enough and not c.pinned \
         and not opted_out and c.releasable
 

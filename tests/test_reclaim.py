@@ -391,3 +391,30 @@ async def test_kernels_that_come_and_go_leave_nothing_behind(jp_fetch, kernels, 
     assert gpushare_app.node.pids() == {}
     assert not any(kid in str(key) for key in metrics._known_kernel_series for kid in
                    (k.id for k in started))
+
+
+async def test_gpushare_magic_cells_pass_the_gate_without_a_restore(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    ex = await k.run("# what is my state?\n%gpushare")
+    assert "released" in ex.text
+    assert gpushare_app.controller.states[k.id].state == "released"
+    await k.run("%gpushare restore")
+    assert gpushare_app.controller.states[k.id].state == "active"
+
+
+async def test_interrupt_clears_the_waiting_reason(jp_fetch, kernels, gpushare_app):
+    gpushare_app.node.capacities = (2 * GiB, 2 * GiB)
+    a = await kernels.start()
+    b = await kernels.start()
+    await a.run(hold(1280, name="a"))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
+    await b.run(hold(1280, name="b"))
+    msg_id = a.send("print(1)")
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting")
+    a.send_control("interrupt_request")
+    await a.wait(msg_id)
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting is None, what="not waiting")

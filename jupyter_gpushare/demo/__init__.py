@@ -11,7 +11,7 @@ NAME = "gpushare-demo.ipynb"
 
 SIM_CELLS = [
     ("md", "# GPU share demo\n\nThis kernel allocates on the **simulated GPU node** (no GPU needed). "
-           "Open the **GPU share** panel in the left sidebar to watch allocation (memory held) against "
+           "Open the **GPU share** panel (the GPU icon in the sidebar) to watch allocation (memory held) against "
            "utilization (SM busy), per GPU and per kernel."),
     ("code", "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n\n"
              "# 2 GiB on simulated GPU 0 and 1 GiB on GPU 1\n"
@@ -25,11 +25,12 @@ SIM_CELLS = [
     ("code", "%gpushare release"),
     ("md", "The next cell restores the state transparently; the data is identical:"),
     ("code", "assert weights.checksum() == checksum\nprint('restored, checksum matches')"),
-    ("code", "%gpushare pin   # never release this kernel automatically"),
+    ("md", "Pin a kernel you want to keep on the GPU, whatever the idle time:"),
+    ("code", "%gpushare pin"),
 ]
 
 GPU_CELLS = [
-    ("md", "# GPU share demo (real GPUs)\n\nOpen the **GPU share** panel in the left sidebar."),
+    ("md", "# GPU share demo (real GPUs)\n\nOpen the **GPU share** panel (the GPU icon in the sidebar)."),
     ("code", "import torch\nx = torch.randn(256, 1024, 1024, device='cuda')  # 1 GiB\nprint(torch.cuda.memory_allocated() / 2**30, 'GiB')"),
     ("code", "%gpushare"),
     ("code", "%gpushare release"),
