@@ -48,6 +48,19 @@ def hold(mib: int, device: int = 0, name: str = "x", chunk: int = 256) -> str:
     )
 
 
+async def crowded(jp_fetch, kernels, app):
+    """On a 2 GiB GPU: kernel a released with 1.25 GiB, then kernel b holding 1.25 GiB, so a's
+    restore does not fit unless b goes."""
+    a = await kernels.start()
+    b = await kernels.start()
+    await a.run(hold(1280, name="a"))
+    await app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
+    await b.run(hold(1280, name="b"))
+    await app.poll_once()
+    return a, b
+
+
 async def idle_past_timeout(app, seconds: float = IDLE + 1) -> None:
     await app.poll_once()
     clock.advance(seconds)
@@ -148,13 +161,7 @@ async def test_execute_requests_sent_during_release_run_in_order(jp_fetch, kerne
 
 @pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
 async def test_restore_without_room_releases_another_idle_kernel(jp_fetch, kernels, gpushare_app):
-    a = await kernels.start()
-    b = await kernels.start()
-    await a.run(hold(1280, name="a"))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
-    await b.run(hold(1280, name="b"))  # fits only because a is released
-    await gpushare_app.poll_once()
+    a, b = await crowded(jp_fetch, kernels, gpushare_app)
     clock.advance(31)  # b idle past pressure_idle_timeout, not past idle_timeout
     await gpushare_app.poll_once()
     assert gpushare_app.controller.states[b.id].state not in ("releasing", "released")
@@ -168,13 +175,7 @@ async def test_restore_without_room_releases_another_idle_kernel(jp_fetch, kerne
 
 @pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
 async def test_restore_without_room_waits_and_says_why(jp_fetch, kernels, gpushare_app, events):
-    a = await kernels.start()
-    b = await kernels.start()
-    await a.run(hold(1280, name="a"))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
-    await b.run(hold(1280, name="b"))  # b is busy-recent: never evicted
-    await gpushare_app.poll_once()
+    a, b = await crowded(jp_fetch, kernels, gpushare_app)  # b is recent: never evicted
 
     r = await jp_fetch("api", "gpushare", "kernels", a.id, "restore", method="POST", body=b"")
     assert r.code == 202
@@ -204,12 +205,7 @@ async def test_restore_without_room_waits_and_says_why(jp_fetch, kernels, gpusha
 
 @pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
 async def test_interrupt_stops_a_cell_waiting_for_memory(jp_fetch, kernels, gpushare_app):
-    a = await kernels.start()
-    b = await kernels.start()
-    await a.run(hold(1280, name="a"))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
-    await b.run(hold(1280, name="b"))
+    a, _ = await crowded(jp_fetch, kernels, gpushare_app)
     msg_id = a.send("print('should not run yet')")
     await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting")
     a.send_control("interrupt_request")
@@ -217,6 +213,7 @@ async def test_interrupt_stops_a_cell_waiting_for_memory(jp_fetch, kernels, gpus
     assert ex.status == "error" and ex.error["ename"] == "KeyboardInterrupt"
     assert "should not run" not in ex.stdout
     assert gpushare_app.controller.states[a.id].state == "released"  # still held, nothing lost
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting is None, what="not waiting")
 
 
 async def test_rest_actions_and_their_errors(jp_fetch, kernels, gpushare_app):
@@ -404,17 +401,3 @@ async def test_gpushare_magic_cells_pass_the_gate_without_a_restore(jp_fetch, ke
     await k.run("%gpushare restore")
     assert gpushare_app.controller.states[k.id].state == "active"
 
-
-async def test_interrupt_clears_the_waiting_reason(jp_fetch, kernels, gpushare_app):
-    gpushare_app.node.capacities = (2 * GiB, 2 * GiB)
-    a = await kernels.start()
-    b = await kernels.start()
-    await a.run(hold(1280, name="a"))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
-    await b.run(hold(1280, name="b"))
-    msg_id = a.send("print(1)")
-    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting")
-    a.send_control("interrupt_request")
-    await a.wait(msg_id)
-    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting is None, what="not waiting")
