@@ -1,0 +1,168 @@
+/**
+ * jupyter-gpushare JupyterLab extension: a side panel (GPUs, efficiency, kernels), a status
+ * bar item for the current notebook's kernel, and notifications from the server's events.
+ */
+import {
+  ILabShell,
+  ILayoutRestorer,
+  JupyterFrontEnd,
+  JupyterFrontEndPlugin
+} from '@jupyterlab/application';
+import { ICommandPalette, IThemeManager } from '@jupyterlab/apputils';
+import { INotebookTracker } from '@jupyterlab/notebook';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
+import { IStatusBar } from '@jupyterlab/statusbar';
+
+import { GPUShareAPI } from './api';
+import { gpuIcon } from './icon';
+import { CommandIDs, PLUGIN_ID, WidgetIDs } from './ids';
+import { GPUShareModel } from './model';
+import { connectNotifications } from './notifications';
+import { GPUSharePanel } from './panel';
+import { GPUStatusItem } from './statusbar';
+
+interface ISettings {
+  refreshInterval: number;
+  historySeconds: number;
+  notifications: boolean;
+}
+
+const DEFAULTS: ISettings = { refreshInterval: 2000, historySeconds: 600, notifications: true };
+
+const plugin: JupyterFrontEndPlugin<void> = {
+  id: PLUGIN_ID,
+  description: 'GPU memory held versus used per kernel; release and restore idle kernels.',
+  autoStart: true,
+  optional: [
+    ISettingRegistry,
+    ILayoutRestorer,
+    IStatusBar,
+    INotebookTracker,
+    IThemeManager,
+    ICommandPalette,
+    ILabShell
+  ],
+  activate: (
+    app: JupyterFrontEnd,
+    settingRegistry: ISettingRegistry | null,
+    restorer: ILayoutRestorer | null,
+    statusBar: IStatusBar | null,
+    notebooks: INotebookTracker | null,
+    themes: IThemeManager | null,
+    palette: ICommandPalette | null
+  ) => {
+    const settings: ISettings = { ...DEFAULTS };
+    const model = new GPUShareModel({
+      api: new GPUShareAPI(app.serviceManager.serverSettings),
+      refreshInterval: settings.refreshInterval,
+      historySeconds: settings.historySeconds
+    });
+
+    const panel = new GPUSharePanel({
+      model,
+      icon: gpuIcon,
+      open: path => void app.commands.execute('docmanager:open', { path })
+    });
+    app.shell.add(panel, 'right', { rank: 900 });
+    restorer?.add(panel, WidgetIDs.panel);
+    themes?.themeChanged.connect(() => panel.themeChanged());
+
+    const openPanel = () => app.shell.activateById(panel.id);
+    /** The kernel a command acts on: its `kernelId` argument, else the current notebook's. */
+    const targetKernel = (args: { kernelId?: unknown }): string | null =>
+      (typeof args.kernelId === 'string' && args.kernelId) ||
+      notebooks?.currentWidget?.sessionContext.session?.kernel?.id ||
+      null;
+
+    app.commands.addCommand(CommandIDs.openPanel, {
+      label: 'GPU Sharing Panel',
+      caption: 'Show GPU memory held and used per kernel',
+      icon: gpuIcon,
+      execute: openPanel
+    });
+    app.commands.addCommand(CommandIDs.refresh, {
+      label: 'Refresh GPU Sharing Status',
+      execute: () => model.refresh()
+    });
+    app.commands.addCommand(CommandIDs.release, {
+      label: 'Release GPU Memory of This Kernel',
+      isEnabled: () => targetKernel({}) !== null,
+      execute: args => {
+        const id = targetKernel(args);
+        return id ? model.release(id) : undefined;
+      }
+    });
+    app.commands.addCommand(CommandIDs.restore, {
+      label: 'Restore GPU Memory of This Kernel',
+      isEnabled: () => targetKernel({}) !== null,
+      execute: args => {
+        const id = targetKernel(args);
+        return id ? model.restore(id) : undefined;
+      }
+    });
+    app.commands.addCommand(CommandIDs.togglePin, {
+      label: 'Pin Kernel on the GPU (Never Release Automatically)',
+      isToggled: () => {
+        const id = targetKernel({});
+        return id ? !!model.kernel(id)?.pinned : false;
+      },
+      isEnabled: () => targetKernel({}) !== null,
+      execute: args => {
+        const id = targetKernel(args);
+        return id ? model.setPinned(id, !model.kernel(id)?.pinned) : undefined;
+      }
+    });
+    if (palette) {
+      const category = 'GPU Sharing';
+      [
+        CommandIDs.openPanel,
+        CommandIDs.refresh,
+        CommandIDs.release,
+        CommandIDs.restore,
+        CommandIDs.togglePin
+      ].forEach(command => palette.addItem({ command, category }));
+    }
+
+    if (statusBar) {
+      const item = new GPUStatusItem(model, openPanel);
+      statusBar.registerStatusItem(WidgetIDs.statusItem, {
+        item,
+        align: 'left',
+        rank: 4,
+        isActive: () => item.isActiveItem,
+        activeStateChanged: item.activeChanged
+      });
+      if (notebooks) {
+        const follow = () => item.setSession(notebooks.currentWidget?.sessionContext ?? null);
+        notebooks.currentChanged.connect(follow);
+        follow();
+      }
+    }
+
+    connectNotifications({
+      stream: app.serviceManager.events.stream,
+      model,
+      enabled: () => settings.notifications,
+      openPanel
+    });
+
+    if (settingRegistry) {
+      const apply = (loaded: ISettingRegistry.ISettings) => {
+        settings.refreshInterval = loaded.get('refreshInterval').composite as number;
+        settings.historySeconds = loaded.get('historySeconds').composite as number;
+        settings.notifications = loaded.get('notifications').composite as boolean;
+        model.configure(settings.refreshInterval, settings.historySeconds);
+        panel.update();
+      };
+      settingRegistry
+        .load(PLUGIN_ID)
+        .then(loaded => {
+          apply(loaded);
+          loaded.changed.connect(apply);
+        })
+        .catch(reason => console.error('jupyter-gpushare: could not load settings', reason));
+    }
+  }
+};
+
+export default plugin;

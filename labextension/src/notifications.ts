@@ -1,0 +1,104 @@
+/**
+ * Toasts for this server's kernels from the jupyter_events stream (pushed by the server,
+ * not polled): released, restored, a restore waiting for memory, and failures.
+ */
+import { Notification } from '@jupyterlab/apputils';
+import { Event } from '@jupyterlab/services';
+import { IDisposable } from '@lumino/disposable';
+
+import { baseName, formatBytes, formatDuration } from './format';
+import { GPUShareModel } from './model';
+
+export const EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpushare/kernel/v1';
+
+export interface IKernelEvent {
+  kernel_id: string;
+  action: string;
+  bytes?: number | null;
+  seconds?: number | null;
+  method?: string | null;
+  reason?: string | null;
+}
+
+export interface INotifierOptions {
+  stream: Event.Stream;
+  model: GPUShareModel;
+  /** Whether toasts are on (the `notifications` setting); read at each event. */
+  enabled(): boolean;
+  openPanel(): void;
+}
+
+/** The toast for an event, or null for events that need none (pin/unpin: the user did it). */
+export function describeEvent(
+  event: IKernelEvent,
+  name: string
+): { type: 'info' | 'success' | 'warning' | 'error'; message: string } | null {
+  const bytes = event.bytes ? formatBytes(event.bytes) : null;
+  const took =
+    event.seconds !== null && event.seconds !== undefined
+      ? ` in ${formatDuration(event.seconds)}`
+      : '';
+  const why = event.reason ? ` (${event.reason})` : '';
+  switch (event.action) {
+    case 'released':
+      return {
+        type: 'info',
+        message: `Released ${bytes ?? 'the'} GPU memory of ${name} to host memory${why}. It comes back on the next cell.`
+      };
+    case 'restored':
+      return {
+        type: 'success',
+        message: `Restored ${bytes ?? 'the'} GPU memory of ${name}${took}.`
+      };
+    case 'restore_waiting':
+      return {
+        type: 'warning',
+        message: `${name} waits for GPU memory to restore${why}.`
+      };
+    case 'release_failed':
+      return { type: 'error', message: `Could not release the GPU memory of ${name}${why}.` };
+    case 'restore_failed':
+      return { type: 'error', message: `Could not restore the GPU memory of ${name}${why}.` };
+    default:
+      return null;
+  }
+}
+
+export function connectNotifications(options: INotifierOptions): IDisposable {
+  const { stream, model } = options;
+  const onEvent = (_: unknown, emission: Event.Emission) => {
+    if (emission.schema_id !== EVENT_SCHEMA_ID) {
+      return;
+    }
+    const event = emission as unknown as IKernelEvent;
+    // The panel and status bar follow the change at once instead of at the next poll.
+    void model.refresh();
+    if (!options.enabled()) {
+      return;
+    }
+    const kernel = model.kernel(event.kernel_id);
+    const name =
+      baseName(kernel?.path) || kernel?.name || `kernel ${String(event.kernel_id).slice(0, 8)}`;
+    const toast = describeEvent(event, name);
+    if (!toast) {
+      return;
+    }
+    Notification.emit(toast.message, toast.type, {
+      autoClose: toast.type === 'error' ? false : 5000,
+      actions: [{ label: 'GPU panel', callback: () => options.openPanel() }]
+    });
+  };
+  stream.connect(onEvent);
+  let disposed = false;
+  return {
+    get isDisposed() {
+      return disposed;
+    },
+    dispose() {
+      if (!disposed) {
+        disposed = true;
+        stream.disconnect(onEvent);
+      }
+    }
+  };
+}
