@@ -22,6 +22,8 @@ from .client import AgentClient, RemoteBackend
 log = logging.getLogger(__name__)
 
 GPU_FRAMEWORKS = ("torch", "cupy", "jax", "tensorflow")
+HELD_STATES = ("releasing", "released", "restoring", "failed")  # GPU state not on the GPU
+_MAX_SHOWN = 32  # display ids remembered (one per restore that showed progress)
 
 
 class Agent:
@@ -32,13 +34,19 @@ class Agent:
         self.why_offline = ""  # why there is no server connection, for %gpushare
         self.released = False
         self.restore_mode = "eager"
-        self.gpu_names: set[str] = set()  # names bound to GPU objects at release (lazy mode)
+        #: names that may reach the GPU, computed at release (lazy mode); None while resident
+        self.gpu_names: set[str] | None = None
         self._offloaded: list[Any] = []  # framework adapters holding offloaded state
         self._last_shown: dict[str, Any] = {}
 
     # -- connection -------------------------------------------------------------------
     def start(self) -> None:
-        path = os.environ.get(SOCKET_ENV)
+        # Take the channel's address out of the environment: processes this kernel starts
+        # (`!jupyter nbconvert --execute`, subprocesses that load the extension) must not
+        # connect in its name. The server would accept them (they are its descendants) and
+        # drop this kernel's own connection.
+        path = os.environ.pop(SOCKET_ENV, None)
+        os.environ.pop(KERNEL_ID_ENV, None)
         if not path or not self.kernel_id:
             self.why_offline = "this kernel was not started by a gpushare-enabled Jupyter server"
             return
@@ -58,8 +66,11 @@ class Agent:
         if sim:
             from ..sim import device
 
-            dev = device.set_backend(RemoteBackend(client, len(sim)))
-            dev.on_blocked = self._on_blocked
+            # No on_blocked hook: a GPU call on a released kernel blocks until a restore,
+            # exactly as CUDA calls do under the driver's checkpoint lock. Restoring from the
+            # blocked call would hide the agent's wrong "CPU-only" decisions in lazy mode,
+            # which on a real GPU only the server's watchdog (restore_grace) recovers from.
+            device.set_backend(RemoteBackend(client, len(sim)))
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
 
     def _on_disconnect(self) -> None:
@@ -84,15 +95,35 @@ class Agent:
 
     # -- server requests -----------------------------------------------------------------
     def _sim_lock(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.gpu_names = lazy.gpu_names(self.shell.user_ns)
+        self._note_gpu_names()
         _sim().lock(timeout=float(msg.get("lock_timeout", 10.0)))
         return {}
 
     def _on_state(self, msg: dict[str, Any]) -> dict[str, Any]:
-        self.released = msg.get("state") in ("releasing", "released")
-        if msg.get("restore_mode"):
+        if msg.get("restore_mode") in ("eager", "lazy"):
             self.restore_mode = msg["restore_mode"]
+        self.note_state(str(msg.get("state", "")))
         return {}
+
+    def note_state(self, state: str) -> None:
+        """The server's word on this kernel's state (notifications, replies to the magics)."""
+        self.released = state in HELD_STATES
+        if self.released:
+            self._note_gpu_names()
+        else:
+            self.gpu_names = None
+
+    def _note_gpu_names(self) -> None:
+        """What may reach the GPU, as of the release (lazy mode decides cells against it).
+
+        Computed once per release, on the handler thread while the kernel is idle; reading
+        objects' types and attributes makes no GPU call."""
+        if self.gpu_names is None and self.restore_mode == "lazy":
+            try:
+                self.gpu_names = lazy.gpu_names(self.shell.user_ns)
+            except Exception as e:  # never break a release over the lazy bookkeeping
+                log.warning("gpushare: could not scan the namespace for GPU objects: %s", e)
+                self.gpu_names = None
 
     def _trim(self, msg: dict[str, Any]) -> dict[str, Any]:
         from .offload import present_adapters
@@ -105,7 +136,7 @@ class Agent:
     def _offload(self, msg: dict[str, Any]) -> dict[str, Any]:
         from .offload import present_adapters
 
-        self.gpu_names = lazy.gpu_names(self.shell.user_ns)
+        self._note_gpu_names()
         reports = []
         adapters = present_adapters()
         if not adapters:
@@ -133,6 +164,9 @@ class Agent:
             out["framework_bytes"] = sum(a.device_bytes() for a in present_adapters())
         except Exception as e:  # a framework in a bad state must not break reporting
             out["error"] = str(e)
+        device_module = sys.modules.get("jupyter_gpushare.sim.device")
+        if device_module is not None and device_module._device is not None:
+            out["simulated_bytes"] = device_module._device.allocated()
         return out
 
     def _show(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -150,32 +184,32 @@ class Agent:
         }
         msg_type = "update_display_data" if display_id in self._last_shown else "display_data"
         self._last_shown[display_id] = text
+        while len(self._last_shown) > _MAX_SHOWN:
+            self._last_shown.pop(next(iter(self._last_shown)))
         kernel.session.send(kernel.iopub_socket, msg_type, content, parent=parent)
         return {}
 
     # -- restore before a cell (trigger 2) -------------------------------------------------
-    def _on_blocked(self) -> None:
-        """A simulated GPU call found the kernel released: ask for a restore (lazy mode)."""
-        if self.client is not None:
-            try:
-                self.client.request("restore", timeout=None, trigger="gpu-call")
-            except Exception as e:
-                log.warning("gpushare: restore after a blocked GPU call failed: %s", e)
-
     def pre_run_cell(self, info: Any = None) -> None:
         if not self.released or self.client is None:
             return  # the fast path: one attribute check per cell
         code = getattr(info, "raw_cell", "") or ""
-        if self.restore_mode == "lazy" and not lazy.may_touch_gpu(code, self.shell, self.gpu_names):
-            return
+        if lazy.only_gpushare_magics(code):
+            return  # %gpushare shows the state as it is; `%gpushare restore` restores itself
+        if self.restore_mode == "lazy":
+            self._note_gpu_names()  # no-op when the release computed it already
+            known = self.gpu_names  # None: the scan failed, so every cell restores
+            if known is not None and not lazy.may_touch_gpu(code, self.shell, known):
+                return
         parent = getattr(self.shell, "parent_header", None) or {}
         started = time.monotonic()
         try:
-            self.client.request("restore", timeout=None, trigger="agent", parent=parent)
-        except RemoteError as e:
+            reply = self.client.request("restore", timeout=None, trigger="agent", parent=parent)
+        except (RemoteError, OSError) as e:
             # the state is still held; the cell runs and its GPU calls wait for a restore
             print(f"gpushare: restore failed: {e}", file=sys.stderr)
             return
+        self.note_state(str((reply.get("kernel") or {}).get("state", "active")))
         log.debug("gpushare: restored before the cell in %.2f s", time.monotonic() - started)
 
 

@@ -13,11 +13,14 @@ Usage::
 
 from __future__ import annotations
 
+import ast
 import html
+import math
 import time
 from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.display import display
 
 from ..protocol import RemoteError
 from ..sim.node import format_bytes
@@ -84,33 +87,46 @@ def status_rows(kernel: dict[str, Any]) -> list[tuple[str, str]]:
 class GPUShareMagics(Magics):
     @line_cell_magic
     def gpushare(self, line: str = "", cell: str | None = None) -> Any:
-        """%gpushare [status|release|restore|pin|unpin|idle-timeout SECONDS]; %%gpushare release-after
+        """This kernel's share of the GPU: status and actions.
 
-        %gpushare                      this kernel's state, memory on GPU and host, utilization,
-                                       idle time, method and the next automatic release time
-        %gpushare release              release this kernel's GPU memory now (kept on the host)
-        %gpushare restore              bring it back now (a cell restores it anyway)
-        %gpushare pin / unpin          never (again) release this kernel automatically
-        %gpushare idle-timeout S       this kernel's idle timeout in seconds (0 = never;
-                                       "default" = the server's)
-        %%gpushare release-after       run the cell, then release at once
+        %gpushare                      this kernel's state, memory on the GPU and on the host,
+                                       SM utilization, idle time, release method and the time
+                                       of the next automatic release (an HTML table in
+                                       JupyterLab, plain text elsewhere)
+        %gpushare status               the same
+        %gpushare release              release this kernel's GPU memory now; its GPU state is
+                                       kept in host memory and comes back on the next cell
+        %gpushare restore              bring the GPU state back now (any cell that needs it
+                                       restores it anyway)
+        %gpushare pin                  never release this kernel automatically
+        %gpushare unpin                release it again when idle
+        %gpushare idle-timeout SECONDS release this kernel after SECONDS idle (0 = never
+                                       automatically; "default" = the server's idle_timeout)
+        %%gpushare release-after       run the cell, then release at once (not if it fails)
+
+        In a kernel started by a Jupyter server with jupyter-gpushare enabled the magics are
+        loaded already; elsewhere use `%load_ext jupyter_gpushare`, which reports the GPU
+        memory of the frameworks imported here (no server: no release or restore).
         """
         words = line.split()
         command = words[0] if words else "status"
         if cell is not None:
             if command != "release-after" or len(words) > 1:
-                print(USAGE)
+                print(f"gpushare: the cell form is `%%gpushare release-after`, not {line.strip()!r}\n"
+                      + USAGE)
                 return None
-            self.shell.run_cell(cell, store_history=False)
-            return self._release()
+            return self._release_after(cell)
+        if command == "idle-timeout":
+            return self._idle_timeout(words[1:])
         handler = {
             "status": self._status, "release": self._release, "restore": self._restore,
             "pin": lambda: self._pin(True), "unpin": lambda: self._pin(False),
         }.get(command)
-        if command == "idle-timeout":
-            return self._idle_timeout(words[1:])
-        if handler is None or len(words) > 1:
-            print(USAGE)
+        if handler is None:
+            print(f"gpushare: unknown subcommand {command!r}\n{USAGE}")
+            return None
+        if len(words) > 1:
+            print(f"gpushare: {command} takes no arguments\n{USAGE}")
             return None
         return handler()
 
@@ -118,7 +134,7 @@ class GPUShareMagics(Magics):
     def _client(self):
         agent = agent_module.get_agent()
         if agent is None or agent.client is None or not agent.client.connected:
-            why = agent.why_offline if agent else "the gpushare agent is not loaded"
+            why = (agent.why_offline if agent else "") or "the gpushare agent is not loaded"
             return None, why
         return agent.client, ""
 
@@ -128,24 +144,35 @@ class GPUShareMagics(Magics):
             print(f"gpushare: no server: {why}")
             return None
         try:
-            return client.request(op, timeout=None, **args)
+            reply = client.request(op, timeout=None, **args)
         except (RemoteError, OSError, TimeoutError) as e:
             print(f"gpushare: {op} failed: {e}")
             return None
+        agent = agent_module.get_agent()
+        kernel = reply.get("kernel")
+        if agent is not None and isinstance(kernel, dict) and kernel.get("state"):
+            agent.note_state(kernel["state"])  # before the notification, which may lag
+        return reply
 
-    def _status(self) -> Any:
+    def _status(self) -> None:
         client, why = self._client()
         if client is None:
             agent = agent_module.get_agent()
             report = agent.report() if agent else {}
-            rows = [("server", why),
+            rows = [("server", f"none: {why}"),
                     ("frameworks", ", ".join(report.get("frameworks") or []) or "none imported"),
                     ("framework GPU memory", format_bytes(report.get("framework_bytes") or 0))]
-            return StatusView(rows, "gpushare: this kernel (no server)")
-        reply = self._ask("status")
-        if reply is None:
+            if report.get("simulated_bytes"):
+                rows.append(("simulated GPU memory", format_bytes(report["simulated_bytes"])))
+            if report.get("error"):
+                rows.append(("error", str(report["error"])))
+            display(StatusView(rows, "gpushare: this kernel (no gpushare server)"))
             return None
-        return StatusView(status_rows(reply["kernel"]), f"gpushare: this kernel ({reply.get('backend')})")
+        reply = self._ask("status")
+        if reply is not None:
+            display(StatusView(status_rows(reply["kernel"]),
+                               f"gpushare: this kernel ({reply.get('backend')} backend)"))
+        return None
 
     def _release(self) -> None:
         started = time.monotonic()
@@ -153,14 +180,16 @@ class GPUShareMagics(Magics):
         if reply is not None:
             k = reply["kernel"]
             print(f"gpushare: released {format_bytes(k.get('released_bytes') or 0)} to host memory "
-                  f"in {time.monotonic() - started:.2f} s; the next cell restores it")
+                  f"in {time.monotonic() - started:.2f} s; the next cell that needs it restores it")
 
     def _restore(self) -> None:
-        parent = getattr(self.shell, "parent_header", None) or {}
-        agent = agent_module.get_agent()
-        if agent is not None and not agent.released:
+        before = self._ask("status")
+        if before is None:
+            return
+        if before["kernel"].get("state") not in agent_module.HELD_STATES:
             print("gpushare: this kernel's GPU state is already resident")
             return
+        parent = getattr(self.shell, "parent_header", None) or {}
         started = time.monotonic()
         reply = self._ask("restore", trigger="magic", parent=parent)
         if reply is not None:
@@ -173,7 +202,7 @@ class GPUShareMagics(Magics):
 
     def _idle_timeout(self, args: list[str]) -> None:
         if len(args) != 1:
-            print(USAGE)
+            print(f"gpushare: idle-timeout takes one value: seconds or 'default'\n{USAGE}")
             return
         seconds: float | None
         if args[0] == "default":
@@ -182,14 +211,31 @@ class GPUShareMagics(Magics):
             try:
                 seconds = float(args[0])
             except ValueError:
-                print(f"gpushare: idle-timeout takes seconds (a number >= 0) or 'default', not {args[0]!r}")
-                return
-            if seconds < 0:
-                print("gpushare: idle-timeout must be >= 0 (0 = never release automatically)")
+                seconds = float("nan")
+            if not math.isfinite(seconds) or seconds < 0:
+                print("gpushare: idle-timeout takes seconds (a number >= 0; 0 = never release "
+                      f"automatically) or 'default', not {args[0]!r}")
                 return
         if self._ask("idle_timeout", seconds=seconds) is not None:
             print("gpushare: idle timeout " + ("back to the server's default" if seconds is None
                   else "off (never released automatically)" if seconds == 0 else f"{seconds:g} s"))
+
+    def _release_after(self, cell: str) -> Any:
+        """Run ``cell`` like a cell (its errors are the cell's), show its value, then release."""
+        shell: Any = self.shell
+        source = shell.transform_cell(cell)
+        tree = ast.parse(source, filename="<cell>")
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        filename = shell.compile.cache(source)
+        ns = shell.user_ns
+        exec(compile(tree, filename, "exec"), shell.user_global_ns, ns)
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), filename, "eval"),
+                         shell.user_global_ns, ns)
+            if value is not None:
+                shell.displayhook(value)  # shown while the GPU state is still resident
+        self._release()
+        return None
 
 
 def register(ipython: Any) -> None:
