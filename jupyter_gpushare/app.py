@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from typing import Any
 
@@ -521,7 +522,8 @@ class GPUShareApp(ExtensionApp):
 
     def _agent_idle_timeout(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         seconds = msg.get("seconds")
-        if seconds is not None and (not isinstance(seconds, (int, float)) or seconds < 0):
+        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                                    or not math.isfinite(seconds) or seconds < 0):
             raise ValueError("idle timeout must be a number of seconds >= 0")
         self.controller.set_idle_timeout(conn.kernel_id, None if seconds is None else float(seconds))
         return {"kernel": kernel_view(self.controller, conn.kernel_id)}

@@ -18,6 +18,7 @@ from jupyter_server.services.kernels.connection.base import deserialize_msg_from
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
 from .controller import RELEASING, Controller, ControllerError
+from .kernel.lazy import only_gpushare_magics
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,9 @@ class GateConnection(ZMQChannelsWebsocketConnection):
                 content = self.get_part("content", None, msg_list)
             else:
                 content = json.loads(ws_msg).get("content") or {}
-            code = str(content.get("code", ""))
-        except Exception:
+            return only_gpushare_magics(str(content.get("code", "")))
+        except Exception:  # unreadable: hold it, a restore is the safe side
             return False
-        lines = [ln.strip() for ln in code.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-        return bool(lines) and all(ln.split()[0] == "%gpushare" for ln in lines)
 
     def _must_wait(self, controller: Controller) -> bool:
         st = controller.states.get(self.kernel_id)

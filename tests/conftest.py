@@ -59,3 +59,32 @@ def kernels(jp_fetch, jp_ws_fetch, gpushare_app, jp_asyncio_loop):
     factory = KernelFactory(jp_fetch, jp_ws_fetch, gpushare_app)
     yield factory
     jp_asyncio_loop.run_until_complete(factory.close())
+
+
+@pytest.fixture
+def events(jp_serverapp) -> list[dict]:
+    """Every gpushare kernel event the server emits during the test, in order."""
+    from jupyter_gpushare.events import KERNEL_SCHEMA_ID
+
+    seen: list[dict] = []
+
+    async def listener(logger, schema_id, data):
+        seen.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=KERNEL_SCHEMA_ID, listener=listener)
+    return seen
+
+
+@pytest.fixture
+def restores(jp_serverapp) -> list[tuple[str, str]]:
+    """(kernel_id, reason) of every restore, in order: which trigger restored."""
+    from jupyter_gpushare.events import KERNEL_SCHEMA_ID
+
+    seen: list[tuple[str, str]] = []
+
+    async def listener(logger, schema_id, data):
+        if data.get("action") == "restored":
+            seen.append((data["kernel_id"], data.get("reason", "")))
+
+    jp_serverapp.event_logger.add_listener(schema_id=KERNEL_SCHEMA_ID, listener=listener)
+    return seen

@@ -9,7 +9,6 @@ import pytest
 from tornado.httpclient import HTTPClientError
 
 from jupyter_gpushare import clock
-from jupyter_gpushare.events import KERNEL_SCHEMA_ID
 from jupyter_gpushare.sim.node import GiB
 
 from .helpers import execute_request, get_json, kernel_status, wait_for
@@ -21,16 +20,6 @@ IDLE = 60.0
 def gpushare_config():
     return {"idle_timeout": IDLE, "pressure_idle_timeout": 30.0}
 
-
-@pytest.fixture
-def events(jp_serverapp):
-    seen: list[dict] = []
-
-    async def listener(logger, schema_id, data):
-        seen.append(dict(data))
-
-    jp_serverapp.event_logger.add_listener(schema_id=KERNEL_SCHEMA_ID, listener=listener)
-    return seen
 
 
 MiB = 1 << 20

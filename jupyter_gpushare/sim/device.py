@@ -14,7 +14,6 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -76,8 +75,6 @@ class SimDevice:
         self.state = RUNNING
         self._inflight = 0
         self._blocks: weakref.WeakKeyDictionary[Any, _Block] = weakref.WeakKeyDictionary()
-        #: called once when a GPU call finds the process released (lazy restore, sim only)
-        self.on_blocked: Callable[[], None] | None = None
 
     # -- allocation ---------------------------------------------------------------
     def register(self, array: Any, gpu: int, nbytes: int) -> None:
@@ -114,9 +111,7 @@ class SimDevice:
     def op(self):
         """Wrap every simulated GPU call: blocks while the process is locked or released."""
         with self._cond:
-            if self.state != RUNNING and self.on_blocked is not None:
-                threading.Thread(target=self.on_blocked, daemon=True).start()
-            while self.state != RUNNING:
+            while self.state != RUNNING:  # like CUDA under the checkpoint lock: wait
                 self._cond.wait()
             self._inflight += 1
         try:
