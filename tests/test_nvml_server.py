@@ -52,3 +52,51 @@ async def test_foreign_pids_fall_back_to_agent_reports(jp_fetch, kernels, gpusha
     assert report["framework_bytes"] == 0 and "frameworks" in report
     info = await kernel_status(jp_fetch, k.id)
     assert info["gpu_memory_bytes"] == 0  # nothing is attributed on a guess
+
+
+@pytest.fixture
+def fake_driver(monkeypatch, fake_nvml):
+    """cuda.core's checkpoint API faked at its boundary (tests/gpu has the real thing)."""
+    from .fakes.fake_checkpoint import FakeCheckpointDriver, install_fake_cuda_core
+
+    install_fake_cuda_core(monkeypatch)
+    return FakeCheckpointDriver()
+
+
+@pytest.mark.parametrize("gpushare_config", [{"backend": "nvml", "idle_timeout": 0}])
+async def test_driver_method_through_the_server(fake_nvml, fake_driver, jp_fetch, kernels, gpushare_app):
+    """Release over REST checkpoints the kernel's pid; the next cell restores it only once
+    NVML shows room, and the gate holds the cell until then. (The fakes come first in the
+    arguments: the server must start with them installed.)"""
+    import asyncio
+    import json
+
+    from .helpers import wait_for
+
+    assert gpushare_app.method_name == "driver"
+    gpushare_app.methods["driver"]._factory = fake_driver.process
+    k = await kernels.start()
+    pid = gpushare_app.tracker.kernel_pid(k.id)
+    gpu = fake_nvml.gpus[0]
+    gpu.processes, gpu.memory_used = [FakeProcess(pid, 4 * GiB)], 4 * GiB
+    await gpushare_app.poll_once()
+
+    r = await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    assert json.loads(r.body)["state"] == "released"
+    assert fake_driver.steps() == [f"lock {pid}", f"checkpoint {pid}"]
+    assert fake_driver.states[pid] == "checkpointed"
+
+    # the driver freed the memory; another process takes most of the GPU meanwhile
+    gpu.processes, gpu.memory_used = [FakeProcess(2**22 + 1, 78 * GiB)], 78 * GiB
+    msg_id = k.send("print('after restore')")
+    await wait_for(lambda: gpushare_app.controller.states[k.id].waiting, what="waiting for room")
+    assert "needs 4.0 GiB on GPU 0 (2.0 GiB free)" in gpushare_app.controller.states[k.id].waiting
+    await asyncio.sleep(0.3)
+    assert fake_driver.steps() == [f"lock {pid}", f"checkpoint {pid}"]  # never restore without room
+    assert k.executions[msg_id].status == ""
+
+    gpu.processes, gpu.memory_used = [], 0
+    ex = await k.wait(msg_id)
+    assert "after restore" in ex.stdout
+    assert fake_driver.steps() == [f"lock {pid}", f"checkpoint {pid}", f"restore {pid}", f"unlock {pid}"]
+    assert gpushare_app.controller.states[k.id].state == "active"
