@@ -39,6 +39,17 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         handler = getattr(self, "websocket_handler", None)
         return handler.settings.get(SETTINGS_KEY) if handler is not None else None
 
+    def connect(self) -> Any:
+        # A reply is several small websocket frames; with Nagle's algorithm on, the last one
+        # waits for the client's delayed ACK: ~40 ms per cell (benchmarks/gate_latency.py).
+        handler = getattr(self, "websocket_handler", None)
+        if handler is not None:
+            try:
+                handler.set_nodelay(True)
+            except Exception:  # no stream yet: the stock behaviour, nothing lost
+                pass
+        return super().connect()
+
     def _peek(self, ws_msg: Any) -> tuple[str | None, dict[str, Any]]:
         """(channel, header) of a websocket message, without consuming it."""
         try:

@@ -65,11 +65,17 @@ class GPURecord:
 
 def _children_by_parent() -> dict[int, list[int]]:
     """parent pid -> child pids of every process we can see, in one pass over /proc."""
+    ppid_map = getattr(psutil, "_ppid_map", None)  # 3x cheaper than process_iter (psutil's own)
+    try:
+        pairs = ppid_map().items() if ppid_map is not None else None
+    except Exception:  # a private helper that changed: the public way
+        pairs = None
+    if pairs is None:
+        pairs = ((p.pid, p.info.get("ppid")) for p in psutil.process_iter(["ppid"]))
     children: dict[int, list[int]] = {}
-    for proc in psutil.process_iter(["ppid"]):
-        ppid = proc.info.get("ppid")
+    for pid, ppid in pairs:
         if ppid:
-            children.setdefault(ppid, []).append(proc.pid)
+            children.setdefault(ppid, []).append(pid)
     return children
 
 
