@@ -389,3 +389,16 @@ async def test_gpushare_magic_cells_pass_the_gate_without_a_restore(jp_fetch, ke
     await k.run("%gpushare restore")
     assert gpushare_app.controller.states[k.id].state == "active"
 
+
+
+@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+async def test_shutdown_while_a_restore_waits_drops_everything_cleanly(jp_fetch, kernels, gpushare_app):
+    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    a.send("print('never runs')")
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting")
+    await jp_fetch("api", "kernels", a.id, method="DELETE")
+    await wait_for(lambda: a.id not in gpushare_app.channel.connections, what="agent gone")
+    await gpushare_app.poll_once()
+    assert a.id not in gpushare_app.controller.states
+    assert gpushare_app.node.used(0) == 1280 * MiB  # only b's memory is accounted
+    await b.run("assert [v.checksum() for v in b] == b_sum")  # the other kernel is unharmed
