@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import select
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,8 @@ import pytest
 
 from jupyter_gpushare.reclaim.base import KernelTarget
 from jupyter_gpushare.reclaim.driver import DriverMethod, driver_support
-from jupyter_gpushare.telemetry.nvml import NVMLTelemetry
+
+from .helpers import readline
 
 pytestmark = pytest.mark.gpu
 
@@ -39,21 +39,6 @@ CHILD = textwrap.dedent(
 )
 
 
-def _readline(proc: subprocess.Popen, timeout: float = 120) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, "child did not answer"
-    return proc.stdout.readline().strip()
-
-
-@pytest.fixture
-def nvml():
-    t = NVMLTelemetry()
-    st = t.open()
-    assert st.available, st.reason
-    yield t
-    t.close()
-
-
 @pytest.fixture
 def supported():
     if importlib.util.find_spec("torch") is None:
@@ -70,7 +55,7 @@ def torch_child(nvml, supported):
         [sys.executable, "-c", CHILD],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
     )
-    word, checksum = _readline(proc).split()
+    word, checksum = readline(proc).split()
     assert word == "ready"
     held = free_before - nvml.free_bytes(0)  # its tensor and its CUDA context
     assert held >= GiB
@@ -96,7 +81,7 @@ def test_release_frees_memory_and_restore_keeps_the_data(nvml, torch_child):
     assert res.bytes == held
     assert free_resident - nvml.free_bytes(0) >= GiB * 0.9
     proc.stdin.write("check\n")
-    assert _readline(proc) == checksum
+    assert readline(proc) == checksum
     assert lines[-1].startswith(f"restoring pid {proc.pid}")
 
 
@@ -107,4 +92,4 @@ def test_abort_after_release_leaves_it_running(nvml, torch_child):
     asyncio.run(method.release(target))
     asyncio.run(method.abort(target))
     proc.stdin.write("check\n")
-    assert _readline(proc) == checksum
+    assert readline(proc) == checksum

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import select
 import subprocess
 import sys
 import textwrap
@@ -11,7 +10,9 @@ import time
 
 import pytest
 
-from jupyter_gpushare.telemetry.nvml import NVMLTelemetry, foreign_pids
+from jupyter_gpushare.telemetry.nvml import foreign_pids
+
+from .helpers import readline
 
 pytestmark = pytest.mark.gpu
 
@@ -59,28 +60,13 @@ def _framework() -> str:
     pytest.skip("needs torch or cupy to allocate GPU memory in a child process")
 
 
-def _readline(proc: subprocess.Popen, timeout: float = 120) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout)
-    assert ready, "child did not answer"
-    return proc.stdout.readline().strip()
-
-
-@pytest.fixture
-def nvml():
-    t = NVMLTelemetry()
-    st = t.open()
-    assert st.available, st.reason
-    yield t
-    t.close()
-
-
 @pytest.fixture
 def child():
     proc = subprocess.Popen(
         [sys.executable, "-c", CHILD, _framework()],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
     )
-    assert _readline(proc) == "ready"
+    assert readline(proc) == "ready"
     yield proc
     proc.stdin.close()
     proc.wait(timeout=60)
@@ -112,7 +98,7 @@ def test_sees_a_child_process_and_its_memory(nvml, child):
 def test_process_utilization_while_busy(nvml, child):
     nvml.processes()  # sets the per-device timestamp
     child.stdin.write("spin\n")
-    assert _readline(child) == "spun"
+    assert readline(child) == "spun"
     deadline = time.monotonic() + 10
     seen = []
     while time.monotonic() < deadline and not seen:
