@@ -3,7 +3,7 @@
  * two notebooks allocate 1 GiB each; release one from the panel, restore it by running a
  * cell, pin the other. Screenshots go to artifacts/ for people to look at.
  */
-import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
+import { expect, galata, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
 import { Locator } from '@playwright/test';
 import * as path from 'path';
 
@@ -166,4 +166,29 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await page.notebook.activate('alloc-a.ipynb');
   await b.locator('.jp-GPUShare-kernelName').click();
   await expect.poll(() => page.activity.isTabActive('alloc-b.ipynb')).toBe(true);
+});
+
+test.describe('with the notifications setting off', () => {
+  // galata serves the lab's settings from the page (mockSettings); set ours there
+  test.use({
+    mockSettings: { ...galata.DEFAULT_SETTINGS, 'jupyter-gpushare:plugin': { notifications: false } }
+  });
+
+  test('a release shows no toast', async ({ page, tmpPath }) => {
+    await allocatingNotebook(page, tmpPath, 'quiet.ipynb');
+    await openPanel(page);
+    const quiet = row(page, 'quiet.ipynb');
+    await expect(quiet).toHaveAttribute('data-gpu-memory-bytes', String(GiB));
+    await quiet.locator('button[data-action="release"]').click();
+    // Sample for 3 s rather than expect(...).toHaveCount(0), which would retry until a toast
+    // that did appear had closed by itself, and so pass either way.
+    const toasts = page.locator('.Toastify__toast').filter({ hasText: 'Released' });
+    const seen: number[] = [];
+    for (let i = 0; i < 12; i++) {
+      seen.push(await toasts.count());
+      await page.waitForTimeout(250);
+    }
+    await expect(quiet).toHaveAttribute('data-state', 'released');
+    expect(Math.max(...seen)).toBe(0);
+  });
 });
