@@ -387,7 +387,6 @@ class GPUShareApp(ExtensionApp):
         self._start_task = True
         await self.channel.start()
         self._poll_task = asyncio.ensure_future(self._poll_loop())
-        self._started.set()
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         await self._start()
@@ -399,7 +398,6 @@ class GPUShareApp(ExtensionApp):
         await self._started.wait()
 
     async def _poll_loop(self) -> None:
-        first = True
         while True:
             try:
                 await self.poll_once()
@@ -407,8 +405,7 @@ class GPUShareApp(ExtensionApp):
                 raise
             except Exception:  # one bad poll must not stop tracking
                 self.log.exception("gpushare: poll failed")
-            if first:
-                first = False
+            self._started.set()  # after the first poll: status never answers with no GPUs yet
             await asyncio.sleep(self.poll_interval)
 
     async def poll_once(self) -> None:

@@ -117,7 +117,7 @@ class Controller:
 
     def candidate(self, st: KernelState, rec: KernelRecord, now: float) -> policy.Candidate:
         window = st.idle_timeout if st.idle_timeout else self.config.idle_timeout
-        since = now - max(window, self.tracker_interval())
+        since = now - max(window, 1.0)  # at least one sample's worth of window
         return policy.Candidate(
             kernel_id=st.kernel_id,
             resident=st.state in (ACTIVE, IDLE),
@@ -129,9 +129,6 @@ class Controller:
             idle_timeout=st.idle_timeout,
             releasable=self.choose_method(st.kernel_id) is not None,
         )
-
-    def tracker_interval(self) -> float:
-        return 1.0
 
     def release_in(self, kernel_id: str) -> float | None:
         st, rec = self.states.get(kernel_id), self.tracker.kernels.get(kernel_id)

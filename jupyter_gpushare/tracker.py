@@ -34,7 +34,6 @@ class KernelRecord:
     execution_state: str = "unknown"
     last_activity: float = 0.0  # epoch seconds (server activity or GPU use, the later)
     first_seen: float = 0.0
-    agent_connected: bool = False
     # (t, bytes held, SM %, {gpu: bytes}) per poll
     history: deque[tuple[float, int, float | None, dict[int, int]]] = field(default_factory=deque)
 
