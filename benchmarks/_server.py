@@ -423,6 +423,21 @@ class Server:
             await asyncio.sleep(0.05)
 
 
+async def pass_cells(kernel: Kernel, n: int, measure: str) -> list[tuple[float, float]]:
+    """(round trip, ``measure``) seconds of ``n`` cells ``pass``; ``measure`` is a Reply
+    property: "inbound" (send -> kernel start) or "in_kernel" (the kernel's own span)."""
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        reply = await kernel.execute("pass")
+        rtt = time.perf_counter() - t
+        value = getattr(reply, measure)
+        if reply.status != "ok" or value is None:
+            raise RuntimeError(f"cell failed or no {measure} time: {reply}")
+        out.append((rtt, value))
+    return out
+
+
 def process_cpu_seconds(p: psutil.Process) -> float:
     """User + system CPU seconds of ``p`` itself (its children excluded)."""
     t = p.cpu_times()

@@ -30,10 +30,9 @@ import argparse
 import asyncio
 import statistics
 import sys
-import time
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _server import Kernel, Server, machine, summary, table
+from _server import Server, machine, pass_cells, summary, table
 
 CONFIGS = [("agent", True, {}), ("no agent", True, {"load_agent": False}), ("off", False, {})]
 
@@ -66,19 +65,6 @@ print(json.dumps((time.perf_counter() - _t) / {n}))
 HOOK_CALLS = 20000
 
 
-async def wire(kernel: Kernel, n: int) -> list[tuple[float, float]]:
-    """(round trip, kernel span) seconds of ``n`` cells ``pass``."""
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        reply = await kernel.execute("pass")
-        rtt = time.perf_counter() - t
-        if reply.status != "ok" or reply.in_kernel is None:
-            raise RuntimeError(f"cell failed or no kernel times: {reply}")
-        out.append((rtt, reply.in_kernel))
-    return out
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="300 cells")
@@ -104,12 +90,12 @@ async def main() -> None:
         if not probes["agent"]["agent"] or probes["no agent"]["agent"] or probes["off"]["agent"]:
             raise RuntimeError(f"unexpected setup: {probes}")
         for name in names:  # warm up
-            await wire(kernels[name], 30)
+            await pass_cells(kernels[name], 30, "in_kernel")
             await kernels[name].value(IN_KERNEL.format(n=100))
         for r in range(args.rounds):
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
-                wire_s[name] += await wire(kernels[name], per_round)
+                wire_s[name] += await pass_cells(kernels[name], per_round, "in_kernel")
                 inside[name].append(await kernels[name].value(IN_KERNEL.format(n=per_round)))
                 hooks[name].append(await kernels[name].value(HOOKS.format(n=HOOK_CALLS)))
     finally:

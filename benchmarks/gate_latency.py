@@ -29,26 +29,12 @@ import argparse
 import asyncio
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _server import Kernel, Server, machine, summary, table
+from _server import Server, machine, pass_cells, summary, table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GATE_OFF_LOG = "the gate is off"
-
-
-async def round_trips(kernel: Kernel, n: int) -> list[tuple[float, float]]:
-    """(round trip, inbound) seconds of ``n`` cells ``pass``."""
-    out = []
-    for _ in range(n):
-        t = time.perf_counter()
-        reply = await kernel.execute("pass")
-        rtt = time.perf_counter() - t
-        if reply.status != "ok" or reply.inbound is None:
-            raise RuntimeError(f"cell failed or no start time: {reply}")
-        out.append((rtt, reply.inbound))
-    return out
 
 
 async def main() -> None:
@@ -81,12 +67,12 @@ async def main() -> None:
             if gate_off != (not srv.name.startswith("gate")):
                 raise RuntimeError(f"server {srv.name}: gate off = {gate_off}:\n{srv.log_tail()}")
         for kernel in kernels.values():
-            await round_trips(kernel, args.warmup)
+            await pass_cells(kernel, args.warmup, "inbound")
         results = {key: [] for key in kernels}
         for r in range(args.rounds):
             order = list(kernels) if r % 2 == 0 else list(reversed(kernels))
             for key in order:
-                results[key] += await round_trips(kernels[key], per_round)
+                results[key] += await pass_cells(kernels[key], per_round, "inbound")
     finally:
         for srv in servers:
             await srv.stop()

@@ -37,6 +37,15 @@ def hold(mib: int, device: int = 0, name: str = "x", chunk: int = 256) -> str:
     )
 
 
+async def released(jp_fetch, kernels, app, mib: int = 256):
+    """A kernel holding ``mib`` MiB (see ``hold``), released over REST."""
+    k = await kernels.start()
+    await k.run(hold(mib))
+    await app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    return k
+
+
 async def crowded(jp_fetch, kernels, app):
     """On a 2 GiB GPU: kernel a released with 1.25 GiB, then kernel b holding 1.25 GiB, so a's
     restore does not fit unless b goes."""
@@ -263,10 +272,7 @@ async def test_release_that_fails_leaves_kernel_running(jp_fetch, kernels, gpush
 
 
 async def test_kernel_restart_while_released_drops_held_state(jp_fetch, kernels, gpushare_app):
-    k = await kernels.start()
-    await k.run(hold(512))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    k = await released(jp_fetch, kernels, gpushare_app, 512)
     await jp_fetch("api", "kernels", k.id, "restart", method="POST", body=b"")
     await wait_for(lambda: gpushare_app.controller.states[k.id].state != "released", what="drop")
     st = gpushare_app.controller.states[k.id]
@@ -279,10 +285,7 @@ async def test_kernel_restart_while_released_drops_held_state(jp_fetch, kernels,
 
 
 async def test_released_kernel_shutdown_frees_everything(jp_fetch, kernels, gpushare_app):
-    k = await kernels.start()
-    await k.run(hold(512))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    k = await released(jp_fetch, kernels, gpushare_app, 512)
     await jp_fetch("api", "kernels", k.id, method="DELETE")
     await wait_for(lambda: k.id not in gpushare_app.channel.connections, what="disconnect")
     await gpushare_app.poll_once()
@@ -291,10 +294,7 @@ async def test_released_kernel_shutdown_frees_everything(jp_fetch, kernels, gpus
 
 
 async def test_server_shutdown_restores_released_kernels(jp_fetch, kernels, gpushare_app):
-    k = await kernels.start()
-    await k.run(hold(256))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    k = await released(jp_fetch, kernels, gpushare_app, 256)
     await gpushare_app.controller.shutdown()
     assert gpushare_app.controller.states[k.id].state == "active"
     await k.run("assert [a.checksum() for a in x] == x_sum")
@@ -314,10 +314,7 @@ async def test_status_lists_release_time_and_state(jp_fetch, kernels, gpushare_a
 
 async def test_client_bypassing_the_gate_is_restored_by_the_agent(jp_fetch, kernels, gpushare_app, events):
     """Restore trigger 2: nbclient-style clients talk to the kernel's ZMQ ports directly."""
-    k = await kernels.start()
-    await k.run(hold(256))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    k = await released(jp_fetch, kernels, gpushare_app, 256)
     client = gpushare_app.serverapp.kernel_manager.get_kernel(k.id).client()
     client.start_channels()
     try:
@@ -344,10 +341,7 @@ async def test_release_and_restore_update_metrics(jp_fetch, kernels, gpushare_ap
     before = (sample("gpushare_releases_total", method="simulated", outcome="ok"),
               sample("gpushare_restores_total", method="simulated", outcome="ok"),
               sample("gpushare_restore_seconds_count"))
-    k = await kernels.start()
-    await k.run(hold(256))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    k = await released(jp_fetch, kernels, gpushare_app, 256)
     text = (await jp_fetch("metrics")).body.decode()
     assert f'gpushare_kernel_released_bytes{{kernel_id="{k.id}"}} 2.68435456e+08' in text
     assert "gpushare_released_bytes 2.68435456e+08" in text
@@ -379,10 +373,7 @@ async def test_kernels_that_come_and_go_leave_nothing_behind(jp_fetch, kernels, 
 
 
 async def test_gpushare_magic_cells_pass_the_gate_without_a_restore(jp_fetch, kernels, gpushare_app):
-    k = await kernels.start()
-    await k.run(hold(256))
-    await gpushare_app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    k = await released(jp_fetch, kernels, gpushare_app, 256)
     ex = await k.run("# what is my state?\n%gpushare")
     assert "released" in ex.text
     assert gpushare_app.controller.states[k.id].state == "released"
