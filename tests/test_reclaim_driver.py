@@ -278,30 +278,57 @@ def test_restore_refuses_failed_state(drv):
     assert drv.calls == []
 
 
-# -- abort at shutdown ----------------------------------------------------------------------
+# -- restore is also the way back from a half-done release ------------------------------------
 
-def test_abort_restores_with_room(drv):
-    m = released(drv, one_pid())
-    run(m.abort(one_pid()))
-    assert drv.steps() == ["restore 1234", "unlock 1234"]
-    assert drv.states[1234] == "running"
-
-
-def test_abort_without_room_leaves_checkpointed_and_says_how(drv, caplog):
-    room = Room(gpu0=1 * GiB)
-    m = released(drv, one_pid(), room)
-    run(m.abort(one_pid()))
-    assert drv.calls == [] and drv.states[1234] == "checkpointed"
-    assert "cuda-checkpoint --toggle --pid 1234" in caplog.text
-
-
-def test_abort_unlocks_a_locked_pid_and_never_raises(drv):
+def test_restore_unlocks_a_pid_left_locked_without_restoring_it(drv):
+    """A release that failed after its lock landed (e.g. a lock that ran late) leaves the pid
+    locked: restore reads that and only unlocks; the memory never left."""
     drv.process(1234).lock(0)
     drv.process(5678)
     drv.calls.clear()
-    drv.fail("unlock", 1234, "boom")
-    run(method(drv).abort(two_pids()))  # does not raise
+    res = run(method(drv).restore(two_pids()))
     assert drv.steps() == ["unlock 1234"]  # 5678 was running: nothing to do
+    assert res.bytes == 0 and drv.states == {1234: "running", 5678: "running"}
+
+
+def test_restore_finishes_what_a_partial_restore_left(drv):
+    m = released(drv, two_pids())
+    drv.fail("restore", 5678, "CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(ReclaimError, match="restore of pid 5678 failed") as e:
+        run(m.restore(two_pids()))
+    assert e.value.retryable and not e.value.resident
+    assert drv.states == {1234: "running", 5678: "checkpointed"}
+    drv.calls.clear()
+    run(m.restore(two_pids()))
+    assert drv.steps() == ["restore 5678", "unlock 5678"]
+    assert drv.states == {1234: "running", 5678: "running"}
+
+
+def test_a_hung_driver_call_ends_the_operation_with_the_reason(drv):
+    """A driver call that never returns: the operation fails after call_timeout, saying so,
+    and does not claim the kernel runs (the call may still land)."""
+    import threading
+
+    gate = threading.Event()
+    m = method(drv, call_timeout=0.2)
+    real = drv.process
+
+    class Stuck:
+        def __init__(self, pid):
+            self._p = real(pid)
+
+        def __getattr__(self, name):
+            return getattr(self._p, name)
+
+        def checkpoint(self):
+            gate.wait(1)
+            self._p.checkpoint()
+
+    m._factory = Stuck
+    with pytest.raises(ReclaimError, match="checkpoint of pid 1234 did not return in 0.2 s") as e:
+        run(m.release(one_pid()))
+    assert not e.value.resident
+    gate.set()
 
 
 # -- support --------------------------------------------------------------------------------

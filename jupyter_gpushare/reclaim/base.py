@@ -1,24 +1,45 @@
 """One interface for the ways GPU memory leaves the GPU and comes back.
 
-A method never leaves a kernel worse than it found it: when ``release`` fails the
-kernel keeps running resident (the method undoes what it did, e.g. unlocks), and
-when ``restore`` fails the state is still held on the host. Either failure raises
-:class:`ReclaimError` with a message a person can act on.
+The contract every method keeps (the controller relies on it, and tests check it):
 
-Methods are driven only by the controller, which guarantees one operation per
-kernel at a time and checks for room on the GPU before calling ``restore``.
+- ``release`` moves the kernel's GPU state to host memory. When it fails it raises
+  :class:`ReclaimError` and says whether it *confirmed* that the kernel runs as before
+  (``resident=True``: nothing left the GPU, or the undo completed). Undo is reported, never
+  assumed: when the method cannot confirm it (a timeout, a lost connection, an undo that
+  failed), it raises with ``resident=False`` and the controller keeps the state held.
+- ``restore`` brings the kernel back to running with its whole state on the GPU **from any
+  point** a release or an earlier restore may have left it (locked, checkpointed, partly
+  moved, or already running): it reads where the kernel is and finishes the job, so a
+  restore is always the way back. It raises :class:`ReclaimError` when it cannot; the state
+  is then still held (``retryable`` says whether trying again can help).
+- Every call a method makes to a driver or an agent is bounded in time: a hung call ends in
+  an error with the reason, never in a hung operation.
+
+Methods are driven only by the controller, which guarantees one operation per kernel at a
+time and reserves room on the GPU before calling ``restore``.
 """
 
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
 class ReclaimError(Exception):
-    """A release or restore failed; the kernel's state is intact. ``str()`` says why."""
+    """A release or restore failed. ``str()`` says why, for a person.
+
+    ``resident``: the method confirmed that the kernel runs with all of its GPU state on the
+    GPU (only a failed release can say so). ``retryable``: a later restore may succeed
+    (False when the state is known to be lost or wedged, e.g. the driver's failed state).
+    """
+
+    def __init__(self, message: str, *, resident: bool = False, retryable: bool = True):
+        super().__init__(message)
+        self.resident = resident
+        self.retryable = retryable
 
 
 class AgentLink(Protocol):
@@ -35,7 +56,7 @@ class KernelTarget:
 
     kernel_id: str
     pids: list[int]  # the kernel's local pids that hold GPU memory (CUDA contexts)
-    gpu_bytes: dict[int, int]  # bytes held per GPU index right now
+    gpu_bytes: dict[int, int]  # bytes per GPU index: held now (release) or when released (restore)
     agent: AgentLink | None = None  # None when the kernel has no agent (e.g. R, Julia)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -57,10 +78,30 @@ class Support:
 Progress = Callable[[str], Awaitable[None] | None]
 
 
+async def say(progress: Progress | None, text: str) -> None:
+    """Report progress, if anyone listens."""
+    if progress is not None:
+        out = progress(text)
+        if inspect.isawaitable(out):
+            await out
+
+
+def reply_int(reply: dict[str, Any], key: str, default: int = 0) -> int:
+    """An integer field of an agent's reply; a wrong type is the agent's error, said so."""
+    value = reply.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ReclaimError(f"the kernel agent answered {key}={value!r}, not a byte count")
+    return value
+
+
 class ReclaimMethod(abc.ABC):
     """Base class of ``driver``, ``framework`` and ``simulated``."""
 
     name: str = ""
+    #: needs the kernel's agent (the kernel was started by this server with the agent loaded)
+    needs_agent: bool = False
+    #: the kernel can run CPU-only cells while released (lazy restore): GPU calls just wait
+    supports_lazy: bool = False
 
     @abc.abstractmethod
     def support(self) -> Support:
@@ -73,6 +114,3 @@ class ReclaimMethod(abc.ABC):
     @abc.abstractmethod
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
         """Bring the state back onto the GPU(s) it came from and let the kernel run."""
-
-    async def abort(self, target: KernelTarget) -> None:  # noqa: B027 - optional hook
-        """Best effort at server shutdown: leave the kernel unlocked (resident if possible)."""

@@ -15,7 +15,11 @@ Order of operations and why:
   that fails for lack of memory wedges the process for good (NVIDIA/cuda-checkpoint#44), so
   the method refuses when free memory is short *or unknown* and never calls restore blind.
 - Each step reads the driver's state of the pid first, so repeating an operation after a
-  partial failure finishes the job instead of failing on an illegal state.
+  partial failure finishes the job instead of failing on an illegal state: ``restore`` is
+  also the way back from a release that failed half-way.
+- Every driver call runs in a worker thread with a time limit. A call that does not return
+  in time ends the operation with the reason (the kernel's state stays held, and the next
+  restore reads where the driver left it); it never holds the kernel's operation forever.
 
 ``KernelTarget.gpu_bytes`` on restore must be what the kernel held when it was released (the
 controller keeps it): the GPU holds nothing of it while released. Optional
@@ -26,14 +30,14 @@ and the progress lines show sizes per pid.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
-import inspect
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
-from .base import KernelTarget, Progress, ReclaimError, ReclaimMethod, ReclaimResult, Support
+from .base import KernelTarget, Progress, ReclaimError, ReclaimMethod, ReclaimResult, Support, say
 
 _LOG = logging.getLogger("jupyter_gpushare.reclaim.driver")
 
@@ -142,10 +146,15 @@ def _real_process_factory() -> Callable[[int], Any]:
     return Process
 
 
+class _Hung(Exception):
+    """A driver call that did not return within its time limit."""
+
+
 class DriverMethod(ReclaimMethod):
     """Checkpoint a kernel's CUDA processes through the driver and restore them."""
 
     name = "driver"
+    supports_lazy = True  # a checkpointed process runs its CPU code; CUDA calls wait
 
     def __init__(
         self,
@@ -154,6 +163,7 @@ class DriverMethod(ReclaimMethod):
         process_factory: Callable[[int], Any] | None = None,
         log: logging.Logger | None = None,
         margin_bytes: int = 0,
+        call_timeout: float = 600.0,
     ) -> None:
         """
         free_bytes: free memory on a GPU index, read now; None = unknown (restore refuses).
@@ -161,12 +171,15 @@ class DriverMethod(ReclaimMethod):
         process_factory: pid -> object with the ``cuda.core.checkpoint.Process`` surface
             (tests inject a fake); default: the real class, loaded on first use.
         margin_bytes: extra free memory required on each GPU beyond what the kernel held.
+        call_timeout: seconds a checkpoint, restore or unlock call may take before the
+            operation gives up on it (a lock gets its own timeout plus 10 s).
         """
         self.free_bytes = free_bytes
         self.lock_timeout_ms = lock_timeout_ms
         self._factory = process_factory
         self.log = log or _LOG
         self.margin_bytes = margin_bytes
+        self.call_timeout = call_timeout
 
     def support(self) -> Support:
         return driver_support()
@@ -179,25 +192,27 @@ class DriverMethod(ReclaimMethod):
             except ReclaimError:
                 raise
             except Exception as e:
-                raise ReclaimError(f"the CUDA checkpoint API is unavailable: {e}") from e
+                raise ReclaimError(f"the CUDA checkpoint API is unavailable: {e}", resident=True) from e
         try:
             return self._factory(pid)
         except Exception as e:
-            raise ReclaimError(f"pid {pid}: cannot open it for checkpointing: {e}") from e
+            raise ReclaimError(f"pid {pid}: cannot open it for checkpointing: {e}", resident=True) from e
 
-    @staticmethod
-    async def _say(progress: Progress | None, msg: str) -> None:
-        if progress is None:
-            return
-        out = progress(msg)
-        if inspect.isawaitable(out):
-            await out
+    async def _call(self, what: str, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run a blocking driver call in a worker thread, within a time limit."""
+        limit = self.call_timeout if timeout is None else timeout
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn), limit)
+        except asyncio.TimeoutError:
+            raise _Hung(f"{what} did not return in {limit:g} s") from None
 
-    @staticmethod
-    async def _state(proc: Any) -> str | None:
+    def _lock_limit(self) -> float:
+        return self.lock_timeout_ms / 1000 + 10 if self.lock_timeout_ms else self.call_timeout
+
+    async def _state(self, proc: Any) -> str | None:
         """The driver's state of the pid, None when it cannot be read."""
         try:
-            return str(await asyncio.to_thread(lambda: proc.state))
+            return str(await self._call("reading the checkpoint state", lambda: proc.state, 30))
         except Exception:
             return None
 
@@ -227,8 +242,14 @@ class DriverMethod(ReclaimMethod):
 
     async def _room(self, need: dict[int, int]) -> str | None:
         """None when every GPU has room for ``need``; else why not (a person reads it)."""
+        if any(gpu < 0 for gpu in need):
+            return "the GPU this kernel's memory was on is not known, so a restore is not safe"
         for gpu, b in sorted(need.items()):
-            free = await asyncio.to_thread(self.free_bytes, gpu)
+            try:
+                free = await self._call(f"reading free memory of GPU {gpu}",
+                                        functools.partial(self.free_bytes, gpu), 30)
+            except _Hung:
+                free = None
             if free is None:
                 return f"free memory on GPU {gpu} is unknown, so a restore is not safe"
             if free < b + self.margin_bytes:
@@ -241,11 +262,11 @@ class DriverMethod(ReclaimMethod):
     # -- release ------------------------------------------------------------------------
     async def release(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
         if not target.pids:
-            raise ReclaimError("no local process of this kernel holds GPU memory")
+            raise ReclaimError("no local process of this kernel holds GPU memory", resident=True)
         t0 = time.perf_counter()
         procs = [(pid, self._process(pid)) for pid in target.pids]  # fails fast without cuda-core
         if target.agent is not None:
-            await self._say(progress, "asking the kernel to trim its GPU caches")
+            await say(progress, "asking the kernel to trim its GPU caches")
             try:
                 await target.agent.request("trim", timeout=30)
             except Exception as e:  # an optimisation only: checkpoint copes without it
@@ -253,7 +274,9 @@ class DriverMethod(ReclaimMethod):
         states = {pid: await self._state(p) for pid, p in procs}
         for pid in target.pids:
             if states[pid] == "failed":
-                raise ReclaimError(f"pid {pid} is in the driver's failed checkpoint state")
+                raise ReclaimError(
+                    f"pid {pid} is in the driver's failed checkpoint state: its GPU state cannot "
+                    "be brought back; restart the kernel", retryable=False)
 
         touched: list[tuple[int, Any]] = []
         step, pid = "lock", 0
@@ -262,21 +285,24 @@ class DriverMethod(ReclaimMethod):
                 if states[pid] in ("locked", "checkpointed"):
                     touched.append((pid, p))
                     continue
-                await self._say(progress, f"locking pid {pid}")
-                await asyncio.to_thread(p.lock, self.lock_timeout_ms)
-                touched.append((pid, p))
+                await say(progress, f"locking pid {pid}")
+                touched.append((pid, p))  # a lock that times out may still land: undo checks
+                await self._call(f"lock of pid {pid}", functools.partial(p.lock, self.lock_timeout_ms),
+                                 self._lock_limit())
             step = "checkpoint"
             for pid, p in procs:
                 if states[pid] == "checkpointed":
                     continue
-                await self._say(progress, f"checkpointing pid {pid}{self._size(target, pid)}")
-                await asyncio.to_thread(p.checkpoint)
+                await say(progress, f"checkpointing pid {pid}{self._size(target, pid)}")
+                await self._call(f"checkpoint of pid {pid}", p.checkpoint)
         except Exception as e:
             msg = f"{step} of pid {pid} failed: {_explain(e)}"
-            if step == "lock":
+            if step == "lock" and not isinstance(e, _Hung):
                 msg += f" (timeout {self.lock_timeout_ms} ms: is the kernel busy on the GPU?)"
-            undo = await self._rollback(target, touched, progress)
-            raise ReclaimError(f"{msg}; {undo}") from e
+            undo, complete = await self._rollback(target, touched, progress)
+            if isinstance(e, _Hung):  # the call may still land after the rollback looked
+                complete, undo = False, "a driver call is still pending, so the state stays held"
+            raise ReclaimError(f"{msg}; {undo}", resident=complete) from e
 
         total = sum(target.gpu_bytes.values())
         n = len(procs)
@@ -288,8 +314,10 @@ class DriverMethod(ReclaimMethod):
 
     async def _rollback(
         self, target: KernelTarget, touched: list[tuple[int, Any]], progress: Progress | None
-    ) -> str:
-        """Bring every pid we touched back to running, newest first. Returns what happened."""
+    ) -> tuple[str, bool]:
+        """Bring every pid we touched back to running, newest first.
+
+        Returns what happened and whether every pid is confirmed running."""
         stuck: list[str] = []
         for pid, p in reversed(touched):
             state = await self._state(p)
@@ -299,18 +327,20 @@ class DriverMethod(ReclaimMethod):
                     if why:
                         stuck.append(f"pid {pid} stays checkpointed ({why})")
                         continue
-                    await self._say(progress, f"rolling back: restoring pid {pid}")
-                    await asyncio.to_thread(p.restore)
+                    await say(progress, f"rolling back: restoring pid {pid}")
+                    await self._call(f"restore of pid {pid}", p.restore)
                     state = "locked"
-                if state == "locked" or state is None:
-                    await asyncio.to_thread(p.unlock)
+                if state == "locked":
+                    await self._call(f"unlock of pid {pid}", p.unlock, 30)
+                elif state != "running":
+                    stuck.append(f"pid {pid} is {state or 'in an unknown state'}")
             except Exception as e:
-                stuck.append(f"pid {pid}: undo failed ({e})")
+                stuck.append(f"pid {pid}: undo failed ({_explain(e)})")
         if not stuck:
-            return "the kernel runs as before"
+            return "the kernel runs as before", True
         for line in stuck:
             self.log.error("kernel %s: rollback: %s", target.kernel_id, line)
-        return "rollback incomplete: " + "; ".join(stuck)
+        return "rollback incomplete: " + "; ".join(stuck) + " (the state stays held)", False
 
     # -- restore ------------------------------------------------------------------------
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
@@ -320,8 +350,12 @@ class DriverMethod(ReclaimMethod):
         failed = [pid for pid, s in states.items() if s == "failed"]
         if failed:
             raise ReclaimError(
-                f"pid {failed[0]} is in the driver's failed checkpoint state; it cannot be restored"
-            )
+                f"pid {failed[0]} is in the driver's failed checkpoint state; it cannot be "
+                "restored: restart the kernel", retryable=False)
+        unknown = [pid for pid, s in states.items() if s is None]
+        if unknown:
+            raise ReclaimError(f"cannot read the checkpoint state of pid {unknown[0]}; the state "
+                               "stays held")
         to_restore = [pid for pid in target.pids if states[pid] not in ("running", "locked")]
         need = self._needed(target, to_restore)
         why = await self._room(need)
@@ -333,13 +367,11 @@ class DriverMethod(ReclaimMethod):
             try:
                 if pid in to_restore:
                     gpus = ", ".join(str(g) for g in sorted(self._pid_bytes(target, pid) or need))
-                    await self._say(
-                        progress, f"restoring pid {pid}{self._size(target, pid)} to GPU {gpus}"
-                    )
-                    await asyncio.to_thread(p.restore)
+                    await say(progress, f"restoring pid {pid}{self._size(target, pid)} to GPU {gpus}")
+                    await self._call(f"restore of pid {pid}", p.restore)
                 if states[pid] != "running":
                     step = "unlock"
-                    await asyncio.to_thread(p.unlock)
+                    await self._call(f"unlock of pid {pid}", p.unlock, 30)
             except Exception as e:
                 left = [q for q in to_restore if target.pids.index(q) > target.pids.index(pid)]
                 held = "its GPU state is still held by the driver"
@@ -352,40 +384,3 @@ class DriverMethod(ReclaimMethod):
             seconds=time.perf_counter() - t0,
             detail=f"{len(to_restore)} pid{'s' if len(to_restore) != 1 else ''} restored",
         )
-
-    # -- shutdown -----------------------------------------------------------------------
-    async def abort(self, target: KernelTarget) -> None:
-        """Leave each pid running at server shutdown, as far as that is safe. Never raises.
-
-        The driver offers no way to unlock a checkpointed process without restoring it
-        (unlock needs the LOCKED state, which only restore reaches). So:
-
-        - locked (not checkpointed): unlock; the memory never left.
-        - checkpointed and the GPU has room: restore, then unlock; the kernel runs as before.
-        - checkpointed without room, or room unknown: leave it checkpointed and log an error
-          saying how to restore it later. A checkpointed kernel's CUDA calls wait, but its
-          state is intact and restorable; a restore without room would wedge it for good
-          (NVIDIA/cuda-checkpoint#44), which is worse.
-        """
-        for pid in target.pids:
-            try:
-                p = self._process(pid)
-                state = await self._state(p)
-                if state == "checkpointed":
-                    why = await self._room(self._needed(target, [pid]))
-                    if why:
-                        self.log.error(
-                            "kernel %s: pid %s stays checkpointed at shutdown (%s). Its GPU state "
-                            "is held in host memory; its CUDA calls wait until it is restored. "
-                            "Free GPU memory, then run `cuda-checkpoint --toggle --pid %s`, or "
-                            "end the kernel.",
-                            target.kernel_id, pid, why, pid,
-                        )
-                        continue
-                    await asyncio.to_thread(p.restore)
-                    state = "locked"
-                if state == "locked":
-                    await asyncio.to_thread(p.unlock)
-            except Exception as e:
-                self.log.error("kernel %s: pid %s: could not leave it running at shutdown: %s",
-                               target.kernel_id, pid, e)

@@ -1,65 +1,89 @@
 """The simulated method: the driver's checkpoint state machine, run by the simulated GPU
-inside the kernel (lock -> checkpoint on release; restore -> unlock on the way back)."""
+inside the kernel (lock -> checkpoint on release; resume = restore -> unlock on the way back).
+
+``sim_resume`` brings the kernel's simulated GPU back to running from whatever state it is in
+(locked, checkpointed or running), so it is both the restore and the undo of a failed release.
+"""
 
 from __future__ import annotations
 
 import time
 
 from ..protocol import RemoteError
-from .base import KernelTarget, Progress, ReclaimError, ReclaimMethod, ReclaimResult, Support
+from .base import (
+    AgentLink,
+    KernelTarget,
+    Progress,
+    ReclaimError,
+    ReclaimMethod,
+    ReclaimResult,
+    Support,
+    reply_int,
+    say,
+)
+
+_AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError)
 
 
-async def _say(progress: Progress | None, text: str) -> None:
-    if progress is not None:
-        result = progress(text)
-        if result is not None:
-            await result
+def _why(e: BaseException) -> str:
+    if isinstance(e, TimeoutError):
+        return "the kernel did not answer in time"
+    return str(e) or type(e).__name__
 
 
 class SimulatedMethod(ReclaimMethod):
     name = "simulated"
+    needs_agent = True
+    supports_lazy = True
 
-    def __init__(self, lock_timeout: float = 10.0, op_timeout: float = 600.0):
+    def __init__(self, lock_timeout: float = 10.0, op_timeout: float = 600.0,
+                 undo_timeout: float = 10.0):
         self.lock_timeout = lock_timeout
         self.op_timeout = op_timeout
+        self.undo_timeout = undo_timeout
 
     def support(self) -> Support:
         return Support(True, "the simulated GPU node runs the checkpoint state machine in the kernel")
 
-    def _agent(self, target: KernelTarget):
+    @staticmethod
+    def _agent(target: KernelTarget) -> AgentLink:
         if target.agent is None:
-            raise ReclaimError("the kernel's agent is not connected (was it started by this server?)")
+            raise ReclaimError("the kernel's agent is not connected (was it started by this server?)",
+                               resident=True)
         return target.agent
 
     async def release(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
         agent = self._agent(target)
         started = time.monotonic()
+        step = "lock"
         try:
             await agent.request("sim_lock", timeout=self.lock_timeout + 5, lock_timeout=self.lock_timeout)
-        except (RemoteError, ConnectionError, TimeoutError) as e:
-            raise ReclaimError(f"lock failed: {e}") from None
-        await _say(progress, "checkpointing the simulated GPU state")
-        try:
+            step = "checkpoint"
+            await say(progress, "checkpointing the simulated GPU state")
             reply = await agent.request("sim_checkpoint", timeout=self.op_timeout)
-        except (RemoteError, ConnectionError, TimeoutError) as e:
-            try:  # leave the kernel running as it was
-                await agent.request("sim_unlock", timeout=30)
-            except Exception as unlock_error:
-                raise ReclaimError(f"checkpoint failed: {e}; unlock failed too: {unlock_error}") from None
-            raise ReclaimError(f"checkpoint failed: {e}") from None
-        return ReclaimResult(int(reply.get("bytes", 0)), time.monotonic() - started,
-                             f"{reply.get('arrays', 0)} arrays")
+            moved = reply_int(reply, "bytes")
+        except (*_AGENT_ERRORS, ReclaimError) as e:
+            why = f"{step} failed: {_why(e)}"
+            if step == "lock" and isinstance(e, RemoteError) and "still running" in str(e):
+                why += f" (waited {self.lock_timeout:g} s: is the kernel busy on the GPU?)"
+            raise await self._undo(agent, why) from None
+        return ReclaimResult(moved, time.monotonic() - started, f"{reply.get('arrays', 0)} arrays")
+
+    async def _undo(self, agent: AgentLink, why: str) -> ReclaimError:
+        """Bring the kernel back to running; say whether that is confirmed."""
+        try:
+            await agent.request("sim_resume", timeout=self.undo_timeout)
+        except _AGENT_ERRORS as e:
+            return ReclaimError(f"{why}; undo not confirmed ({_why(e)}): the state stays held "
+                                "until a restore brings it back")
+        return ReclaimError(f"{why}; the kernel runs as before", resident=True)
 
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
         agent = self._agent(target)
         started = time.monotonic()
         try:
-            reply = await agent.request("sim_restore", timeout=self.op_timeout)
-        except (RemoteError, ConnectionError, TimeoutError) as e:
-            raise ReclaimError(str(e)) from None
-        try:
-            await agent.request("sim_unlock", timeout=30)
-        except (RemoteError, ConnectionError, TimeoutError) as e:
-            raise ReclaimError(f"unlock failed: {e}") from None
-        return ReclaimResult(int(reply.get("bytes", 0)), time.monotonic() - started,
+            reply = await agent.request("sim_resume", timeout=self.op_timeout)
+        except _AGENT_ERRORS as e:
+            raise ReclaimError(_why(e)) from None
+        return ReclaimResult(reply_int(reply, "bytes"), time.monotonic() - started,
                              f"{reply.get('arrays', 0)} arrays")

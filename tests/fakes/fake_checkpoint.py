@@ -36,6 +36,9 @@ class FakeCheckpointDriver:
         self.lock_timeouts: list[int] = []
         self.gpu_mappings: list[Any] = []
         self._fail: dict[tuple[str, int], tuple[str, str | None]] = {}
+        #: called as on_step(step, pid) after each successful step (a test's fake NVML can
+        #: then show the memory leaving and coming back, as the real driver makes it)
+        self.on_step: Any = None
 
     def process(self, pid: int) -> FakeProcess:
         self.states.setdefault(pid, "running")
@@ -63,6 +66,8 @@ class FakeCheckpointDriver:
                 f"{self.states[pid]}"
             )
         self.states[pid] = after
+        if self.on_step is not None:
+            self.on_step(step, pid)
 
 
 class FakeProcess:
