@@ -1,12 +1,21 @@
 """The per-kernel state machine: the only place a kernel's gpushare state changes.
 
-States (DESIGN.md): active -> idle -> releasing -> released -> restoring -> active;
-failed (a restore went wrong: the state is still held, the reason is shown);
-untracked (no GPU use, no local pid, or no way to release it). ``pinned`` is a flag.
+The promise it keeps: a released kernel comes back exactly as it was, or says why not and
+keeps its state; no kernel is left wedged; the state shown is true. How:
 
-One operation per kernel at a time (a per-kernel asyncio lock). Every transition emits
-an event and updates metrics. Failures never lose state: a failed release leaves the
-kernel resident and running; a failed restore leaves the state held on the host.
+- **Operations are owned here.** A release or a restore runs in a task the controller owns;
+  callers (the gate, REST, the agent, make-room) only *wait* for it, shielded. A closed tab,
+  a network blip or an interrupt stops their waiting, never the bytes in flight; every exit
+  of an operation, cancellation included, ends in a true state. One operation per kernel.
+- **The held state is one value** (:class:`Held`): set the moment bytes may start to leave
+  the GPU, cleared only when a method confirms the kernel runs with all of it on the GPU.
+  Undo is reported by the method, never assumed: an unconfirmed one is ``failed`` (held,
+  restorable, reason shown), never ``active``.
+- **Restores reserve room first** (:mod:`.reservations`): one restore at a time per GPU, its
+  bytes reserved before it moves them, so no restore runs without room (a restore without
+  room wedges a real process for good).
+- **Only a restore's waiting can be cancelled** (an interrupt, server shutdown); once bytes
+  move, the operation runs to its end.
 """
 
 from __future__ import annotations
@@ -19,52 +28,125 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import clock, metrics, policy
+from .hostmem import HostRoom
 from .reclaim import KernelTarget, ReclaimError, ReclaimMethod
+from .reservations import Grant, Reservations
 from .sim.node import format_bytes
+from .states import (
+    ACTIVE,
+    ALL,
+    FAILED,
+    IDLE,
+    RELEASED,
+    RELEASING,
+    RESTORING,
+    UNTRACKED,
+)
 from .tracker import KernelRecord, Tracker
 
 log = logging.getLogger(__name__)
 
-ACTIVE, IDLE, RELEASING, RELEASED, RESTORING, FAILED, UNTRACKED = (
-    "active", "idle", "releasing", "released", "restoring", "failed", "untracked",
-)
-HELD = (RELEASING, RELEASED, RESTORING, FAILED)  # GPU state not (fully) on the GPU
 IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
+RETRY_AFTER_FAILED_RELEASE = 60.0  # s before a kernel whose release failed is tried again
+WAIT_BACKOFF = (0.25, 5.0)  # s between make-room rounds: first, and the most
 
 
 class ControllerError(Exception):
     """A request the state does not allow (409), or for an unknown kernel (404)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retryable: bool = True):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retryable = retryable
+
+
+@dataclass
+class Held:
+    """A kernel's GPU state while it is (or may be) off the GPU."""
+
+    method: str
+    bytes: int  # bytes that left (or may have left) the GPU
+    gpus: dict[int, int]  # GPU index -> bytes to bring back; -1 = a GPU we could not tell
+    pids: list[int]  # the processes the method acts on
+    pid_bytes: dict[int, dict[int, int]]  # pid -> GPU -> bytes, when known per pid
+    kernel_pid: int | None  # the kernel's process when released (a new one = a restart)
+    attributed: bool  # bytes measured per process (NVML, simulated) rather than self-reported
+    since: float  # clock.now() when the release began
+    complete: bool = False  # the release finished: everything is off the GPU
+
+
+@dataclass
+class Outcome:
+    """How an operation ended, for whoever waited for it."""
+
+    ok: bool
+    message: str = ""
+    retryable: bool = True
+    dropped: bool = False  # the held state is gone (restart, death): nothing left to restore
+
+
+@dataclass
+class Operation:
+    kind: str  # "release" | "restore"
+    trigger: str
+    task: asyncio.Task[Outcome] = field(init=False, repr=False)
+    phase: str = "waiting"  # "waiting" (may be stopped) | "moving" (runs to its end)
+    stop_reason: str = ""
 
 
 @dataclass
 class KernelState:
     kernel_id: str
-    state: str = UNTRACKED
     pinned: bool = False
+    held: Held | None = None
+    op: Operation | None = None
+    failed: bool = False  # the last operation went wrong and the state is held
+    resident: str = UNTRACKED  # active / idle / untracked, from the last poll
     method: str | None = None
     releases: int = 0
     restores: int = 0
     last_restore_seconds: float | None = None
     last_release_seconds: float | None = None
     error: str | None = None
-    waiting: str | None = None  # why a restore waits (for memory), None when it does not
-    released_bytes: int = 0
-    released_gpus: dict[int, int] = field(default_factory=dict)
-    released_pid: int | None = None
-    released_pid_bytes: dict[int, dict[int, int]] = field(default_factory=dict)
-    released_at: float | None = None
+    retryable: bool = True
+    waiting: str | None = None  # why a restore waits, None when it does not
     release_failed_at: float | None = None
     idle_timeout: float | None = None  # per-kernel override (kernelspec metadata, magic)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    background: str | None = None  # GPU work outside cells seen: no automatic release
+    allow_background: bool = False  # the user accepts releases despite background work
+    host_refusal: str | None = None  # why the state would not fit in host memory now
+    drops: int = 0  # times a held state was dropped (restarts): waiters compare it
+    drop_after_op: str | None = None  # a restart seen while bytes were moving
 
     @property
-    def held(self) -> bool:
-        return self.state in HELD
+    def state(self) -> str:
+        op = self.op
+        if op is not None and (op.kind == "release" or op.phase == "moving"):
+            return RELEASING if op.kind == "release" else RESTORING
+        if self.held is not None:
+            return FAILED if self.failed else RELEASED
+        return self.resident
+
+    @property
+    def is_held(self) -> bool:
+        """Cells must wait: the GPU state is (or may soon be) off the GPU."""
+        return self.held is not None or (self.op is not None and self.op.kind == "release")
+
+    @property
+    def released_bytes(self) -> int:
+        return self.held.bytes if self.held is not None else 0
+
+    @property
+    def released_gpus(self) -> dict[int, int]:
+        return dict(self.held.gpus) if self.held is not None else {}
+
+    @property
+    def release_blocked(self) -> str | None:
+        """Why an idle kernel is not released automatically (None: nothing stops it)."""
+        if self.background and not self.allow_background:
+            return self.background
+        return self.host_refusal
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -78,27 +160,48 @@ class Controller:
         methods: dict[str, ReclaimMethod],
         choose_method: Callable[[str], str | None],
         config: policy.PolicyConfig,
-        free_bytes: Callable[[int], int | None],
+        read_free: Callable[[list[int]], Awaitable[dict[int, int | None]]],
         total_bytes: Callable[[], dict[int, int]],
         agent: AgentLookup,
         emit: Emit,
         restore_mode: str = "eager",
         restore_grace: float = 30.0,
         kernel_overrides: Callable[[str], dict[str, Any]] | None = None,
+        refresh: Callable[[], Awaitable[None]] | None = None,
+        host_room: Callable[[int | None], Awaitable[HostRoom]] | None = None,
+        host_memory_reserve: int = 0,
+        context_bytes: int = 0,
+        live_state: Callable[[str], str] | None = None,
     ):
+        """
+        read_free(gpus): free bytes per GPU read now (None = unknown), off the event loop.
+        refresh(): one poll, so what status shows after an operation is of one moment.
+        host_room(pid): host memory the kernel's process may still use.
+        host_memory_reserve: host bytes a release must leave free.
+        context_bytes: counted on top of self-reported bytes when a restore needs room.
+        live_state(kernel_id): the kernel's execution state now ("busy", "idle", ...).
+        """
         self.tracker = tracker
         self.methods = methods
         self.choose_method = choose_method
         self.config = config
-        self.free_bytes = free_bytes
+        self.read_free = read_free
         self.total_bytes = total_bytes
         self.agent = agent
         self.emit = emit
         self.restore_mode = restore_mode
         self.restore_grace = restore_grace
         self.kernel_overrides = kernel_overrides or (lambda kid: {})
+        self.refresh = refresh
+        self.host_room = host_room
+        self.host_memory_reserve = host_memory_reserve
+        self.context_bytes = context_bytes
+        self.live_state = live_state or (lambda kid: "unknown")
         self.states: dict[str, KernelState] = {}
-        self._memory_freed = asyncio.Event()
+        self.reservations = Reservations()
+        self.host_inflight: dict[str, int] = {}  # host-memory scope -> bytes being released
+        self.closing = False
+        self._freed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._busy_since: dict[str, float] = {}
 
@@ -113,21 +216,21 @@ class Controller:
 
     def needs_restore(self, kernel_id: str) -> bool:
         st = self.states.get(kernel_id)
-        return st is not None and st.held
+        return st is not None and st.is_held
 
     def candidate(self, st: KernelState, rec: KernelRecord, now: float) -> policy.Candidate:
         window = st.idle_timeout if st.idle_timeout else self.config.idle_timeout
         since = now - max(window, 1.0)  # at least one sample's worth of window
         return policy.Candidate(
             kernel_id=st.kernel_id,
-            resident=st.state in (ACTIVE, IDLE),
+            resident=st.held is None and st.op is None and st.resident in (ACTIVE, IDLE),
             busy=rec.busy,
             pinned=st.pinned,
             idle_seconds=rec.idle_seconds(now),
             max_utilization=rec.max_utilization_since(since),
             gpu_bytes={g: b for g, b in rec.gpu_bytes.items() if g >= 0},
             idle_timeout=st.idle_timeout,
-            releasable=self.choose_method(st.kernel_id) is not None,
+            releasable=self.choose_method(st.kernel_id) is not None and st.release_blocked is None,
         )
 
     def release_in(self, kernel_id: str) -> float | None:
@@ -136,30 +239,49 @@ class Controller:
             return None
         return policy.seconds_until_release(self.candidate(st, rec, clock.now()), self.config)
 
+    def seen_free(self) -> dict[int, int]:
+        """Free memory per GPU from the last sample, minus what restores reserved."""
+        out = {}
+        for g in self.total_bytes():
+            rec = self.tracker.gpus.get(g)
+            info = rec.info if rec is not None else None
+            if info is None or info.memory_total is None or info.memory_used is None:
+                continue
+            out[g] = info.memory_total - info.memory_used - self.reservations.reserved(g)
+        return out
+
     # -- the loop --------------------------------------------------------------------------
     async def tick(self) -> None:
-        """After each tracker poll: sync states, drop the dead, apply the policy."""
+        """After each tracker poll: sync states, drop the dead, apply the policy.
+
+        One kernel's trouble is logged and the loop goes on with the others."""
         now = clock.now()
         for kid in set(self.states) - set(self.tracker.kernels):
             if kid not in self.tracker.km:
                 self._forget(kid, "the kernel is gone")
         candidates = []
-        for kid, rec in self.tracker.kernels.items():
-            st = self.get(kid)
-            self._check_restart(st, rec)
-            if not st.held:
-                st.state = self._resident_state(rec, now)
-            candidates.append(self.candidate(st, rec, now))
-            self._watchdog(st, rec, now)
-        free = {g: f for g in self.total_bytes() if (f := self.free_bytes(g)) is not None}
-        for decision in policy.decide(candidates, free, self.total_bytes(), self.config):
+        for kid, rec in list(self.tracker.kernels.items()):
+            try:
+                st = self.get(kid)
+                self._check_restart(st, rec)
+                st.resident = self._resident_state(rec, now)
+                self._note_background(st, rec)
+                self._note_host_room(st, rec)
+                candidates.append(self.candidate(st, rec, now))
+                self._watchdog(st, rec, now)
+            except Exception:
+                log.exception("gpushare: kernel %s: could not apply the policy", kid)
+        for decision in policy.decide(candidates, self.seen_free(), self.total_bytes(), self.config):
             st = self.states[decision.kernel_id]
-            if st.release_failed_at is not None and now - st.release_failed_at < max(
-                self.config.idle_timeout, 60.0
-            ):
-                continue  # a release that failed is not retried every poll
-            self._spawn(self._auto_release(decision))
-        self._memory_freed.set()  # waiting restores re-check after every poll
+            recently_failed = st.release_failed_at is not None and (
+                now - st.release_failed_at < max(self.config.idle_timeout, RETRY_AFTER_FAILED_RELEASE))
+            if recently_failed or st.op is not None or self.closing:
+                continue
+            try:
+                self._start_release(st, decision.reason, automatic=True, by_kernel=False)
+            except ControllerError as e:
+                log.debug("gpushare: automatic release of %s skipped: %s", decision.kernel_id, e)
+        self._signal_freed()  # waiting restores look again after every poll
         self._update_metrics()
 
     def _resident_state(self, rec: KernelRecord, now: float) -> str:
@@ -170,203 +292,449 @@ class Controller:
         return IDLE
 
     def _check_restart(self, st: KernelState, rec: KernelRecord) -> None:
-        if st.held and st.released_pid is not None and rec.pids and rec.pids[0] != st.released_pid:
+        held = st.held
+        if held is not None and held.kernel_pid is not None and rec.pids and rec.pids[0] != held.kernel_pid:
             self.drop_held(st.kernel_id, "the kernel restarted")
+
+    def _note_background(self, st: KernelState, rec: KernelRecord) -> None:
+        """GPU work while no cell runs means a thread of the kernel uses the GPU: releasing
+        it would block that thread until a cell comes, so automatic releases stop."""
+        if st.background or st.held is not None or st.op is not None:
+            return
+        threads = rec.background_threads
+        if threads:
+            st.background = (f"background threads use the GPU ({', '.join(threads[:3])}); "
+                             "release by hand or allow it with %gpushare allow-background")
+        elif (not rec.busy and rec.execution_state == "idle" and rec.sm_utilization
+              and rec.sm_utilization > max(self.config.idle_utilization, 0.0)):
+            st.background = (f"the GPU computed ({rec.sm_utilization:.0f} % SM) while no cell ran; "
+                             "release by hand or allow it with %gpushare allow-background")
+
+    def _note_host_room(self, st: KernelState, rec: KernelRecord) -> None:
+        st.host_refusal = None if st.held is not None else self._host_refusal(
+            rec.host_room, rec.gpu_memory_bytes)
+
+    def _host_refusal(self, room: HostRoom | None, need: int) -> str | None:
+        """Why ``need`` bytes do not fit in host memory (None: they fit, or we cannot tell)."""
+        if room is None or room.available is None or need <= 0:
+            return None
+        inflight = self.host_inflight.get(room.scope, 0) + (
+            self.host_inflight.get("machine", 0) if room.scope != "machine" else 0)
+        fits = room.available - inflight - self.host_memory_reserve
+        if need <= fits:
+            return None
+        extra = f", {format_bytes(inflight)} of other releases in flight" if inflight else ""
+        return (f"its GPU state ({format_bytes(need)}) would not fit in host memory: "
+                f"{room.detail}{extra}, host_memory_reserve {format_bytes(self.host_memory_reserve)}")
 
     def _watchdog(self, st: KernelState, rec: KernelRecord, now: float) -> None:
         """Lazy mode: a released kernel busy for longer than restore_grace gets restored."""
-        if st.state != RELEASED or not rec.busy:
+        if st.state != RELEASED or not rec.busy or st.op is not None:
             self._busy_since.pop(st.kernel_id, None)
             return
         since = self._busy_since.setdefault(st.kernel_id, now)
         if now - since >= self.restore_grace:
             self._busy_since.pop(st.kernel_id, None)
-            self._spawn(self.ensure_resident(st.kernel_id, trigger="watchdog"))
+            self._spawn(self._quietly(self.ensure_resident(st.kernel_id, trigger="watchdog")))
 
-    async def _auto_release(self, decision: policy.Decision) -> None:
+    async def _quietly(self, aw: Awaitable[Any]) -> None:
         try:
-            await self.release(decision.kernel_id, reason=decision.reason, automatic=True)
+            await aw
         except ControllerError as e:
-            log.debug("gpushare: automatic release of %s skipped: %s", decision.kernel_id, e)
+            log.info("gpushare: %s", e.message)
         except Exception:
-            log.exception("gpushare: automatic release of %s failed", decision.kernel_id)
+            log.exception("gpushare: background restore failed")
 
     def _spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    # -- release -----------------------------------------------------------------------------
-    def _target(self, kid: str, rec: KernelRecord | None, st: KernelState) -> KernelTarget:
-        if st.held:  # what the kernel held when released: nothing of it is on the GPU now
-            gpu_bytes, pid_bytes = dict(st.released_gpus), st.released_pid_bytes
-        else:
-            gpu_bytes = {g: b for g, b in rec.gpu_bytes.items() if g >= 0} if rec else {}
-            pid_bytes = rec.pid_gpu_bytes if rec else {}
-        # only pids that hold GPU memory have something to checkpoint (the driver needs a context)
-        pids = [p for p in (rec.pids if rec else []) if p in pid_bytes] or (rec.pids[:1] if rec else [])
-        return KernelTarget(kernel_id=kid, pids=pids, gpu_bytes=gpu_bytes, agent=self.agent(kid),
-                            extra={"pid_gpu_bytes": {p: dict(b) for p, b in pid_bytes.items()}})
+    def _signal_freed(self) -> None:
+        """Wake every restore waiting for memory (each waits on the event of its time)."""
+        self._freed.set()
+        self._freed = asyncio.Event()
 
+    # -- operations: start, wait ------------------------------------------------------------
+    def _start(self, st: KernelState, op: Operation, body: Awaitable[Outcome]) -> Operation:
+        op.task = asyncio.ensure_future(self._run(st, op, body))
+        st.op = op
+        return op
+
+    async def _run(self, st: KernelState, op: Operation, body: Awaitable[Outcome]) -> Outcome:
+        """Every operation ends here: whatever happened, ``op`` is cleared and waiters wake."""
+        try:
+            return await body
+        except asyncio.CancelledError:  # only a waiting phase can be stopped
+            return Outcome(False, op.stop_reason or "stopped while waiting for GPU memory")
+        except Exception as e:  # a bug: never leave the state or the waiters stuck on it
+            log.exception("gpushare: %s of kernel %s failed unexpectedly", op.kind, st.kernel_id)
+            if st.held is not None:
+                st.failed, st.error = True, f"{op.kind} failed: {type(e).__name__}: {e}"
+            return Outcome(False, f"{op.kind} failed: {type(e).__name__}: {e}")
+        finally:
+            if st.op is op:
+                st.op = None
+            st.waiting = None
+            if st.drop_after_op:
+                why, st.drop_after_op = st.drop_after_op, None
+                self.drop_held(st.kernel_id, why)
+            self._signal_freed()
+            self._update_metrics()
+
+    @staticmethod
+    async def _to_the_end(aw: Awaitable[Any]) -> Any:
+        """Await ``aw`` to its end even if our task is cancelled meanwhile: bytes in flight
+        finish, so the state that follows is true."""
+        inner = asyncio.ensure_future(aw)
+        while True:
+            try:
+                return await asyncio.shield(inner)
+            except asyncio.CancelledError:
+                if inner.done():
+                    return inner.result()
+                log.warning("gpushare: an operation that moves bytes was asked to stop; it finishes first")
+
+    async def _wait(self, op: Operation) -> Outcome:
+        """Wait for an operation without being able to stop it (our cancellation stays ours)."""
+        return await asyncio.shield(op.task)
+
+    async def settle(self, kernel_id: str) -> None:
+        """Wait until no operation is in flight on the kernel (lazy mode's gate)."""
+        st = self.states.get(kernel_id)
+        while st is not None and st.op is not None:
+            await self._wait(st.op)
+
+    def stop_waiting(self, kernel_id: str, why: str) -> bool:
+        """Stop a restore that waits for memory (an interrupt). Never stops bytes in flight."""
+        st = self.states.get(kernel_id)
+        op = st.op if st is not None else None
+        if op is None or op.kind != "restore" or op.phase != "waiting":
+            return False
+        op.stop_reason = why
+        op.task.cancel()
+        return True
+
+    # -- release -----------------------------------------------------------------------------
     async def release(
         self, kernel_id: str, reason: str = "requested", automatic: bool = False,
         by_kernel: bool = False,
     ) -> KernelState:
         st = self.get(kernel_id)
-        if st.lock.locked() and not automatic:
-            raise ControllerError(409, f"kernel is {st.state}: another operation is running")
-        async with st.lock:
-            rec = self.tracker.kernels.get(kernel_id)
-            if st.held:
-                raise ControllerError(409, f"kernel is already {st.state}")
-            if rec is None or not rec.gpu_memory_bytes:
-                raise ControllerError(409, "kernel holds no GPU memory")
-            if st.pinned and automatic:
-                raise ControllerError(409, "kernel is pinned")
-            if rec.busy and not by_kernel:
-                raise ControllerError(409, "kernel is busy running a cell; release it when idle")
-            method_name = self.choose_method(kernel_id)
-            if method_name is None:
-                raise ControllerError(409, "no release method is available for this kernel")
-            method = self.methods[method_name]
-            target = self._target(kernel_id, rec, st)
-            previous = st.state
-            st.state, st.method, st.error = RELEASING, method_name, None
-            self._notify_agent(kernel_id, RELEASING)
-            started = time.monotonic()
-            try:
-                result = await method.release(target)
-            except (ReclaimError, ConnectionError, asyncio.TimeoutError) as e:
-                st.state = previous
-                st.error = f"release failed: {e}"
-                st.release_failed_at = clock.now()
-                self._notify_agent(kernel_id, previous)
-                metrics.RELEASES.labels(method_name, "failed").inc()
-                self._emit(st, "release_failed", reason=str(e), seconds=time.monotonic() - started)
-                log.warning("gpushare: release of kernel %s failed: %s", kernel_id, e)
-                raise ControllerError(409, st.error) from None
-            seconds = time.monotonic() - started
-            st.state = RELEASED
-            st.released_bytes = result.bytes or target_bytes(target)
-            st.released_gpus = dict(target.gpu_bytes)
-            st.released_pid = rec.pids[0] if rec.pids else None
-            st.released_pid_bytes = target.extra.get("pid_gpu_bytes", {})
-            st.released_at = clock.now()
-            st.release_failed_at = None
-            st.releases += 1
-            st.last_release_seconds = seconds
-            self._notify_agent(kernel_id, RELEASED)
-            metrics.RELEASES.labels(method_name, "ok").inc()
-            metrics.RELEASE_SECONDS.observe(seconds)
-            self._emit(st, "released", bytes=st.released_bytes, seconds=seconds, reason=reason)
-            log.info("gpushare: released %s of kernel %s in %.2f s (%s)",
-                     format_bytes(st.released_bytes), kernel_id, seconds, reason)
-            self._memory_freed.set()
-            self._update_metrics()
-            return st
+        op = self._start_release(st, reason, automatic=automatic, by_kernel=by_kernel)
+        outcome = await self._wait(op)
+        if not outcome.ok:
+            raise ControllerError(409, outcome.message, outcome.retryable)
+        return st
 
-    # -- restore -------------------------------------------------------------------------
+    def _start_release(self, st: KernelState, reason: str, automatic: bool, by_kernel: bool) -> Operation:
+        """Check what can be checked at once, then start the release (409s say why not)."""
+        if self.closing:
+            raise ControllerError(409, "the server is shutting down")
+        if st.op is not None:
+            raise ControllerError(409, f"kernel is {st.state}: another operation is running")
+        if st.held is not None:
+            raise ControllerError(409, f"kernel is already {st.state}")
+        rec = self.tracker.kernels.get(st.kernel_id)
+        if rec is None or not rec.gpu_memory_bytes:
+            raise ControllerError(409, "kernel holds no GPU memory")
+        if st.pinned and automatic:
+            raise ControllerError(409, "kernel is pinned")
+        method_name = self.choose_method(st.kernel_id)
+        if method_name is None:
+            raise ControllerError(409, "no release method is available for this kernel")
+        op = Operation("release", reason)
+        return self._start(st, op, self._release_op(st, op, rec, method_name, reason, automatic, by_kernel))
+
+    def _release_target(self, kid: str, rec: KernelRecord) -> KernelTarget:
+        gpu_bytes = dict(rec.gpu_bytes)
+        pid_bytes = rec.pid_gpu_bytes
+        # only pids with GPU memory (or, unmeasured, a GPU device open) have a context to move
+        pids = [p for p in rec.pids if p in pid_bytes] or list(rec.gpu_pids) or rec.pids[:1]
+        return KernelTarget(kernel_id=kid, pids=pids, gpu_bytes=gpu_bytes, agent=self.agent(kid),
+                            extra={"pid_gpu_bytes": {p: dict(b) for p, b in pid_bytes.items()}})
+
+    async def _refuse(self, st: KernelState, op: Operation, message: str) -> Outcome:
+        """Nothing moved and nothing changed: say why, keep the kernel as it is."""
+        log.info("gpushare: release of kernel %s refused: %s", st.kernel_id, message)
+        return Outcome(False, message)
+
+    async def _release_op(
+        self, st: KernelState, op: Operation, rec: KernelRecord, method_name: str, reason: str,
+        automatic: bool, by_kernel: bool,
+    ) -> Outcome:
+        kid = st.kernel_id
+        method = self.methods[method_name]
+        target = self._release_target(kid, rec)
+        need = rec.gpu_memory_bytes
+        room = await self.host_room(rec.pids[0] if rec.pids else None) if self.host_room else None
+        why = self._host_refusal(room, need)
+        if why:
+            st.host_refusal = why
+            return await self._refuse(st, op, f"not released: {why}")
+        agent = self.agent(kid)
+        if agent is not None:  # the agent knows whether a cell runs now: it decides
+            try:
+                await agent.request("begin_release", timeout=10, by_kernel=by_kernel,
+                                    automatic=automatic)
+            except (ConnectionError, TimeoutError) as e:
+                return await self._refuse(st, op, f"the kernel's agent did not answer ({e or 'timeout'})")
+            except Exception as e:
+                if getattr(e, "kind", "") == "BackgroundGPUWork":
+                    st.background = str(e)  # sticky: shown until the user allows it
+                return await self._refuse(st, op, str(e) or type(e).__name__)
+        elif self.live_state(kid) == "busy" and not by_kernel:
+            return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
+
+        op.phase = "moving"
+        scope = room.scope if room is not None else "machine"
+        held = Held(method=method_name, bytes=need, gpus=self._gpus_of(rec), pids=list(target.pids),
+                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=rec.pids[0] if rec.pids else None,
+                    attributed=rec.attributed, since=clock.now())
+        st.held, st.method, st.failed, st.error = held, method_name, False, None
+        self.host_inflight[scope] = self.host_inflight.get(scope, 0) + need
+        self._notify_agent(kid, RELEASING)
+        started = time.monotonic()
+        try:
+            result = await self._to_the_end(method.release(target, self._progress_log(kid)))
+        except ReclaimError as e:
+            return await self._release_failed(st, held, method_name, str(e), e.resident,
+                                              e.retryable, started)
+        except Exception as e:  # a timeout, a lost channel, a bug: the undo is not confirmed
+            return await self._release_failed(st, held, method_name, str(e) or type(e).__name__,
+                                              False, True, started)
+        finally:
+            self.host_inflight[scope] -= need
+            if not self.host_inflight[scope]:
+                del self.host_inflight[scope]
+        seconds = time.monotonic() - started
+        if st.held is not held:  # dropped meanwhile (a restart): nothing left to show
+            return Outcome(False, st.error or "the held state was dropped", dropped=True)
+        held.complete = True
+        held.bytes = result.bytes or need
+        st.release_failed_at = None
+        st.releases += 1
+        st.last_release_seconds = seconds
+        self._notify_agent(kid, RELEASED)
+        metrics.RELEASES.labels(method_name, "ok").inc()
+        metrics.RELEASE_SECONDS.observe(seconds)
+        self._emit(st, "released", bytes=held.bytes, seconds=seconds, reason=reason)
+        log.info("gpushare: released %s of kernel %s in %.2f s (%s)",
+                 format_bytes(held.bytes), kid, seconds, reason)
+        await self._refresh()
+        return Outcome(True)
+
+    async def _release_failed(
+        self, st: KernelState, held: Held, method_name: str, why: str, resident: bool,
+        retryable: bool, started: float,
+    ) -> Outcome:
+        kid = st.kernel_id
+        st.release_failed_at = clock.now()
+        if resident and st.held is held:
+            st.held = None
+            st.error = f"release failed: {why}"
+        elif st.held is held:
+            st.failed, st.retryable = True, retryable
+            st.error = f"release failed and the kernel could not be confirmed running: {why}"
+        metrics.RELEASES.labels(method_name, "failed").inc()
+        self._notify_agent(kid, st.state)
+        self._emit(st, "release_failed", reason=why, seconds=time.monotonic() - started)
+        log.warning("gpushare: release of kernel %s failed: %s", kid, st.error)
+        await self._refresh()
+        return Outcome(False, st.error or why, retryable)
+
+    def _gpus_of(self, rec: KernelRecord) -> dict[int, int]:
+        return {g: b for g, b in rec.gpu_bytes.items() if b}
+
+    # -- restore ---------------------------------------------------------------------------
     async def restore(self, kernel_id: str, trigger: str = "rest", parent: dict | None = None) -> KernelState:
         """Restore a held kernel; 409 when it is not held."""
         st = self.get(kernel_id)
-        if not st.held:
+        if not st.is_held:
             raise ControllerError(409, f"kernel is {st.state}, not released")
         return await self.ensure_resident(kernel_id, trigger=trigger, parent=parent)
+
+    def start_restore(self, kernel_id: str, trigger: str = "rest", parent: dict | None = None) -> Operation:
+        """Start (or join) the restore of a held kernel and return it without waiting."""
+        st = self.get(kernel_id)
+        if st.op is not None:
+            return st.op
+        if st.held is None:
+            raise ControllerError(409, f"kernel is {st.state}, not released")
+        if self.closing:
+            raise ControllerError(409, "the server is shutting down")
+        op = Operation("restore", trigger)
+        return self._start(st, op, self._restore_op(st, op, st.held, parent, wait=True))
 
     async def ensure_resident(
         self, kernel_id: str, trigger: str = "gate", parent: dict | None = None
     ) -> KernelState:
-        """Return once the kernel's GPU state is on the GPU (waits for a release in flight)."""
-        st = self.get(kernel_id)
-        if not st.held:
-            return st
-        async with st.lock:
-            if not st.held:
-                return st  # somebody else restored it while we waited
-            await self._restore_locked(st, trigger, parent)
-            return st
+        """Return once the kernel's GPU state is on the GPU (waits for a release in flight).
 
-    async def _restore_locked(self, st: KernelState, trigger: str, parent: dict | None) -> None:
-        kid = st.kernel_id
-        method = self.methods[st.method or ""]
-        need = dict(st.released_gpus)
-        shown = _Shower(self.agent(kid), parent)
+        Raises ControllerError when the restore fails, is stopped, or the held state is
+        dropped (a restart) while waiting: the cell that waited must not run in its place."""
+        st = self.get(kernel_id)
+        drops = st.drops
+        while True:
+            if st.drops != drops:
+                raise ControllerError(409, f"{st.error or 'the kernel restarted'}; this cell did not run",
+                                      retryable=False)
+            op = st.op
+            if op is not None:
+                outcome = await self._wait(op)
+                if op.kind == "restore" and not outcome.ok:
+                    raise ControllerError(409, outcome.message, outcome.retryable and not outcome.dropped)
+                continue
+            if st.held is None:
+                return st
+            self.start_restore(kernel_id, trigger, parent)
+
+    def _need(self, held: Held) -> dict[int, int]:
+        """Bytes to reserve per GPU: what the kernel held, on every GPU when we could not tell
+        which, plus a CUDA context where the bytes were the kernel's own count."""
+        known = {g: b for g, b in held.gpus.items() if g >= 0}
+        unknown = held.gpus.get(-1, 0)
+        margin = 0 if held.attributed else self.context_bytes
+        if unknown or (not known and held.bytes):
+            every = list(self.total_bytes()) or [0]
+            return {g: known.get(g, 0) + (unknown or held.bytes) + margin for g in every}
+        return {g: b + margin for g, b in known.items()}
+
+    async def _restore_op(
+        self, st: KernelState, op: Operation, held: Held, parent: dict | None, wait: bool
+    ) -> Outcome:
+        need = self._need(held)
+        shown = _Shower(self.agent(st.kernel_id), parent)
+        grant = await self._wait_for_room(st, op, held, need, shown, wait)
+        if isinstance(grant, Outcome):
+            return grant
         try:
-            if not await self._wait_for_room(st, need, shown):
-                return  # the held state was dropped while we waited (restart, shutdown)
+            op.phase = "moving"
+            return await self._to_the_end(self._move_back(st, op, held, shown))
         finally:
-            st.waiting = None  # done, dropped or cancelled (an interrupt): not waiting any more
-        st.state, st.error = RESTORING, None
+            grant.release()
+
+    async def _move_back(self, st: KernelState, op: Operation, held: Held, shown: _Shower) -> Outcome:
+        kid = st.kernel_id
+        method = self.methods[held.method]
+        st.error = None
         expected = st.last_restore_seconds
-        await shown(f"gpushare: restoring {format_bytes(st.released_bytes)} to GPU "
-                    f"{', '.join(map(str, sorted(need))) or '-'}"
+        gpus = ", ".join(str(g) for g in sorted(held.gpus) if g >= 0) or "-"
+        await shown(f"gpushare: restoring {format_bytes(held.bytes)} to GPU {gpus}"
                     + (f" (last time {expected:.2f} s)" if expected else "") + " ...")
-        started = time.monotonic()
         rec = self.tracker.kernels.get(kid)
+        target = KernelTarget(kernel_id=kid, pids=list(held.pids), gpu_bytes=dict(held.gpus),
+                              agent=self.agent(kid), extra={"pid_gpu_bytes": held.pid_bytes})
+        if rec is not None and not target.pids:
+            target.pids = rec.pids[:1]
+        started = time.monotonic()
+
+        async def progress(text: str) -> None:
+            await shown(f"gpushare: {text}")
+
         try:
-            result = await method.restore(self._target(kid, rec, st))
-        except (ReclaimError, ConnectionError, asyncio.TimeoutError) as e:
-            st.state, st.error = FAILED, f"restore failed: {e}"
+            result = await method.restore(target, progress)
+        except Exception as e:
+            retryable = e.retryable if isinstance(e, ReclaimError) else True
+            why = str(e) or type(e).__name__
+            st.failed, st.retryable = True, retryable
+            st.error = f"restore failed: {why}"
             metrics.RESTORES.labels(method.name, "failed").inc()
-            self._emit(st, "restore_failed", reason=str(e), seconds=time.monotonic() - started)
-            await shown(f"gpushare: restore failed, your state is still held: {e}")
-            log.warning("gpushare: restore of kernel %s failed: %s", kid, e)
-            raise ControllerError(409, st.error) from None
+            self._notify_agent(kid, FAILED)
+            self._emit(st, "restore_failed", reason=why, seconds=time.monotonic() - started)
+            await shown(f"gpushare: restore failed, your state is still held: {why}")
+            log.warning("gpushare: restore of kernel %s failed: %s", kid, why)
+            await self._refresh()
+            return Outcome(False, st.error, retryable)
         seconds = time.monotonic() - started
-        moved = result.bytes or st.released_bytes
-        st.state, st.waiting = ACTIVE, None
+        moved = result.bytes or held.bytes
+        if st.held is held:
+            st.held = None
+        st.failed, st.error, st.retryable = False, None, True
         st.restores += 1
         st.last_restore_seconds = seconds
-        st.released_bytes, st.released_gpus, st.released_pid, st.released_at = 0, {}, None, None
-        st.released_pid_bytes = {}
         self.tracker.touch(kid)
         self._notify_agent(kid, ACTIVE)
         metrics.RESTORES.labels(method.name, "ok").inc()
         metrics.RESTORE_SECONDS.observe(seconds)
-        self._emit(st, "restored", bytes=moved, seconds=seconds, reason=trigger)
+        self._emit(st, "restored", bytes=moved, seconds=seconds, reason=op.trigger)
         await shown(f"gpushare: restored {format_bytes(moved)} in {seconds:.2f} s")
-        log.info("gpushare: restored %s of kernel %s in %.2f s (%s)", format_bytes(moved), kid, seconds, trigger)
-        self._update_metrics()
+        log.info("gpushare: restored %s of kernel %s in %.2f s (%s)",
+                 format_bytes(moved), kid, seconds, op.trigger)
+        await self._refresh()
+        return Outcome(True)
 
-    async def _wait_for_room(self, st: KernelState, need: dict[int, int], shown: _Shower) -> bool:
-        """Never restore without room: make room per policy, else wait and say why.
-
-        False when the held state went away while waiting."""
+    async def _wait_for_room(
+        self, st: KernelState, op: Operation, held: Held, need: dict[int, int], shown: _Shower,
+        wait: bool,
+    ) -> Grant | Outcome:
+        """Never restore without room: take the GPUs, check, reserve; else make room per
+        policy, or wait and say why. An Outcome when it ends without room."""
         announced = False
+        delay = WAIT_BACKOFF[0]
         while True:
-            if not st.held:
-                return False
-            free = {g: self.free_bytes(g) for g in need}
-            if all(f is not None and f >= need[g] for g, f in free.items()):
+            if st.held is not held:
+                return Outcome(False, f"{st.error or 'the held state was dropped'}", False, dropped=True)
+            busy = [g for g in need if self.reservations.busy(g)]
+            if busy:
+                st.waiting = f"waiting for another kernel's restore on GPU {', '.join(map(str, busy))}"
+            grant = await self.reservations.acquire(list(need))
+            try:
+                free = await self.read_free(list(need))
+            except Exception as e:
+                log.warning("gpushare: cannot read free GPU memory: %s", e)
+                free = {g: None for g in need}
+            short = {g: n for g, n in need.items() if free.get(g) is None or (free[g] or 0) < n}
+            if not short and st.held is held:
+                grant.reserve(need)
                 st.waiting = None
-                return True
-            known_free = {g: f for g, f in free.items() if f is not None}
-            now = clock.now()
-            cands = [self.candidate(self.states[k], r, now) for k, r in self.tracker.kernels.items()
-                     if k in self.states]
-            plan = policy.make_room(need, known_free, cands, self.config, exclude=st.kernel_id)
-            if plan:
-                for d in plan:
-                    try:
-                        await self.release(d.kernel_id, reason=d.reason, automatic=True)
-                    except ControllerError as e:
-                        log.info("gpushare: could not make room with %s: %s", d.kernel_id, e)
-                continue
-            short = ", ".join(
-                f"{format_bytes(n)} on GPU {g} ({format_bytes(free[g] or 0)} free)"
-                for g, n in need.items() if (free[g] or 0) < n
-            )
-            st.waiting = f"waiting for memory: needs {short}"
+                return grant
+            grant.release()
+            if not short:
+                continue  # dropped meanwhile: the check at the top says so
+            st.waiting = "waiting for memory: needs " + ", ".join(
+                f"{format_bytes(n)} on GPU {g} ("
+                + (f"{format_bytes(free[g] or 0)} free)" if free.get(g) is not None else "free memory unknown)")
+                for g, n in short.items())
+            if not wait:
+                return Outcome(False, st.waiting)
             if not announced:
                 announced = True
                 self._emit(st, "restore_waiting", bytes=sum(need.values()), reason=st.waiting)
                 await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
                             "(interrupt to stop waiting)")
-            self._memory_freed.clear()
+            await self._make_room(st, need, free)
+            freed = self._freed
             try:
-                await asyncio.wait_for(self._memory_freed.wait(), 5.0)
+                await asyncio.wait_for(freed.wait(), delay)
+                delay = WAIT_BACKOFF[0]
             except asyncio.TimeoutError:
-                pass
+                delay = min(delay * 2, WAIT_BACKOFF[1])
+
+    async def _make_room(self, st: KernelState, need: dict[int, int], free: dict[int, int | None]) -> None:
+        """Release idle kernels per policy; a victim whose release failed recently is skipped."""
+        now = clock.now()
+        known_free = {g: self.reservations.seen_free(g, f) for g, f in free.items() if f is not None}
+        cands = []
+        for k, rec in self.tracker.kernels.items():
+            other = self.states.get(k)
+            if other is None or other.op is not None or k == st.kernel_id:
+                continue
+            if other.release_failed_at is not None and now - other.release_failed_at < RETRY_AFTER_FAILED_RELEASE:
+                continue
+            cands.append(self.candidate(other, rec, now))
+        plan = policy.make_room(need, {g: f for g, f in known_free.items() if f is not None}, cands,
+                                self.config, exclude=st.kernel_id)
+        for d in plan or []:
+            victim = self.states[d.kernel_id]
+            try:
+                victim_op = self._start_release(victim, d.reason, automatic=True, by_kernel=False)
+            except ControllerError as e:
+                log.info("gpushare: could not make room with %s: %s", d.kernel_id, e.message)
+                continue
+            outcome = await self._wait(victim_op)
+            if not outcome.ok:
+                log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
 
     # -- pin, drop, shutdown ------------------------------------------------------------------
     def set_pinned(self, kernel_id: str, pinned: bool) -> KernelState:
@@ -381,47 +749,90 @@ class Controller:
         st.idle_timeout = seconds
         return st
 
+    def set_allow_background(self, kernel_id: str, allow: bool) -> KernelState:
+        st = self.get(kernel_id)
+        st.allow_background = allow
+        return st
+
     def drop_held(self, kernel_id: str, why: str) -> None:
         """The process that held the state is gone (restart, death): nothing left to restore."""
         st = self.states.get(kernel_id)
-        if st is None or not st.held:
+        if st is None or st.held is None:
+            return
+        op = st.op
+        if op is not None and op.phase == "moving":
+            st.drop_after_op = why  # the method fails on its own; drop once it has
             return
         log.warning("gpushare: kernel %s: %s; its released GPU state is gone with the old process",
                     kernel_id, why)
-        st.state, st.error, st.waiting = UNTRACKED, f"{why}: released state dropped", None
-        st.released_bytes, st.released_gpus, st.released_pid, st.released_at = 0, {}, None, None
-        st.released_pid_bytes = {}
+        st.held, st.failed, st.waiting = None, False, None
+        st.error, st.retryable = f"{why}: its released GPU state is gone", False
+        st.drops += 1
+        if op is not None:
+            op.stop_reason = st.error
+            op.task.cancel()
         metrics.forget_kernel(kernel_id)
-        self._memory_freed.set()
+        self._signal_freed()
 
     def _forget(self, kernel_id: str, why: str) -> None:
         self.drop_held(kernel_id, why)
+        st = self.states.get(kernel_id)
+        if st is not None and st.op is not None and st.op.phase == "waiting":
+            st.op.stop_reason = why
+            st.op.task.cancel()
         self.states.pop(kernel_id, None)
+        self._busy_since.pop(kernel_id, None)
         metrics.forget_kernel(kernel_id)
 
     async def shutdown(self, timeout: float = 30.0) -> None:
-        """Leave no kernel wedged: restore every held kernel that has room, log the rest."""
+        """Leave no kernel wedged: stop waiting restores, let bytes in flight land, then
+        restore every held kernel that has room and say which stay held."""
+        self.closing = True
         for task in list(self._tasks):
             task.cancel()
+        ops = []
+        for st in self.states.values():
+            if st.op is not None:
+                self.stop_waiting(st.kernel_id, "the server is shutting down")
+                ops.append(st.op.task)
+        if ops:
+            _, pending = await asyncio.wait(ops, timeout=timeout)
+            if pending:
+                log.error("gpushare: at shutdown %d operation(s) still move bytes after %.0f s",
+                          len(pending), timeout)
         for kid, st in list(self.states.items()):
-            if st.state not in (RELEASED, FAILED):
+            if st.held is None or st.op is not None:
                 continue
-            need = st.released_gpus
-            room = all((self.free_bytes(g) or 0) >= n for g, n in need.items())
-            if not room:
-                log.error("gpushare: at shutdown kernel %s stays released (no room on the GPU); "
-                          "its state is held by the driver/agent until it exits", kid)
-                continue
+            op = Operation("restore", "shutdown")
+            self._start(st, op, self._restore_op(st, op, st.held, None, wait=False))
             try:
-                await asyncio.wait_for(self.ensure_resident(kid, trigger="shutdown"), timeout)
-            except Exception as e:
-                log.error("gpushare: at shutdown could not restore kernel %s: %s", kid, e)
+                outcome = await asyncio.wait_for(self._wait(op), timeout)
+            except asyncio.TimeoutError:
+                log.error("gpushare: at shutdown the restore of kernel %s did not finish in %.0f s",
+                          kid, timeout)
+                continue
+            if not outcome.ok:
+                log.error("gpushare: at shutdown kernel %s stays released (%s); its state is held "
+                          "in host memory until the kernel exits", kid, outcome.message)
 
     # -- plumbing -------------------------------------------------------------------------------
+    async def _refresh(self) -> None:
+        if self.refresh is not None:
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("gpushare: refresh after an operation failed")
+
+    def _progress_log(self, kernel_id: str) -> Callable[[str], None]:
+        return lambda text: log.debug("gpushare: kernel %s: %s", kernel_id, text)
+
     def _notify_agent(self, kernel_id: str, state: str) -> None:
         agent = self.agent(kernel_id)
         if agent is not None:
-            agent.notify("state", state=state, restore_mode=self.restore_mode)
+            try:
+                agent.notify("state", state=state, restore_mode=self.restore_mode)
+            except Exception as e:  # the agent learns its state again when it reconnects
+                log.debug("gpushare: could not tell kernel %s its state: %s", kernel_id, e)
 
     def _emit(self, st: KernelState, action: str, **data: Any) -> None:
         rec = self.tracker.kernels.get(st.kernel_id)
@@ -443,18 +854,14 @@ class Controller:
         host = 0
         for st in self.states.values():
             counts[st.state] = counts.get(st.state, 0) + 1
-            if st.held:
-                host += st.released_bytes
-                metrics.KERNEL_HOST_BYTES.labels(st.kernel_id).set(st.released_bytes)
+            if st.held is not None:
+                host += st.held.bytes
+                metrics.KERNEL_HOST_BYTES.labels(st.kernel_id).set(st.held.bytes)
             else:
                 metrics.forget_kernel(st.kernel_id)
-        for state in (ACTIVE, IDLE, RELEASING, RELEASED, RESTORING, FAILED, UNTRACKED):
+        for state in ALL:
             metrics.KERNELS.labels(state).set(counts.get(state, 0))
         metrics.HOST_BYTES.set(host)
-
-
-def target_bytes(target: KernelTarget) -> int:
-    return sum(target.gpu_bytes.values())
 
 
 class _Shower:
@@ -473,3 +880,7 @@ class _Shower:
                                      display_id=self.display_id, text=text)
         except Exception as e:  # progress is a courtesy; never fail a restore over it
             log.warning("gpushare: could not show progress: %s", e)
+
+
+__all__ = ["ACTIVE", "FAILED", "IDLE", "RELEASED", "RELEASING", "RESTORING", "UNTRACKED",
+           "Controller", "ControllerError", "Held", "KernelState", "Operation", "Outcome"]

@@ -1,10 +1,15 @@
 """The gate: holds a released kernel's execute_requests until its GPU state is restored.
 
-Restore trigger 1 in DESIGN.md. ``handle_incoming_message`` is synchronous and the
-websocket handler does not await it, so held messages wait in a queue per connection
-and are forwarded, in order, once the restore is done. Only execute_requests are held;
-kernel_info, comms, completions and everything on the control channel (interrupt,
-shutdown) pass straight through.
+``handle_incoming_message`` is synchronous and the websocket handler does not await it, so
+held messages wait in a queue per connection and are forwarded, in order, once the restore
+is done. Held: execute_requests, and (in eager mode) the comm messages that run user code
+in the kernel (widget callbacks); kernel_info, completions and everything on the control
+channel (interrupt, shutdown) pass straight through.
+
+The restore belongs to the controller: when this connection closes, only its waiting
+stops; an interrupt stops a restore that still waits for memory, never one moving bytes.
+When the held state is dropped (the kernel restarted or died), the held cells are answered
+with an error that says so: they never run in the new process in place of the old one.
 """
 
 from __future__ import annotations
@@ -17,13 +22,15 @@ from typing import Any
 from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
-from .controller import RELEASING, Controller, ControllerError
+from .controller import Controller, ControllerError
 from .kernel.lazy import only_gpushare_magics
 
 log = logging.getLogger(__name__)
 
 V1 = "v1.kernel.websocket.jupyter.org"
 SETTINGS_KEY = "gpushare_controller"
+#: shell messages that run user code in the kernel, besides execute_request (eager mode)
+COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 
 
 class GateConnection(ZMQChannelsWebsocketConnection):
@@ -69,13 +76,17 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             super().handle_incoming_message(incoming_msg)
             return
         channel, header = self._peek(incoming_msg)
-        is_execute = channel in (None, "shell") and header.get("msg_type") == "execute_request"
-        if not is_execute:
-            if channel == "control" and header.get("msg_type") == "interrupt_request" and self._held:
+        msg_type = header.get("msg_type")
+        on_shell = channel in (None, "shell")
+        is_execute = on_shell and msg_type == "execute_request"
+        is_comm = on_shell and msg_type in COMM_MESSAGES
+        if not (is_execute or is_comm):
+            if channel == "control" and msg_type == "interrupt_request" and self._held:
                 self._cancel_waiting("interrupted while waiting for the GPU state to be restored")
             super().handle_incoming_message(incoming_msg)
             return
-        if self._held or (self._must_wait(controller) and not self._only_gpushare_magics(incoming_msg)):
+        must_wait = self._must_wait(controller, is_comm)
+        if self._held or (must_wait and not (is_execute and self._only_gpushare_magics(incoming_msg))):
             self._held.append((incoming_msg, header))
             if self._drain_task is None:
                 self._drain_task = asyncio.ensure_future(self._drain(controller))
@@ -94,54 +105,57 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         except Exception:  # unreadable: hold it, a restore is the safe side
             return False
 
-    def _must_wait(self, controller: Controller) -> bool:
+    def _must_wait(self, controller: Controller, is_comm: bool) -> bool:
         st = controller.states.get(self.kernel_id)
-        if st is None or not st.held:
+        if st is None or not st.is_held:
             return False
-        # lazy mode: only a release in flight holds the cell; the agent decides the rest
-        return controller.restore_mode == "eager" or st.state == RELEASING
+        if controller.restore_mode == "eager":
+            return True
+        # lazy mode: only a release in flight holds a message; the agent decides for cells
+        # (and a comm handler that touches the GPU waits for the watchdog, as CPU cells do)
+        return st.op is not None and st.op.kind == "release"
 
     async def _drain(self, controller: Controller) -> None:
         try:
             while self._held:
                 _, first_header = self._held[0]
-                failure = None
+                failure, retryable = None, True
+                parent = first_header if first_header.get("msg_type") == "execute_request" else None
                 try:
                     if controller.restore_mode == "eager":
-                        await controller.ensure_resident(self.kernel_id, trigger="gate", parent=first_header)
+                        await controller.ensure_resident(self.kernel_id, trigger="gate", parent=parent)
                     else:
-                        st = controller.states.get(self.kernel_id)
-                        if st is not None:
-                            async with st.lock:  # wait for the release in flight
-                                pass
+                        await controller.settle(self.kernel_id)
                 except ControllerError as e:
-                    failure = e.message
+                    failure, retryable = e.message, e.retryable
                 batch, self._held = self._held, []
                 for raw, header in batch:
-                    if failure:
-                        self._reply_error(header, "GPUStateNotRestored",
-                                          f"gpushare: {failure}. Your GPU state is still held; "
-                                          "run the cell again to retry.")
-                    elif self.channels:
-                        ZMQChannelsWebsocketConnection.handle_incoming_message(self, raw)
+                    if failure is None:
+                        if self.channels:
+                            ZMQChannelsWebsocketConnection.handle_incoming_message(self, raw)
+                    elif header.get("msg_type") == "execute_request":
+                        hint = (" Your GPU state is still held; run the cell again to retry."
+                                if retryable else "")
+                        self._reply_error(header, "GPUStateNotRestored", f"gpushare: {failure}.{hint}")
+                    else:
+                        log.warning("gpushare gate: dropped a held %s: %s", header.get("msg_type"), failure)
         except asyncio.CancelledError:
-            pass
+            pass  # the connection closed: only our waiting stops, the restore goes on
         except Exception:
             log.exception("gpushare gate: forwarding held messages failed")
         finally:
             self._drain_task = None
 
     def _cancel_waiting(self, why: str) -> None:
-        """Interrupt while a restore waits for memory: stop waiting, answer the held cells."""
+        """Interrupt while a restore waits for memory: stop waiting, answer the held cells.
+        A restore already moving bytes finishes; the cells then run."""
         controller = self.controller
-        st = controller.states.get(self.kernel_id) if controller else None
-        if st is None or not st.waiting:
-            return  # a restore already moving bytes finishes; the cells then run
-        if self._drain_task is not None:
-            self._drain_task.cancel()
+        if controller is None or not controller.stop_waiting(self.kernel_id, why):
+            return
         batch, self._held = self._held, []
         for _, header in batch:
-            self._reply_error(header, "KeyboardInterrupt", f"gpushare: {why}")
+            if header.get("msg_type") == "execute_request":
+                self._reply_error(header, "KeyboardInterrupt", f"gpushare: {why}")
 
     def _reply_error(self, parent: dict[str, Any], ename: str, text: str) -> None:
         """Answer an execute_request we will not forward, as the kernel would."""

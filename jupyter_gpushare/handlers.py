@@ -98,9 +98,10 @@ class RestoreHandler(GPUShareHandler):
         await self.gpushare.ready()
         controller = self.gpushare.controller
         st = controller.get(kernel_id)
-        if not st.held:
+        if not st.is_held:
             raise ControllerError(409, f"kernel is {st.state}, not released")
         task = asyncio.ensure_future(controller.restore(kernel_id, trigger="rest"))
+        task.add_done_callback(_consume)  # after a 202 nobody awaits it: its outcome is in status
         while not task.done():
             await asyncio.wait({task}, timeout=0.1)
             if not task.done() and st.waiting:
@@ -109,6 +110,11 @@ class RestoreHandler(GPUShareHandler):
                 return
         task.result()
         self.write_json(kernel_view(controller, kernel_id))
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 class PinHandler(GPUShareHandler):

@@ -36,7 +36,14 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "error": st.error,
         "waiting": st.waiting,
         "execution_state": rec.execution_state if rec else "unknown",
+        "release_blocked": st.release_blocked,
+        "host_room_bytes": _host_room(rec),
     }
+
+
+def _host_room(rec: KernelRecord | None) -> int | None:
+    room = rec.host_room if rec is not None else None
+    return room.available if room is not None else None
 
 
 def _round(v: float | None, digits: int = 1) -> float | None:
@@ -47,7 +54,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
     tracker = controller.tracker
     released_per_gpu: dict[int, int] = {}
     for st in controller.states.values():
-        if st.held:
+        if st.held is not None:
             for g, n in st.released_gpus.items():
                 released_per_gpu[g] = released_per_gpu.get(g, 0) + n
     gpus = [
