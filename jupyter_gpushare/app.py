@@ -34,6 +34,7 @@ from .controller import Controller
 from .events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from .gate import SETTINGS_KEY, GateConnection
 from .handlers import handlers
+from .hostmem import HostRoom
 from .policy import PolicyConfig
 from .reclaim import ReclaimMethod
 from .reclaim.framework import FrameworkMethod
@@ -160,6 +161,23 @@ class GPUShareApp(ExtensionApp):
         lock) before giving up and leaving the kernel running. Default 10.""",
     ).tag(config=True)
 
+    host_memory_reserve = Int(
+        1 << 30,
+        help="""Host memory, in bytes, that a release must leave free, in the kernel's memory
+        cgroup and on the machine. A release moves the kernel's GPU state into host memory
+        inside the kernel's own process, so a state that does not fit would get the kernel
+        OOM-killed: such a release is refused with the reason (API, panel, %gpushare), and
+        automatic releases skip the kernel. Default 1 GiB. 0 = only the limits themselves.""",
+    ).tag(config=True)
+
+    context_bytes = Int(
+        512 * 1024 * 1024,
+        help="""GPU memory, in bytes, that one CUDA context takes. A restore reserves it on
+        top of a kernel's bytes when those came from the kernel's own count (NVML could not
+        see its processes, e.g. in a container), since that count leaves the context out.
+        Default 512 MiB. 0 = reserve only the counted bytes.""",
+    ).tag(config=True)
+
     kernel_env = Dict(
         default_value={"TF_FORCE_GPU_ALLOW_GROWTH": "true", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
         help="""Environment defaults for kernels the server starts, applied where the user has
@@ -193,7 +211,8 @@ class GPUShareApp(ExtensionApp):
             raise TraitError(f"GPUShareApp.{proposal['trait'].name} must be > 0, got {proposal['value']}")
         return proposal["value"]
 
-    @validate("idle_timeout", "pressure_idle_timeout", "min_release_bytes")
+    @validate("idle_timeout", "pressure_idle_timeout", "min_release_bytes", "host_memory_reserve",
+              "context_bytes")
     def _check_non_negative(self, proposal: Any) -> Any:
         if proposal["value"] < 0:
             raise TraitError(f"GPUShareApp.{proposal['trait'].name} must be >= 0, got {proposal['value']}")
@@ -290,7 +309,8 @@ class GPUShareApp(ExtensionApp):
             try:
                 from .reclaim.driver import DriverMethod
 
-                driver = DriverMethod(free_bytes=self._free_bytes, lock_timeout_ms=int(self.lock_timeout * 1000))
+                driver = DriverMethod(free_bytes=self._free_bytes,
+                                      lock_timeout_ms=int(self.lock_timeout * 1000))
                 support = driver.support()
                 if support.ok:
                     self.methods["driver"] = driver
@@ -315,13 +335,18 @@ class GPUShareApp(ExtensionApp):
                 pressure_free_fraction=self.pressure_free_fraction,
                 pressure_idle_timeout=self.pressure_idle_timeout,
             ),
-            free_bytes=self._free_bytes,
+            read_free=self._read_free,
             total_bytes=self._total_bytes,
             agent=lambda kid: self.channel.connections.get(kid),
             emit=self._emit,
             restore_mode=restore_mode,
             restore_grace=self.restore_grace,
             kernel_overrides=self._kernelspec_overrides,
+            refresh=self.poll_once,
+            host_room=self._host_room,
+            host_memory_reserve=self.host_memory_reserve,
+            context_bytes=0 if self.backend_name == "simulated" else self.context_bytes,
+            live_state=self._live_state,
         )
         self.channel.hello_extra = {
             "restore_mode": restore_mode,
@@ -425,6 +450,7 @@ class GPUShareApp(ExtensionApp):
             await self.controller.shutdown()
         finally:
             await self.channel.stop()
+            self.tracker.close()
             if self.telemetry is not None:
                 self.telemetry.close()
             provisioner.settings = None
@@ -458,7 +484,8 @@ class GPUShareApp(ExtensionApp):
 
     async def _on_agent_connect(self, conn: AgentConnection) -> None:
         st = self.controller.states.get(conn.kernel_id)
-        if st is not None and st.held and st.released_pid not in (None, conn.pid):
+        held = st.held if st is not None else None
+        if held is not None and held.kernel_pid not in (None, conn.pid):
             self.controller.drop_held(conn.kernel_id, "the kernel restarted")
         self.log.info("gpushare: agent of kernel %s connected (pid %s)", conn.kernel_id, conn.pid)
 
@@ -479,6 +506,7 @@ class GPUShareApp(ExtensionApp):
             "release": self._agent_release,
             "pin": self._agent_pin,
             "idle_timeout": self._agent_idle_timeout,
+            "allow_background": self._agent_allow_background,
         }
 
     def _sim_node(self) -> SimNode:
@@ -517,6 +545,13 @@ class GPUShareApp(ExtensionApp):
         self.controller.set_pinned(conn.kernel_id, pinned)
         return {"kernel": kernel_view(self.controller, conn.kernel_id)}
 
+    def _agent_allow_background(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        allow = msg.get("allow")
+        if not isinstance(allow, bool):
+            raise ValueError("allow must be true or false")
+        self.controller.set_allow_background(conn.kernel_id, allow)
+        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
+
     def _agent_idle_timeout(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         seconds = msg.get("seconds")
         if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
@@ -527,12 +562,25 @@ class GPUShareApp(ExtensionApp):
 
     # -- helpers ------------------------------------------------------------------------------------
     def _free_bytes(self, gpu: int) -> int | None:
-        if self.node is not None:
-            if 0 <= gpu < len(self.node.capacities):
-                return self.node.free(gpu)
-            return None
-        read_now = getattr(self.telemetry, "free_bytes", None)  # NVML reads it live
-        return read_now(gpu) if read_now is not None else None
+        """Free memory of one GPU read now (blocking: call it off the event loop)."""
+        return self.telemetry.free_bytes(gpu) if self.telemetry is not None else None
+
+    async def _read_free(self, gpus: list[int]) -> dict[int, int | None]:
+        """Free memory of ``gpus`` read now, on the sampling thread; None where unknown."""
+        try:
+            return await self.tracker.off_loop(lambda: {g: self._free_bytes(g) for g in gpus}, 10)
+        except asyncio.TimeoutError:
+            self.log.warning("gpushare: reading free GPU memory took longer than 10 s")
+            return {g: None for g in gpus}
+
+    async def _host_room(self, pid: int | None) -> HostRoom:
+        return await self.tracker.off_loop(lambda: self.tracker.hostmem.room(pid), 10)
+
+    def _live_state(self, kernel_id: str) -> str:
+        try:
+            return getattr(self.server.kernel_manager.get_kernel(kernel_id), "execution_state", "unknown")
+        except KeyError:
+            return "unknown"
 
     def _total_bytes(self) -> dict[int, int]:
         if self.node is not None:

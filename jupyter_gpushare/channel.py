@@ -73,7 +73,7 @@ class AgentConnection:
         finally:
             self._pending.pop(msg_id, None)
         if not reply.get("ok"):
-            raise RemoteError(reply.get("error") or f"agent refused {op}")
+            raise RemoteError(str(reply.get("error") or f"agent refused {op}"), str(reply.get("kind") or ""))
         return reply
 
     def notify(self, op: str, **args: Any) -> None:

@@ -42,4 +42,8 @@ def decode(line: bytes) -> dict[str, Any]:
 
 
 class RemoteError(RuntimeError):
-    """The other side answered a request with ``ok: false``."""
+    """The other side answered a request with ``ok: false``; ``kind`` names its error class."""
+
+    def __init__(self, message: str, kind: str = ""):
+        super().__init__(message)
+        self.kind = kind

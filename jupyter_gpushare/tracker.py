@@ -3,21 +3,33 @@
 Every poll reads the kernel manager (pids, activity), one telemetry sample, and updates
 one record per kernel plus ring buffers for the history API. Kernels that appear,
 restart or die are picked up and dropped on the next poll.
+
+The sample itself (NVML, the process table, cgroup files) runs on one worker thread with
+a time limit, never on the event loop: a stalled NVML call must not freeze every user's
+websocket. One kernel whose numbers cannot be read is logged and skipped; the others are
+tracked as usual.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 
 from . import clock
+from .hostmem import HostMemory, HostRoom
 from .telemetry import GPUInfo, ProcessUsage, Telemetry
+
+T = TypeVar("T")
+SAMPLE_TIMEOUT = 30.0  # s a telemetry sample may take before the poll gives up on it
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +45,13 @@ class KernelRecord:
     sm_utilization: float | None = None  # percent, last sample
     execution_state: str = "unknown"
     last_activity: float = 0.0  # epoch seconds (server activity or GPU use, the later)
+    server_activity: float = 0.0  # epoch seconds of the last message the server saw
     first_seen: float = 0.0
+    attributed: bool = True  # bytes measured per process (False: the agent's own count)
+    gpu_pids: list[int] = field(default_factory=list)  # pids with a GPU device open (unmeasured)
+    host_room: HostRoom | None = None  # host memory the kernel's process may still use
+    gpu_work_while_idle: bool = False  # the last sample saw GPU work while no cell ran
+    background_threads: list[str] = field(default_factory=list)  # agent: threads using the GPU
     # (t, bytes held, SM %, {gpu: bytes}) per poll
     history: deque[tuple[float, int, float | None, dict[int, int]]] = field(default_factory=deque)
 
@@ -78,6 +96,38 @@ def _children_by_parent() -> dict[int, list[int]]:
     return children
 
 
+def _gpu_device_pids(pids: Iterable[int]) -> list[int]:
+    """Pids with an NVIDIA device file open: those with a CUDA context (when NVML cannot
+    tell us, e.g. in a container, this is how we know which processes to checkpoint)."""
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("/dev/nvidia") and target[len("/dev/nvidia"):].isdigit():
+                out.append(pid)
+                break
+    return out
+
+
+@dataclass
+class _Sample:
+    """What one poll read off the event loop."""
+
+    children: dict[int, list[int]]
+    usage: list[ProcessUsage]
+    devices: list[GPUInfo]
+    pids: dict[str, list[int]]
+    host: dict[str, HostRoom]
+    gpu_pids: dict[str, list[int]]
+
+
 def _epoch(value: Any) -> float:
     if isinstance(value, datetime):
         return value.timestamp()
@@ -105,10 +155,19 @@ class Tracker:
         self.foreign_pids: set[int] = set()  # NVML pids this pid namespace cannot see
         self.agent_reports = agent_reports  # callable kernel_id -> agent report dict, or None
         self.idle_utilization = 0.0  # SM % above which a kernel counts as using the GPU
-        # parent pid -> child pids, from one scan of the process table per poll (50 kernels:
-        # one scan costs what one psutil children() call costs, i.e. 50x less than one each)
-        self._children: dict[int, list[int]] | None = None
         self.last_poll_seconds = 0.0
+        self.hostmem = HostMemory()
+        # one thread for every hardware read: NVML calls stay ordered, and a stalled one
+        # cannot take the event loop's default pool with it
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpushare-sample")
+
+    async def off_loop(self, fn: Callable[[], T], timeout: float = SAMPLE_TIMEOUT) -> T:
+        """Run a blocking read on the sampling thread, within ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        return await asyncio.wait_for(loop.run_in_executor(self._executor, fn), timeout)
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     # -- pids ------------------------------------------------------------------------
     def kernel_pid(self, kernel_id: str) -> int | None:
@@ -128,15 +187,7 @@ class Tracker:
         pid = self.kernel_pid(kernel_id)
         if pid is None:
             return []
-        children = self._children if self._children is not None else _children_by_parent()
-        if pid not in children and not psutil.pid_exists(pid):
-            return []
-        out, todo = [pid], [pid]
-        while todo:
-            for child in children.get(todo.pop(), ()):
-                out.append(child)
-                todo.append(child)
-        return out
+        return self._descendants(pid, _children_by_parent())
 
     def owns_pid(self, kernel_id: str, pid: int) -> bool:
         return pid in self.kernel_pids(kernel_id)
@@ -146,14 +197,18 @@ class Tracker:
         started = clock.monotonic()
         now = clock.now()
         kernel_ids = list(self.km.list_kernel_ids())
-        self._children = _children_by_parent()
+        roots = {kid: self.kernel_pid(kid) for kid in kernel_ids}
         paths = await self._paths()
-        usage = self.telemetry.processes()
-        devices = self.telemetry.devices()
-        self._note_foreign(usage)
+        try:
+            sample = await self.off_loop(lambda: self._sample(roots))
+        except asyncio.TimeoutError:
+            log.error("gpushare: a GPU telemetry sample took longer than %.0f s; skipping this poll",
+                      SAMPLE_TIMEOUT)
+            return
+        self._note_foreign(sample.usage)
 
         by_pid: dict[int, list[ProcessUsage]] = {}
-        for u in usage:
+        for u in sample.usage:
             by_pid.setdefault(u.pid, []).append(u)
 
         for kid in kernel_ids:
@@ -161,32 +216,70 @@ class Tracker:
             if rec is None:
                 rec = self.kernels[kid] = KernelRecord(id=kid, first_seen=now, last_activity=now)
                 rec.history = deque(maxlen=self.history_len)
-            self._update_kernel(rec, by_pid, paths.get(kid, ""), now)
+            try:
+                self._update_kernel(rec, sample, by_pid, paths.get(kid, ""), now)
+            except Exception:  # one kernel's bad numbers must not stop tracking the others
+                log.exception("gpushare: kernel %s: could not update its record", kid)
 
-        self._children = None  # between polls, pid checks (the agent channel) read it fresh
         for kid in set(self.kernels) - set(kernel_ids):
             del self.kernels[kid]  # shut down or culled: no history kept for the dead
 
-        for info in devices:
+        for info in sample.devices:
             rec_gpu = self.gpus.get(info.index)
             if rec_gpu is None:
                 rec_gpu = self.gpus[info.index] = GPURecord(info, deque(maxlen=self.history_len))
             rec_gpu.info = info
             rec_gpu.history.append((now, info.memory_used, info.utilization))
-        for index in set(self.gpus) - {d.index for d in devices}:
+        for index in set(self.gpus) - {d.index for d in sample.devices}:
             del self.gpus[index]
         self.last_poll_seconds = clock.monotonic() - started
 
-    def _update_kernel(self, rec: KernelRecord, by_pid: dict[int, list[ProcessUsage]], path: str, now: float) -> None:
+    def _sample(self, roots: dict[str, int | None]) -> _Sample:
+        """Everything a poll reads from the machine (runs on the sampling thread).
+
+        One scan of the process table serves every kernel (50 kernels: one scan costs what
+        one psutil children() call costs, i.e. 50x less than one call each)."""
+        children = _children_by_parent()
+        usage = self.telemetry.processes()
+        devices = self.telemetry.devices()
+        seen = {u.pid for u in usage}
+        pids, host, gpu_pids = {}, {}, {}
+        for kid, root in roots.items():
+            tree = self._descendants(root, children)
+            pids[kid] = tree
+            if tree:
+                host[kid] = self.hostmem.room(tree[0])
+            if tree and not seen.intersection(tree):
+                gpu_pids[kid] = _gpu_device_pids(tree)
+        return _Sample(children, usage, devices, pids, host, gpu_pids)
+
+    @staticmethod
+    def _descendants(pid: int | None, children: dict[int, list[int]]) -> list[int]:
+        if pid is None or (pid not in children and not psutil.pid_exists(pid)):
+            return []
+        out, todo = [pid], [pid]
+        while todo:
+            for child in children.get(todo.pop(), ()):
+                out.append(child)
+                todo.append(child)
+        return out
+
+    def _update_kernel(self, rec: KernelRecord, sample: _Sample, by_pid: dict[int, list[ProcessUsage]],
+                       path: str, now: float) -> None:
         try:
             km = self.km.get_kernel(rec.id)
         except KeyError:
             return
+        previous_poll = rec.history[-1][0] if rec.history else None
+        was_idle = rec.execution_state == "idle"
         rec.name = getattr(km, "kernel_name", "") or rec.name
         rec.path = path or rec.path
         rec.execution_state = getattr(km, "execution_state", "unknown") or "unknown"
         activity = _epoch(getattr(km, "last_activity", None))
-        rec.pids = self.kernel_pids(rec.id)
+        rec.server_activity = activity
+        rec.pids = sample.pids.get(rec.id, [])
+        rec.host_room = sample.host.get(rec.id)
+        rec.gpu_pids = sample.gpu_pids.get(rec.id, [])
 
         gpu_bytes: dict[int, int] = {}
         pid_gpu_bytes: dict[int, dict[int, int]] = {}
@@ -198,15 +291,27 @@ class Tracker:
                 per_pid[u.gpu] = per_pid.get(u.gpu, 0) + u.memory_bytes
                 if u.sm_utilization is not None:
                     utils.append(u.sm_utilization)
-        if not gpu_bytes and self.foreign_pids and self.agent_reports is not None:
-            report = self.agent_reports(rec.id) or {}
-            framework_bytes = int(report.get("framework_bytes") or 0)
-            if framework_bytes:  # the agent's own count; which GPU is known only on a 1-GPU node
+        rec.attributed = True
+        report = self.agent_reports(rec.id) if self.agent_reports is not None else None
+        report = report or {}
+        threads = report.get("background_gpu_threads")
+        rec.background_threads = [str(t) for t in threads][:10] if isinstance(threads, list) else []
+        if not gpu_bytes and self.foreign_pids:
+            framework_bytes = report.get("framework_bytes")
+            if isinstance(framework_bytes, int) and not isinstance(framework_bytes, bool) \
+                    and framework_bytes > 0:
+                # the agent's own count; which GPU is known only on a 1-GPU node
                 gpu_bytes[0 if len(self.gpus) == 1 else -1] = framework_bytes
+                rec.attributed = False
         rec.gpu_bytes = gpu_bytes
         rec.pid_gpu_bytes = pid_gpu_bytes
         rec.sm_utilization = max(utils) if utils else (0.0 if gpu_bytes else None)
-        if rec.sm_utilization and rec.sm_utilization > self.idle_utilization:
+        gpu_working = bool(rec.sm_utilization and rec.sm_utilization > self.idle_utilization)
+        # the whole sample interval was quiet for the server (no message since the previous
+        # poll, idle then and now), yet the GPU worked: a thread of the kernel uses it
+        rec.gpu_work_while_idle = (gpu_working and previous_poll is not None and was_idle
+                                   and rec.execution_state == "idle" and activity < previous_poll)
+        if gpu_working:
             activity = max(activity, now)  # GPU work counts as activity
         if rec.busy:
             activity = now

@@ -95,6 +95,11 @@ async def test_driver_method_through_the_server(fake_nvml, fake_driver, jp_fetch
     assert fake_driver.steps() == [f"lock {pid}", f"checkpoint {pid}"]  # never restore without room
     assert k.executions[msg_id].status == ""
 
+    def restored(step, restored_pid):  # the real driver brings the memory back
+        if step == "restore":
+            gpu.processes, gpu.memory_used = [FakeProcess(restored_pid, 4 * GiB)], 4 * GiB
+
+    fake_driver.on_step = restored
     gpu.processes, gpu.memory_used = [], 0
     ex = await k.wait(msg_id)
     assert "after restore" in ex.stdout

@@ -16,14 +16,22 @@ import time
 from typing import Any
 
 from ..protocol import KERNEL_ID_ENV, SOCKET_ENV, RemoteError
+from ..states import HELD as HELD_STATES
 from . import lazy
 from .client import AgentClient, RemoteBackend
 
 log = logging.getLogger(__name__)
 
 GPU_FRAMEWORKS = ("torch", "cupy", "jax", "tensorflow")
-HELD_STATES = ("releasing", "released", "restoring", "failed")  # GPU state not on the GPU
 _MAX_SHOWN = 32  # display ids remembered (one per restore that showed progress)
+
+
+class KernelBusy(RuntimeError):
+    """A release asked while a cell runs (and not by that cell)."""
+
+
+class BackgroundGPUWork(RuntimeError):
+    """An automatic release asked while threads other than the cells' use the GPU."""
 
 
 class Agent:
@@ -32,7 +40,11 @@ class Agent:
         self.client: AgentClient | None = None
         self.kernel_id = os.environ.get(KERNEL_ID_ENV, "")
         self.why_offline = ""  # why there is no server connection, for %gpushare
-        self.released = False
+        self.released = False  # the server holds (or is taking) this kernel's GPU state
+        self.executing = False  # a cell runs now (between pre_run_cell and post_run_cell)
+        # releases and cells decide under this lock, so a release never starts while a
+        # cell runs and a cell that starts during a release always restores first
+        self._cell_lock = threading.Lock()
         self.restore_mode = "eager"
         #: names that may reach the GPU, computed at release (lazy mode); None while resident
         self.gpu_names: set[str] | None = None
@@ -70,8 +82,11 @@ class Agent:
             # exactly as CUDA calls do under the driver's checkpoint lock. Restoring from the
             # blocked call would hide the agent's wrong "CPU-only" decisions in lazy mode,
             # which on a real GPU only the server's watchdog (restore_grace) recovers from.
-            device.set_backend(RemoteBackend(client, len(sim)))
+            dev = device.set_backend(RemoteBackend(client, len(sim)))
+            if hasattr(dev, "on_blocked"):  # a thread of ours found the GPU released
+                dev.on_blocked = self._restore_for_thread
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
+        self.shell.events.register("post_run_cell", self.post_run_cell)
 
     def _on_disconnect(self) -> None:
         self.why_offline = "the gpushare server closed the channel"
@@ -81,10 +96,10 @@ class Agent:
 
     def _handlers(self) -> dict[str, Any]:
         return {
+            "begin_release": self._begin_release,
             "sim_lock": self._sim_lock,
             "sim_checkpoint": lambda msg: _sim().checkpoint(),
-            "sim_restore": lambda msg: _sim().restore(),
-            "sim_unlock": lambda msg: (_sim().unlock(), {})[1],
+            "sim_resume": lambda msg: _sim_resume(),
             "state": self._on_state,
             "show": self._show,
             "trim": self._trim,
@@ -94,6 +109,37 @@ class Agent:
         }
 
     # -- server requests -----------------------------------------------------------------
+    def _begin_release(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The server asks before any release: is this a moment to take the GPU state?"""
+        with self._cell_lock:
+            if self.executing and not msg.get("by_kernel"):
+                raise KernelBusy("kernel is busy running a cell; release it when idle")
+            if msg.get("automatic"):
+                threads = self.background_gpu_threads()
+                if threads:
+                    raise BackgroundGPUWork(
+                        f"background threads use the GPU ({', '.join(threads[:3])}); release "
+                        "by hand or allow it with %gpushare allow-background")
+            self.released = True  # from here a cell that starts restores first
+        self._note_gpu_names()
+        return {}
+
+    def background_gpu_threads(self) -> list[str]:
+        """Threads other than the cells' that used the GPU and still run (simulated GPU)."""
+        device_module = sys.modules.get("jupyter_gpushare.sim.device")
+        device = getattr(device_module, "_device", None) if device_module else None
+        users = getattr(device, "background_users", None)
+        return list(users()) if users is not None else []
+
+    def _restore_for_thread(self, thread_name: str) -> None:
+        """A background thread's GPU call found the kernel released: bring it back."""
+        if self.client is None or not self.client.connected:
+            return
+        try:
+            self.client.request("restore", timeout=None, trigger="background")
+        except (RemoteError, OSError) as e:
+            log.warning("gpushare: restore for thread %s failed: %s", thread_name, e)
+
     def _sim_lock(self, msg: dict[str, Any]) -> dict[str, Any]:
         self._note_gpu_names()
         _sim().lock(timeout=float(msg.get("lock_timeout", 10.0)))
@@ -107,7 +153,8 @@ class Agent:
 
     def note_state(self, state: str) -> None:
         """The server's word on this kernel's state (notifications, replies to the magics)."""
-        self.released = state in HELD_STATES
+        with self._cell_lock:
+            self.released = state in HELD_STATES
         if self.released:
             self._note_gpu_names()
         else:
@@ -167,6 +214,7 @@ class Agent:
         device_module = sys.modules.get("jupyter_gpushare.sim.device")
         if device_module is not None and device_module._device is not None:
             out["simulated_bytes"] = device_module._device.allocated()
+        out["background_gpu_threads"] = self.background_gpu_threads()
         return out
 
     def _show(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -190,9 +238,15 @@ class Agent:
         return {}
 
     # -- restore before a cell (trigger 2) -------------------------------------------------
+    def post_run_cell(self, result: Any = None) -> None:
+        self.executing = False
+
     def pre_run_cell(self, info: Any = None) -> None:
-        if not self.released or self.client is None:
-            return  # the fast path: one attribute check per cell
+        with self._cell_lock:
+            self.executing = True
+            released = self.released
+        if not released or self.client is None:
+            return  # the fast path: one flag check per cell
         code = getattr(info, "raw_cell", "") or ""
         if lazy.only_gpushare_magics(code):
             return  # %gpushare shows the state as it is; `%gpushare restore` restores itself
@@ -217,6 +271,22 @@ def _sim():
     from ..sim.device import get_device
 
     return get_device()
+
+
+def _sim_resume() -> dict[str, Any]:
+    """Back to running from any state: the restore, and the undo of a failed release."""
+    from ..sim import device as sim_device
+
+    dev = _sim()
+    resume = getattr(dev, "resume", None)
+    if resume is not None:
+        return resume()
+    out: dict[str, Any] = {"bytes": 0, "arrays": 0}
+    if dev.state == sim_device.CHECKPOINTED:
+        out = dev.restore()
+    if dev.state == sim_device.LOCKED:
+        dev.unlock()
+    return out
 
 
 def _esc(text: str) -> str:

@@ -46,7 +46,7 @@ class AgentClient:
         reply = decode(line) if line else {"ok": False, "error": "server closed the channel"}
         if not reply.get("ok"):
             sock.close()
-            raise RemoteError(reply.get("error", "refused"))
+            raise RemoteError(str(reply.get("error", "refused")))
         sock.settimeout(None)
         self._sock = sock
         self.connected = True

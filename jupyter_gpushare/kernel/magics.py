@@ -8,6 +8,8 @@ Usage::
     %gpushare restore              bring it back now (cells also restore automatically)
     %gpushare pin | unpin          never / again release this kernel automatically
     %gpushare idle-timeout SECONDS this kernel's idle timeout (0 = never; "default" = server's)
+    %gpushare allow-background [off]  release automatically even though threads other than
+                                   the cells use the GPU (they wait while it is released)
     %%gpushare release-after       run the cell, then release at once
 """
 
@@ -26,8 +28,8 @@ from ..protocol import RemoteError
 from ..sim.node import format_bytes
 from . import agent as agent_module
 
-USAGE = ("usage: %gpushare [status | release | restore | pin | unpin | idle-timeout SECONDS]  "
-         "or  %%gpushare release-after")
+USAGE = ("usage: %gpushare [status | release | restore | pin | unpin | idle-timeout SECONDS | "
+         "allow-background [off]]  or  %%gpushare release-after")
 
 
 def _fmt_seconds(s: float | None) -> str:
@@ -78,6 +80,8 @@ def status_rows(kernel: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append(("last restore", f"{kernel['last_restore_seconds']:.2f} s"))
     if kernel.get("waiting"):
         rows.append(("waiting", kernel["waiting"]))
+    if kernel.get("release_blocked"):
+        rows.append(("not released automatically", kernel["release_blocked"]))
     if kernel.get("error"):
         rows.append(("error", kernel["error"]))
     return rows
@@ -102,6 +106,9 @@ class GPUShareMagics(Magics):
         %gpushare unpin                release it again when idle
         %gpushare idle-timeout SECONDS release this kernel after SECONDS idle (0 = never
                                        automatically; "default" = the server's idle_timeout)
+        %gpushare allow-background     release this kernel automatically even though threads
+                                       other than the cells use the GPU (they wait while it
+                                       is released); `allow-background off` undoes it
         %%gpushare release-after       run the cell, then release at once (not if it fails)
 
         In a kernel started by a Jupyter server with jupyter-gpushare enabled the magics are
@@ -118,6 +125,8 @@ class GPUShareMagics(Magics):
             return self._release_after(cell)
         if command == "idle-timeout":
             return self._idle_timeout(words[1:])
+        if command == "allow-background":
+            return self._allow_background(words[1:])
         handler = {
             "status": self._status, "release": self._release, "restore": self._restore,
             "pin": lambda: self._pin(True), "unpin": lambda: self._pin(False),
@@ -219,6 +228,16 @@ class GPUShareMagics(Magics):
         if self._ask("idle_timeout", seconds=seconds) is not None:
             print("gpushare: idle timeout " + ("back to the server's default" if seconds is None
                   else "off (never released automatically)" if seconds == 0 else f"{seconds:g} s"))
+
+    def _allow_background(self, args: list[str]) -> None:
+        if args not in ([], ["on"], ["off"]):
+            print(f"gpushare: allow-background takes nothing, 'on' or 'off'\n{USAGE}")
+            return
+        allow = args != ["off"]
+        if self._ask("allow_background", allow=allow) is not None:
+            print("gpushare: this kernel is released automatically when idle, even with threads "
+                  "using the GPU" if allow else
+                  "gpushare: this kernel is not released automatically while threads use the GPU")
 
     def _release_after(self, cell: str) -> Any:
         """Run ``cell`` like a cell (its errors are the cell's), show its value, then release."""

@@ -70,6 +70,13 @@ class Telemetry(abc.ABC):
         """All GPUs (MIG instances listed as their own GPUs). Empty when unavailable."""
 
     @abc.abstractmethod
+    def free_bytes(self, index: int) -> int | None:
+        """Free memory of GPU ``index`` read now (not from the last sample); None = unknown.
+
+        A restore is started only when this says there is room, so it must be fresh; a
+        source that cannot tell returns None and restores wait (never guess)."""
+
+    @abc.abstractmethod
     def processes(self) -> list[ProcessUsage]:
         """Per-process memory on every GPU, and SM utilization since the previous call.
 

@@ -113,6 +113,7 @@ class NVMLTelemetry(Telemetry):
         self._status = TelemetryStatus(name=self.name, available=False, reason="not opened")
         self._last_ts: dict[str, int] = {}  # device uuid -> last process-sample timestamp (us)
         self._logged: set[tuple[str, str]] = set()  # (what, device) already logged once
+        self._devs: list[_Dev] = []  # the last enumeration (handles are stable between them)
 
     # -- lifecycle ----------------------------------------------------------------------
     def open(self) -> TelemetryStatus:
@@ -155,6 +156,7 @@ class NVMLTelemetry(Telemetry):
         return self._status
 
     def close(self) -> None:
+        self._devs = []
         nvml, self._nvml = self._nvml, None
         if nvml is None:
             return
@@ -191,12 +193,14 @@ class NVMLTelemetry(Telemetry):
     def free_bytes(self, index: int) -> int | None:
         """Free memory on GPU ``index`` read now (not from the last poll); None = unknown.
 
-        This is what ``DriverMethod`` asks before a restore, so it must be fresh.
+        This is what a restore's room check asks, so it must be fresh. Device handles come
+        from the last enumeration (every sample refreshes it), not a new one per call.
         """
         nvml = self._nvml
         if nvml is None:
             return None
-        for dev in self._enumerate():
+        devs = self._devs if any(d.index == index for d in self._devs) else self._enumerate()
+        for dev in devs:
             if dev.index == index and dev.handle is not None:
                 try:
                     return int(nvml.nvmlDeviceGetMemoryInfo(dev.handle).free)
@@ -277,7 +281,8 @@ class NVMLTelemetry(Telemetry):
             else:
                 for h in instances:
                     migs.append(_Dev(index=count + len(migs), handle=h, mig=True, parent_index=i))
-        return physical + migs
+        self._devs = physical + migs
+        return self._devs
 
     def _mig_instances(self, nvml: Any, index: int, handle: Any) -> list[Any] | None:
         """MIG device handles when MIG is enabled on this GPU, else None."""

@@ -26,6 +26,11 @@ class SimulatedTelemetry(Telemetry):
             "simulated", True, details={"gpus": str(len(self.node.capacities))}
         )
 
+    def free_bytes(self, index: int) -> int | None:
+        if 0 <= index < len(self.node.capacities):
+            return self.node.free(index)
+        return None
+
     def devices(self) -> list[GPUInfo]:
         now = clock.now()
         out = []
