@@ -237,7 +237,24 @@ class GPUShareApp(ExtensionApp):
         assert self.serverapp is not None
         return self.serverapp
 
+    def _route_logs(self) -> None:
+        """The package's module loggers write through the server's log (its format, its level),
+        not Python's bare last-resort handler."""
+        pkg = logging.getLogger("jupyter_gpushare")
+        self._saved_log = (pkg.handlers, pkg.propagate, pkg.level)
+        pkg.handlers = list(self.log.handlers)
+        pkg.propagate = not pkg.handlers
+        pkg.setLevel(self.log.getEffectiveLevel())
+
+    def _unroute_logs(self) -> None:
+        saved = getattr(self, "_saved_log", None)
+        if saved is not None:
+            pkg = logging.getLogger("jupyter_gpushare")
+            pkg.handlers, pkg.propagate, _ = saved
+            pkg.setLevel(saved[2])
+
     def initialize_settings(self) -> None:
+        self._route_logs()
         self.node: SimNode | None = None
         self.telemetry: Telemetry | None = None
         self.backend_name = ""
@@ -454,6 +471,7 @@ class GPUShareApp(ExtensionApp):
             if self.telemetry is not None:
                 self.telemetry.close()
             provisioner.settings = None
+            self._unroute_logs()
 
     # -- agent channel ------------------------------------------------------------------------
     async def _authorize(self, kernel_id: str, pid: int) -> None:

@@ -113,7 +113,8 @@ class KernelState:
     waiting: str | None = None  # why a restore waits, None when it does not
     release_failed_at: float | None = None
     idle_timeout: float | None = None  # per-kernel override (kernelspec metadata, magic)
-    background: str | None = None  # GPU work outside cells seen: no automatic release
+    background: str | None = None  # the agent saw threads use the GPU outside cells (sticky)
+    idle_gpu_work_at: float | None = None  # last sample with GPU work while no cell ran
     allow_background: bool = False  # the user accepts releases despite background work
     host_refusal: str | None = None  # why the state would not fit in host memory now
     drops: int = 0  # times a held state was dropped (restarts): waiters compare it
@@ -146,6 +147,10 @@ class KernelState:
         """Why an idle kernel is not released automatically (None: nothing stops it)."""
         if self.background and not self.allow_background:
             return self.background
+        if self.idle_gpu_work_at is not None and not self.allow_background:
+            return ("the GPU computed while no cell ran (a background thread?): a release would "
+                    "make that work wait; release by hand or allow it with "
+                    "%gpushare allow-background")
         return self.host_refusal
 
 
@@ -265,7 +270,7 @@ class Controller:
                 st = self.get(kid)
                 self._check_restart(st, rec)
                 st.resident = self._resident_state(rec, now)
-                self._note_background(st, rec)
+                self._note_background(st, rec, now)
                 self._note_host_room(st, rec)
                 candidates.append(self.candidate(st, rec, now))
                 self._watchdog(st, rec, now)
@@ -296,19 +301,21 @@ class Controller:
         if held is not None and held.kernel_pid is not None and rec.pids and rec.pids[0] != held.kernel_pid:
             self.drop_held(st.kernel_id, "the kernel restarted")
 
-    def _note_background(self, st: KernelState, rec: KernelRecord) -> None:
-        """GPU work while no cell runs means a thread of the kernel uses the GPU: releasing
-        it would block that thread until a cell comes, so automatic releases stop."""
-        if st.background or st.held is not None or st.op is not None:
-            return
+    def _note_background(self, st: KernelState, rec: KernelRecord, now: float) -> None:
+        """GPU work while no cell runs means a thread of the kernel uses the GPU: a release
+        would block that thread until a cell comes, so automatic releases stop. The agent's
+        word (threads it saw use the GPU) holds until the user allows it; GPU work seen by
+        utilization alone holds for one idle window after it was last seen."""
         threads = rec.background_threads
-        if threads:
-            st.background = (f"background threads use the GPU ({', '.join(threads[:3])}); "
-                             "release by hand or allow it with %gpushare allow-background")
-        elif (not rec.busy and rec.execution_state == "idle" and rec.sm_utilization
-              and rec.sm_utilization > max(self.config.idle_utilization, 0.0)):
-            st.background = (f"the GPU computed ({rec.sm_utilization:.0f} % SM) while no cell ran; "
-                             "release by hand or allow it with %gpushare allow-background")
+        if threads and not st.background:
+            st.background = (f"background threads use the GPU ({', '.join(threads[:3])}): a "
+                             "release would make them wait; release by hand or allow it with "
+                             "%gpushare allow-background")
+        if rec.gpu_work_while_idle:
+            st.idle_gpu_work_at = now
+        window = st.idle_timeout if st.idle_timeout else self.config.idle_timeout
+        if st.idle_gpu_work_at is not None and now - st.idle_gpu_work_at > max(window, 1.0):
+            st.idle_gpu_work_at = None
 
     def _note_host_room(self, st: KernelState, rec: KernelRecord) -> None:
         st.host_refusal = None if st.held is not None else self._host_refusal(
@@ -582,7 +589,7 @@ class Controller:
             op = st.op
             if op is not None:
                 outcome = await self._wait(op)
-                if op.kind == "restore" and not outcome.ok:
+                if op.kind == "restore" and not outcome.ok and st.drops == drops:
                     raise ControllerError(409, outcome.message, outcome.retryable and not outcome.dropped)
                 continue
             if st.held is None:

@@ -105,3 +105,113 @@ async def test_driver_method_through_the_server(fake_nvml, fake_driver, jp_fetch
     assert "after restore" in ex.stdout
     assert fake_driver.steps() == [f"lock {pid}", f"checkpoint {pid}", f"restore {pid}", f"unlock {pid}"]
     assert gpushare_app.controller.states[k.id].state == "active"
+
+
+# -- faults at the driver and NVML boundary ---------------------------------------------------
+DRIVER = {"backend": "nvml", "idle_timeout": 0}
+
+
+async def _driver_kernel(fake_nvml, fake_driver, kernels, app, nbytes: int = 4 * GiB):
+    """A kernel whose pid NVML shows holding ``nbytes``, on the driver method (faked)."""
+    app.methods["driver"]._factory = fake_driver.process
+    k = await kernels.start()
+    pid = app.tracker.kernel_pid(k.id)
+    gpu = fake_nvml.gpus[0]
+    gpu.processes, gpu.memory_used = [FakeProcess(pid, nbytes)], nbytes
+
+    def follow(step, moved_pid):  # NVML sees what the driver does, as on a real machine
+        if step == "checkpoint":
+            gpu.processes = [p for p in gpu.processes if p.pid != moved_pid]
+            gpu.memory_used = sum(p.used_memory or 0 for p in gpu.processes)
+        elif step == "restore":
+            gpu.processes = [*gpu.processes, FakeProcess(moved_pid, nbytes)]
+            gpu.memory_used = sum(p.used_memory or 0 for p in gpu.processes)
+
+    fake_driver.on_step = follow
+    await app.poll_once()
+    return k, pid, gpu
+
+
+@pytest.mark.parametrize("gpushare_config", [DRIVER])
+async def test_a_rollback_that_finds_its_memory_taken_is_failed_not_resident(
+    fake_nvml, fake_driver, jp_fetch, kernels, gpushare_app
+):
+    """The checkpoint fails after the driver moved the memory out, and another process takes
+    the GPU before the rollback: the kernel cannot be confirmed running, so it is failed
+    (held), its cells wait, and it comes back once there is room."""
+    from .scenarios import rest
+
+    k, pid, gpu = await _driver_kernel(fake_nvml, fake_driver, kernels, gpushare_app)
+    fake_driver.fail("checkpoint", pid, "CUDA_ERROR_UNKNOWN", new_state="checkpointed")
+    gpu.processes, gpu.memory_used = [FakeProcess(2**22 + 1, 79 * GiB)], 79 * GiB
+    code, body = await rest(jp_fetch, k.id, "release")
+    assert code == 409 and "could not be confirmed running" in body["message"], body
+    assert "stays checkpointed" in body["message"]
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] == "failed" and info["released_bytes"] == 4 * GiB
+    assert fake_driver.states[pid] == "checkpointed"  # never restored without room
+
+    msg_id = k.send("print('back')")
+    import asyncio
+
+    await asyncio.sleep(0.3)
+    assert k.executions[msg_id].status == ""  # held: the kernel is not running
+    gpu.processes, gpu.memory_used = [], 0
+    ex = await k.wait(msg_id)
+    assert "back" in ex.stdout and fake_driver.states[pid] == "running"
+    assert gpushare_app.controller.states[k.id].state == "active"
+
+
+@pytest.mark.parametrize("gpushare_config", [DRIVER])
+async def test_a_pid_in_the_drivers_failed_state_is_shown_failed_without_a_retry_hint(
+    fake_nvml, fake_driver, jp_fetch, kernels, gpushare_app
+):
+    from .scenarios import rest
+
+    k, pid, _ = await _driver_kernel(fake_nvml, fake_driver, kernels, gpushare_app)
+    code, _ = await rest(jp_fetch, k.id, "release")
+    assert code == 200
+    fake_driver.states[pid] = "failed"  # what a restore without room leaves on a real driver
+    ex = await k.run("print('never')", ok=False)
+    assert ex.status == "error" and "failed checkpoint state" in ex.error["evalue"]
+    assert "restart the kernel" in ex.error["evalue"] and "retry" not in ex.error["evalue"]
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] == "failed" and "restart the kernel" in info["error"]
+
+
+@pytest.mark.parametrize("gpushare_config", [{"backend": "nvml", "idle_timeout": 0}])
+async def test_a_stalled_nvml_call_does_not_block_the_websocket(fake_nvml, kernels, gpushare_app):
+    """NVML hangs inside a poll: the poll waits on its own thread; cells keep running."""
+    import asyncio
+
+    k = await kernels.start()
+    stalled = fake_nvml.stall("nvmlDeviceGetComputeRunningProcesses")
+    try:
+        poll = asyncio.ensure_future(gpushare_app.poll_once())
+        await asyncio.sleep(0.2)
+        assert not poll.done()
+        ex = await k.run("print(6 * 7)")
+        assert ex.stdout == "42\n" and not poll.done()
+    finally:
+        stalled.set()
+    await poll
+
+
+@pytest.mark.parametrize("gpushare_config", [{"backend": "nvml", "idle_timeout": 0}])
+async def test_nvml_errors_mid_poll_keep_every_kernel_tracked(fake_nvml, jp_fetch, kernels, gpushare_app):
+    from .fakes.fake_pynvml import NVML_ERROR_GPU_IS_LOST, NVML_ERROR_UNKNOWN
+
+    k = await kernels.start()
+    pid = gpushare_app.tracker.kernel_pid(k.id)
+    gpu = fake_nvml.gpus[0]
+    gpu.processes, gpu.memory_used = [FakeProcess(pid, 2 * GiB)], 2 * GiB
+    await gpushare_app.poll_once()
+    fake_nvml.fail("nvmlDeviceGetComputeRunningProcesses", None, NVML_ERROR_UNKNOWN)
+    fake_nvml.fail("nvmlDeviceGetMemoryInfo", None, NVML_ERROR_GPU_IS_LOST)
+    await gpushare_app.poll_once()
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    assert [x["id"] for x in status["kernels"]] == [k.id]
+    assert status["gpus"][0]["memory_used"] is None  # unknown, said so, not a guess
+    fake_nvml._fail.clear()
+    await gpushare_app.poll_once()
+    assert (await kernel_status(jp_fetch, k.id))["gpu_memory_bytes"] == 2 * GiB

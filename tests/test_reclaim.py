@@ -11,7 +11,9 @@ from tornado.httpclient import HTTPClientError
 from jupyter_gpushare import clock
 from jupyter_gpushare.sim.node import GiB
 
+from . import scenarios
 from .helpers import execute_request, get_json, kernel_status, wait_for
+from .scenarios import MiB, crowded, hold, released
 
 IDLE = 60.0
 
@@ -21,42 +23,7 @@ def gpushare_config():
     return {"idle_timeout": IDLE, "pressure_idle_timeout": 30.0}
 
 
-
-MiB = 1 << 20
-SMALL_NODE = {"idle_timeout": IDLE, "pressure_idle_timeout": 30.0, "simulated_gpus": [2 * GiB, 2 * GiB]}
-
-
-def hold(mib: int, device: int = 0, name: str = "x", chunk: int = 256) -> str:
-    """A cell that holds ``mib`` MiB in arrays of distinct data, with their checksums."""
-    n, size = max(1, mib // chunk), min(mib, chunk) * MiB // 4
-    return (
-        "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
-        f"{name} = [simgpu.array(np.arange({size}, dtype=np.uint32) * (2 * i + 1), device={device},"
-        f" copy=False) for i in range({n})]\n"
-        f"{name}_sum = [a.checksum() for a in {name}]"
-    )
-
-
-async def released(jp_fetch, kernels, app, mib: int = 256):
-    """A kernel holding ``mib`` MiB (see ``hold``), released over REST."""
-    k = await kernels.start()
-    await k.run(hold(mib))
-    await app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
-    return k
-
-
-async def crowded(jp_fetch, kernels, app):
-    """On a 2 GiB GPU: kernel a released with 1.25 GiB, then kernel b holding 1.25 GiB, so a's
-    restore does not fit unless b goes."""
-    a = await kernels.start()
-    b = await kernels.start()
-    await a.run(hold(1280, name="a"))
-    await app.poll_once()
-    await jp_fetch("api", "gpushare", "kernels", a.id, "release", method="POST", body=b"")
-    await b.run(hold(1280, name="b"))
-    await app.poll_once()
-    return a, b
+SMALL_NODE = {"idle_timeout": IDLE, "pressure_idle_timeout": 30.0, **scenarios.SMALL_NODE}
 
 
 async def idle_past_timeout(app, seconds: float = IDLE + 1) -> None:

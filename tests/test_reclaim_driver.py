@@ -325,7 +325,7 @@ def test_a_hung_driver_call_ends_the_operation_with_the_reason(drv):
             self._p.checkpoint()
 
     m._factory = Stuck
-    with pytest.raises(ReclaimError, match="checkpoint of pid 1234 did not return in 0.2 s") as e:
+    with pytest.raises(ReclaimError, match=r"checkpoint of pid 1234 did not return in 0\.2 s") as e:
         run(m.release(one_pid()))
     assert not e.value.resident
     gate.set()

@@ -17,6 +17,7 @@ Any call can be made to fail per device: ``fake.fail("nvmlDeviceGetMemoryInfo", 
 
 from __future__ import annotations
 
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -168,6 +169,7 @@ class FakePynvml(types.ModuleType):
         self.refcount = 0
         self.calls: list[tuple[Any, ...]] = []
         self._fail: dict[tuple[str, str | None], int] = {}
+        self._stall: dict[str, threading.Event] = {}
         # the module-level names code under test uses (``pynvml.NVMLError_NotFound`` ...)
         for name, value in globals().items():
             if name.startswith(("NVML_", "NVMLError")):
@@ -178,12 +180,20 @@ class FakePynvml(types.ModuleType):
         """Make ``func`` raise ``NVMLError(code)`` for ``gpu`` (None: for every call)."""
         self._fail[(func, gpu.uuid if gpu is not None else None)] = code
 
+    def stall(self, func: str) -> threading.Event:
+        """Make every call of ``func`` hang until the returned event is set (a stuck driver)."""
+        event = self._stall[func] = threading.Event()
+        return event
+
     def called(self, func: str) -> int:
         return sum(1 for c in self.calls if c[0] == func)
 
     # -- helpers ------------------------------------------------------------------------
     def _enter(self, func: str, handle: FakeHandle | None = None, *args: Any) -> None:
         self.calls.append((func, handle.gpu.uuid if handle else None, *args))
+        stalled = self._stall.get(func)
+        if stalled is not None:
+            stalled.wait(60)
         if func not in ("nvmlInit", "nvmlInitWithFlags") and self.refcount == 0:
             raise NVMLError(NVML_ERROR_UNINITIALIZED)
         for key in ((func, None), (func, handle.gpu.uuid if handle else None)):

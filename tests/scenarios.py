@@ -1,0 +1,63 @@
+"""Set-ups many server tests share: kernels holding simulated GPU data with checksums,
+released over REST, or crowded onto one small GPU."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from jupyter_gpushare.sim.node import GiB
+
+MiB = 1 << 20
+#: a node of two 2 GiB GPUs, where two kernels of 1.25 GiB do not fit on one GPU together
+SMALL_NODE = {"simulated_gpus": [2 * GiB, 2 * GiB]}
+
+
+def hold(mib: int, device: int = 0, name: str = "x", chunk: int = 256) -> str:
+    """A cell that holds ``mib`` MiB in arrays of distinct data, with their checksums."""
+    n, size = max(1, mib // chunk), min(mib, chunk) * MiB // 4
+    return (
+        "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+        f"{name} = [simgpu.array(np.arange({size}, dtype=np.uint32) * (2 * i + 1), device={device},"
+        f" copy=False) for i in range({n})]\n"
+        f"{name}_sum = [a.checksum() for a in {name}]"
+    )
+
+
+def intact(name: str = "x") -> str:
+    """A cell that fails unless the arrays ``hold`` made have the same bytes as before."""
+    return f"assert [a.checksum() for a in {name}] == {name}_sum, 'data changed'\nprint('intact')"
+
+
+async def rest(jp_fetch: Any, kernel_id: str, action: str, method: str = "POST",
+               body: bytes = b"") -> tuple[int, dict[str, Any]]:
+    """(status, JSON body) of a gpushare REST action, 4xx included."""
+    from tornado.httpclient import HTTPClientError
+
+    try:
+        r = await jp_fetch("api", "gpushare", "kernels", kernel_id, action, method=method, body=body)
+        return r.code, json.loads(r.body)
+    except HTTPClientError as e:
+        assert e.response is not None
+        return e.code, json.loads(e.response.body)
+
+
+async def released(jp_fetch: Any, kernels: Any, app: Any, mib: int = 256, name: str = "x",
+                   device: int = 0) -> Any:
+    """A kernel holding ``mib`` MiB (see ``hold``), released over REST."""
+    k = await kernels.start()
+    await k.run(hold(mib, device=device, name=name))
+    await app.poll_once()
+    code, body = await rest(jp_fetch, k.id, "release")
+    assert code == 200 and body["state"] == "released", body
+    return k
+
+
+async def crowded(jp_fetch: Any, kernels: Any, app: Any) -> tuple[Any, Any]:
+    """On a 2 GiB GPU: kernel a released with 1.25 GiB, then kernel b holding 1.25 GiB, so a's
+    restore does not fit unless b goes."""
+    a = await released(jp_fetch, kernels, app, 1280, name="a")
+    b = await kernels.start()
+    await b.run(hold(1280, name="b"))
+    await app.poll_once()
+    return a, b

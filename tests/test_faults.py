@@ -1,0 +1,225 @@
+"""Faults injected into release and restore, as a hostile user or a failing machine would
+cause them, on a real server with real kernels (simulated node). For each: the kernel's data
+is intact (or the kernel is gone by its own crash, and says so), the state shown is true,
+and nothing is left locked or waiting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+
+import pytest
+
+from jupyter_gpushare import clock
+
+from .helpers import execute_request, get_json, kernel_status, wait_for
+from .scenarios import SMALL_NODE, MiB, crowded, hold, intact, released, rest
+
+
+def state(app, kernel) -> str:
+    return app.controller.states[kernel.id].state
+
+
+# -- restores that share a GPU ------------------------------------------------------------------
+@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+async def test_two_restores_that_do_not_both_fit_take_turns_and_neither_fails(
+    jp_fetch, kernels, gpushare_app, events
+):
+    a = await released(jp_fetch, kernels, gpushare_app, 1280, name="a")
+    b = await released(jp_fetch, kernels, gpushare_app, 1280, name="b")
+    (code_a, body_a), (code_b, body_b) = await asyncio.gather(
+        rest(jp_fetch, a.id, "restore"), rest(jp_fetch, b.id, "restore"))
+    assert sorted([code_a, code_b]) == [200, 202], (body_a, body_b)
+    first, second = (a, b) if code_a == 200 else (b, a)
+    waiting = body_b if code_a == 200 else body_a
+    assert waiting["state"] == "released" and waiting["waiting"].startswith("waiting for")
+    assert not [e for e in events if e["action"] == "restore_failed"]
+    assert gpushare_app.node.used(0) == 1280 * MiB
+    await wait_for(lambda: "memory" in (gpushare_app.controller.states[second.id].waiting or ""),
+                   what="the second restore to wait for memory")
+
+    await rest(jp_fetch, first.id, "release")  # room frees: the waiting restore goes on
+    await wait_for(lambda: state(gpushare_app, second) == "active", what="the second restore")
+    name = "a" if second is a else "b"
+    await second.run(intact(name))
+    assert gpushare_app.controller.reservations.snapshot() == {}
+
+
+# -- who decides "busy" -----------------------------------------------------------------------
+async def test_a_release_asked_while_a_cell_runs_is_refused_and_the_cell_finishes(
+    jp_fetch, kernels, gpushare_app
+):
+    """The last poll saw the kernel idle; a release asked mid-cell must not lock it (the cell's
+    next GPU call would stall until a restore)."""
+    km = gpushare_app.serverapp.kernel_manager
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    msg_id = k.send("simgpu.burn(1.0)\n" + intact())
+    await wait_for(lambda: km.get_kernel(k.id).execution_state == "busy", what="the cell to start")
+    code, body = await rest(jp_fetch, k.id, "release")
+    assert code == 409 and "busy running a cell" in body["message"], body
+    ex = await k.wait(msg_id)
+    assert ex.status == "ok" and "intact" in ex.stdout
+    st = gpushare_app.controller.states[k.id]
+    assert st.held is None and st.releases == 0 and gpushare_app.node.used(0) == 256 * MiB
+
+
+@pytest.mark.parametrize("gpushare_config", [{"poll_interval": 3600}])
+async def test_a_release_just_after_a_cell_succeeds_though_the_last_poll_saw_it_busy(
+    jp_fetch, kernels, gpushare_app
+):
+    km = gpushare_app.serverapp.kernel_manager
+    k = await kernels.start()
+    await k.run(hold(256))
+    msg_id = k.send("simgpu.burn(0.5)")
+    await wait_for(lambda: km.get_kernel(k.id).execution_state == "busy", what="the cell to start")
+    await gpushare_app.poll_once()
+    assert gpushare_app.tracker.kernels[k.id].busy  # what the last poll saw
+    await k.wait(msg_id)
+    code, body = await rest(jp_fetch, k.id, "release")
+    assert code == 200 and body["state"] == "released", body
+    await k.run(intact())
+
+
+# -- work outside cells -----------------------------------------------------------------------
+async def test_a_widget_message_to_a_released_kernel_waits_for_the_restore(
+    jp_fetch, kernels, gpushare_app, restores
+):
+    """A comm message runs user code (a widget callback): in eager mode it waits at the gate
+    like a cell, instead of blocking in the kernel on a released GPU."""
+    k = await kernels.start()
+    await k.run(hold(256) + (
+        "\ndef _probe(comm, msg):\n"
+        "    comm.send({'intact': [a.checksum() for a in x] == x_sum})\n"
+        "get_ipython().kernel.comm_manager.register_target('probe', _probe)"))
+    await gpushare_app.poll_once()
+    code, _ = await rest(jp_fetch, k.id, "release")
+    assert code == 200
+    comm_id = uuid.uuid4().hex
+    msg = execute_request("", k.session)
+    msg["header"]["msg_type"] = "comm_open"
+    msg["content"] = {"comm_id": comm_id, "target_name": "probe", "data": {}}
+    k.ws.write_message(json.dumps(msg))
+    reply = None
+    while reply is None:
+        raw = await asyncio.wait_for(k.ws.read_message(), 30)
+        got = json.loads(raw)
+        if got["header"]["msg_type"] == "comm_msg" and got["content"].get("comm_id") == comm_id:
+            reply = got["content"]["data"]
+    assert reply == {"intact": True}
+    assert restores == [(k.id, "gate")]
+
+
+async def test_gpu_work_outside_cells_stops_automatic_release_and_says_why(
+    jp_fetch, kernels, gpushare_app
+):
+    gpushare_app.controller.config = type(gpushare_app.controller.config)(
+        **{**gpushare_app.controller.config.__dict__, "idle_timeout": 60.0})
+    k = await kernels.start()
+    await k.run(hold(256) + (
+        "\nimport threading\nstop = threading.Event()\n"
+        "def train():\n"
+        "    while not stop.is_set():\n"
+        "        simgpu.burn(0.05)\n"
+        "t = threading.Thread(target=train, name='trainer')\nt.start()"))
+    await wait_for(lambda: gpushare_app.tracker.kernels[k.id].gpu_work_while_idle,
+                   what="GPU work while no cell runs")
+    info = await kernel_status(jp_fetch, k.id)
+    assert "GPU computed while no cell ran" in info["release_blocked"]
+    clock.advance(61)
+    await gpushare_app.poll_once()
+    assert state(gpushare_app, k) != "released"
+    await k.run("stop.set()\nt.join()")
+    code, body = await rest(jp_fetch, k.id, "release")  # by hand it is the person's call
+    assert code == 200 and body["state"] == "released"
+    await k.run(intact())
+
+
+# -- a restart while cells wait ------------------------------------------------------------------
+@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+async def test_cells_held_for_a_restore_are_answered_and_never_run_when_the_kernel_restarts(
+    jp_fetch, kernels, gpushare_app, tmp_path
+):
+    a, _ = await crowded(jp_fetch, kernels, gpushare_app)  # a's restore cannot fit
+    marker = tmp_path / "ran"
+    msg_id = a.send(f"open({str(marker)!r}, 'w').write('ran')")
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting for memory")
+    await jp_fetch("api", "kernels", a.id, "restart", method="POST", body=b"")
+    ex = await a.wait(msg_id)
+    assert ex.status == "error", ex
+    assert "restarted" in ex.error["evalue"] and "did not run" in ex.error["evalue"]
+    assert "retry" not in ex.error["evalue"]
+    await a.ready()
+    assert not marker.exists()
+    st = gpushare_app.controller.states[a.id]
+    assert st.held is None and st.op is None and "restarted" in st.error
+
+
+# -- what status says ---------------------------------------------------------------------------
+async def test_status_right_after_a_release_counts_each_byte_once(jp_fetch, kernels, gpushare_app):
+    k = await released(jp_fetch, kernels, gpushare_app, 512)
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    gpu = status["gpus"][0]
+    assert (gpu["memory_used"], gpu["released_bytes"]) == (0, 512 * MiB)
+    kernel = next(x for x in status["kernels"] if x["id"] == k.id)
+    assert (kernel["gpu_memory_bytes"], kernel["released_bytes"]) == (0, 512 * MiB)
+
+
+# -- host memory --------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpushare_config", [{"host_memory_reserve": 1 << 50, "idle_timeout": 60}])
+async def test_a_release_that_would_not_fit_in_host_memory_is_refused_and_says_why(
+    jp_fetch, kernels, gpushare_app
+):
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    code, body = await rest(jp_fetch, k.id, "release")
+    assert code == 409 and "would not fit in host memory" in body["message"], body
+    assert "available" in body["message"] and "host_memory_reserve" in body["message"]
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] in ("active", "idle") and "would not fit" in info["release_blocked"]
+    assert info["host_room_bytes"] > 0
+    clock.advance(61)
+    await gpushare_app.poll_once()
+    assert state(gpushare_app, k) == "idle"  # never released automatically either
+    assert gpushare_app.node.used(0) == 256 * MiB
+    await k.run(intact())
+
+
+def _cgroup_v1_memory() -> str | None:
+    """A writable cgroup v1 memory hierarchy (as root on these machines), else None."""
+    root = "/sys/fs/cgroup/memory"
+    return root if os.path.isdir(root) and os.access(root, os.W_OK) else None
+
+
+@pytest.mark.skipif(_cgroup_v1_memory() is None, reason="needs a writable cgroup v1 memory hierarchy")
+async def test_a_kernel_in_a_small_memory_cgroup_is_not_released_into_an_oom_kill(
+    jp_fetch, kernels, gpushare_app
+):
+    """The kernel runs in a memory cgroup with 300 MiB to spare; releasing its 512 MiB state
+    would put the bytes into that cgroup and get it OOM-killed, so the release is refused."""
+    k = await kernels.start()
+    await k.run(hold(512))
+    pid = gpushare_app.tracker.kernel_pid(k.id)
+    root = _cgroup_v1_memory()
+    assert root is not None
+    group = os.path.join(root, f"gpushare-test-{uuid.uuid4().hex[:8]}")
+    with open(f"/proc/{pid}/cgroup") as f:
+        home = next(line.split(":", 2)[2].strip() for line in f if ":memory:" in line)
+    os.mkdir(group)
+    try:
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(300 * MiB))
+        with open(os.path.join(group, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        await gpushare_app.poll_once()
+        code, body = await rest(jp_fetch, k.id, "release")
+        assert code == 409 and "memory cgroup" in body["message"] and group in body["message"], body
+        await k.run(intact())
+    finally:
+        with open(os.path.join(root + home, "cgroup.procs"), "w") as f:
+            f.write(str(pid))
+        os.rmdir(group)
