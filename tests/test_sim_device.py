@@ -162,14 +162,15 @@ def test_gpu_calls_wait_while_not_running_and_go_on_after(dev):
 def test_a_checkpoint_failing_after_half_the_arrays_leaves_everything_on_the_device(dev, node):
     xs = arrays(6)
     sums = [x.checksum() for x in xs]
-    buffers = [x._dev for x in xs]
+    values = [x._dev.copy() for x in xs]
     used = node.pids()
     dev.lock()
     dev.inject_fault("checkpoint", MemoryError("host out of memory"), after=3)
     with pytest.raises(MemoryError, match="host out of memory"):
         dev.checkpoint()
     assert dev.state == LOCKED  # like the driver: the failed checkpoint left it locked
-    assert all(x._dev is b and x._host is None for x, b in zip(xs, buffers, strict=True))
+    for x, value in zip(xs, values, strict=True):
+        assert x._host is None and np.array_equal(x._dev, value)  # on the device, same bytes
     assert node.pids() == used and dev.allocated() == 24000 and dev.on_host() == 0
 
     dev.unlock()  # the server's undo of a failed release
@@ -183,12 +184,13 @@ def test_a_restore_failing_after_half_the_arrays_leaves_everything_checkpointed(
     sums = [x.checksum() for x in xs]
     dev.lock()
     dev.checkpoint()
-    hosts = [x._host for x in xs]
+    values = [x._host.copy() for x in xs]
     dev.inject_fault("restore", after=3)
     with pytest.raises(InjectedFault, match="injected fault in restore"):
         dev.restore()
     assert dev.state == CHECKPOINTED
-    assert all(x._host is h and x._dev is None for x, h in zip(xs, hosts, strict=True))
+    for x, value in zip(xs, values, strict=True):
+        assert x._dev is None and np.array_equal(x._host, value)  # in host memory, same bytes
     assert node.pids() == {}  # the device memory the restore had taken is back
     assert dev.placement()["host"] == {"0": 12000, "1": 12000}
 
@@ -253,6 +255,7 @@ def test_a_stalled_checkpoint_shows_the_true_state_until_it_commits(dev, node):
     assert stall.reached.wait(10)
     assert dev.placement()["state"] == LOCKED  # halfway copied, nothing committed
     assert dev.allocated() == sum(x.nbytes for x in xs) and node.pids()
+    assert [x._dev is None for x in xs] == [True, True, False, False]  # two copied so far
     stall.release()
     worker.join(10)
     assert dev.state == CHECKPOINTED and node.pids() == {}

@@ -7,7 +7,7 @@ emulated CUDA checkpoint state machine, with the driver's rules:
 - a lock that times out leaves the process running;
 - GPU calls block while the process is not running and go on once it is unlocked;
 - checkpoint and restore are all or nothing: every array's bytes are copied first, then one
-  step that cannot fail swaps them in and moves the accounting. A failure in the copy leaves
+  step that cannot fail moves the accounting and the state. A failure in the copy leaves
   every array, and the node's accounting, exactly as before the call.
 
 For tests and demos the state machine takes injected faults and stalls
@@ -372,8 +372,8 @@ class SimDevice:
     def checkpoint(self) -> dict[str, Any]:
         """Copy every array's bytes to host memory, then free the device memory.
 
-        All or nothing: if a copy fails, the copies are dropped and the device stays locked
-        with everything on it."""
+        All or nothing: if a copy fails, the device stays locked with every array on it and
+        the node's accounting unchanged."""
         with self._step_lock:
             return self._checkpoint()
 
@@ -381,15 +381,10 @@ class SimDevice:
         self._expect("checkpoint", LOCKED)
         with self._cond:  # strong references: no array dies between copy and commit
             arrays = [(a, b) for a, b in list(self._blocks.items()) if b.on_device]
-        copies = []
-        for index, (array, _) in enumerate(arrays):
-            self._strike("checkpoint", index)
-            copies.append(array._copy_to_host())
-        self._strike("checkpoint", len(arrays), last=True)
-        # commit: attribute assignments only, nothing here can fail halfway
+        self._move(arrays, "checkpoint", to_host=True)
+        # commit: the accounting and the state, in one step nothing can interrupt halfway
         with self._cond:
-            for (array, block), copy in zip(arrays, copies, strict=True):
-                array._commit_host(copy)
+            for _, block in arrays:
                 block.on_device = False
             self.state = CHECKPOINTED
         moved = _per_gpu(b for _, b in arrays)
@@ -398,10 +393,10 @@ class SimDevice:
         return _summary(arrays, moved)
 
     def restore(self) -> dict[str, Any]:
-        """Allocate everything again, copy the bytes back, then swap them in.
+        """Allocate everything again, copy the bytes back, then account them on the device.
 
         All or nothing: if the allocation or a copy fails, what was allocated is freed and the
-        process stays checkpointed, accounted exactly as before."""
+        process stays checkpointed, every array in host memory, accounted exactly as before."""
         with self._step_lock:
             return self._restore()
 
@@ -415,21 +410,41 @@ class SimDevice:
             for key, nbytes in needed.items():  # per GPU: one request each, freed on failure
                 self.backend.alloc(int(key), nbytes)
                 allocated.append((int(key), nbytes))
-            copies = []
-            for index, (array, _) in enumerate(arrays):
-                self._strike("restore", index)
-                copies.append(array._copy_to_device())
-            self._strike("restore", len(arrays), last=True)
+            self._move(arrays, "restore", to_host=False)
         except BaseException:
             for gpu, nbytes in allocated:
                 self._free_quietly(gpu, nbytes)
             raise
         with self._cond:  # commit
-            for (array, block), copy in zip(arrays, copies, strict=True):
-                array._commit_device(copy)
+            for _, block in arrays:
                 block.on_device = True
             self.state = LOCKED
         return _summary(arrays, needed)
+
+    def _move(self, arrays: list[tuple[Any, _Block]], step: str, *, to_host: bool) -> None:
+        """Copy every array's bytes to the other side, or leave every array where it was.
+
+        A simulated GPU's device memory is host RAM too, so each array hands its old buffer
+        over as soon as its copy exists (holding the whole state twice would double the
+        kernel's memory during a move). Handing it back is an assignment, which cannot fail:
+        on any error every array already moved goes back, with the same bytes."""
+        moved: list[Any] = []
+        try:
+            for index, (array, _) in enumerate(arrays):
+                self._strike(step, index)
+                if to_host:
+                    array._commit_host(array._copy_to_host())
+                else:
+                    array._commit_device(array._copy_to_device())
+                moved.append(array)
+            self._strike(step, len(arrays), last=True)
+        except BaseException:
+            for array in reversed(moved):  # the copy it holds has the very same bytes
+                if to_host:
+                    array._commit_device(array._host)
+                else:
+                    array._commit_host(array._dev)
+            raise
 
     def unlock(self) -> None:
         with self._step_lock:
