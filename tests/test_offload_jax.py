@@ -15,6 +15,7 @@ jax = pytest.importorskip("jax")
 jnp = jax.numpy
 
 from jupyter_gpushare.kernel.offload.jax_adapter import JaxAdapter  # noqa: E402
+from jupyter_gpushare.kernel.offload.txn import UndoIncomplete  # noqa: E402
 
 
 class AdamState(NamedTuple):
@@ -160,11 +161,11 @@ def test_no_ops_rebinding_and_failed_reload():
     def no_room(entry):
         raise MemoryError("simulated: no room on the device")
 
-    adapter._to_device = no_room
+    default, adapter.to_device = adapter.to_device, no_room
     with pytest.raises(MemoryError):
         adapter.reload()
     assert adapter.offloaded and isinstance(ns["x"], np.ndarray)
-    del adapter._to_device
+    adapter.to_device = default
 
     ns["y"] = "rebound by the user"
     back = adapter.reload()
@@ -196,3 +197,154 @@ def test_defaults_on_a_cpu_only_machine_move_nothing():
     off = adapter.offload(ns)
     assert off.count == 0 and adapter.device_bytes() == 0 and adapter.trim() == 0
     assert adapter.gpu_names(ns) == set()
+
+
+# -- all or nothing: a failure in the middle of a move leaves every object as it was ------
+
+
+class Lockable(dict):
+    """A user container that refuses writes while locked. Not a pytree (JAX treats dict
+    subclasses as leaves), so the adapter rebinds its items where they sit, after the
+    top-level trees."""
+
+    def __init__(self, *args, locked=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.locked = locked
+
+    def __setitem__(self, key, value):
+        if self.locked:
+            raise TypeError("this container is locked")
+        super().__setitem__(key, value)
+
+
+class WriteOnce(Lockable):
+    """Takes one write, then locks itself (so an undo, a second write, is refused)."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self.locked = True
+
+
+def failing_after(n: int, copy):
+    """A copy hook that copies ``n`` arrays, then fails."""
+    calls = []
+
+    def hook(arg):
+        calls.append(arg)
+        if len(calls) > n:
+            raise MemoryError("simulated: out of memory")
+        return copy(arg)
+
+    return hook
+
+
+def mixed_namespace(locked=False):
+    """Top-level trees, object attributes and a container, rebound in that order; and a
+    getter for every slot that holds a device array."""
+    ns = {
+        "a": jnp.arange(4.0),
+        "params": {"w": jnp.ones((3, 3)), "b": jnp.zeros(3)},
+        "holder": Holder(jnp.full((2,), 5.0)),
+        "box": Lockable(v=jnp.arange(3), locked=locked),
+        "n": 7,
+    }
+    slots = {
+        "a": lambda: ns["a"],
+        "params": lambda: ns["params"],
+        "params.w": lambda: ns["params"]["w"],
+        "params.b": lambda: ns["params"]["b"],
+        "holder.w": lambda: ns["holder"].w,
+        "holder.bias": lambda: ns["holder"].table["bias"],
+        "box.v": lambda: ns["box"]["v"],
+    }
+    return ns, slots
+
+
+def snapshot(slots):
+    return {name: get() for name, get in slots.items()}
+
+
+def assert_same_objects(slots, before):
+    for name, get in slots.items():
+        assert get() is before[name], f"{name} was rebound"
+
+
+def test_a_copy_failing_halfway_through_an_offload_changes_nothing():
+    ns, slots = mixed_namespace()
+    before = snapshot(slots)
+    adapter = JaxAdapter(is_device=lambda a: True, to_host=failing_after(3, np.array))
+    with pytest.raises(MemoryError):
+        adapter.offload(ns)
+    assert_same_objects(slots, before)
+    assert not adapter.offloaded and adapter.reload().count == 0
+
+
+def test_a_slot_refusing_halfway_through_an_offload_undoes_every_rebinding():
+    ns, slots = mixed_namespace(locked=True)
+    before = snapshot(slots)
+    values = {name: np.array(v) for name, v in before.items() if name != "params"}
+    adapter = make_adapter()
+    with pytest.raises(TypeError, match="locked"):
+        adapter.offload(ns)  # a, params and holder were rebound before box refused
+    assert_same_objects(slots, before)
+    assert all(isinstance(before[name], jax.Array) for name in values)
+    assert not adapter.offloaded
+
+    ns["box"].locked = False  # the same adapter can try again
+    del before  # the test's own references would keep the device arrays alive
+    off = adapter.offload(ns)
+    assert off.count == 6 and isinstance(ns["a"], np.ndarray)
+    assert adapter.reload().count == 6
+    for name, expected in values.items():
+        assert_same_array(slots[name](), expected)
+
+
+def test_a_device_copy_failing_halfway_through_a_reload_keeps_everything_offloaded():
+    ns, slots = mixed_namespace()
+    values = {name: np.array(get()) for name, get in slots.items() if name != "params"}
+    adapter = make_adapter()
+    adapter.offload(ns)
+    offloaded = snapshot(slots)
+    default = adapter.to_device
+    adapter.to_device = failing_after(3, default)
+    with pytest.raises(MemoryError):
+        adapter.reload()
+    assert adapter.offloaded
+    assert_same_objects(slots, offloaded)
+
+    adapter.to_device = default
+    assert adapter.reload().count == 6
+    for name, expected in values.items():
+        assert_same_array(slots[name](), expected)
+
+
+def test_a_slot_refusing_halfway_through_a_reload_keeps_everything_offloaded():
+    ns, slots = mixed_namespace()
+    values = {name: np.array(get()) for name, get in slots.items() if name != "params"}
+    adapter = make_adapter()
+    adapter.offload(ns)
+    offloaded = snapshot(slots)
+    ns["box"].locked = True  # e.g. the user froze a config object while released
+    with pytest.raises(TypeError, match="locked"):
+        adapter.reload()  # a, params and holder were rebound before box refused
+    assert adapter.offloaded
+    assert_same_objects(slots, offloaded)
+    assert isinstance(ns["a"], np.ndarray)
+
+    ns["box"].locked = False
+    assert adapter.reload().count == 6
+    for name, expected in values.items():
+        assert_same_array(slots[name](), expected)
+
+
+def test_an_undo_that_fails_is_reported_not_hidden():
+    once = WriteOnce(v=jnp.arange(3))
+    ns = {"once": once, "box": Lockable(v=jnp.ones(2), locked=True)}
+    adapter = make_adapter()
+    with pytest.raises(UndoIncomplete) as caught:
+        adapter.offload(ns)  # once['v'] moved, box refused, once refused the undo
+    assert isinstance(caught.value.cause, TypeError)
+    (stuck,) = caught.value.stuck
+    assert stuck.startswith("once") and "locked" in stuck
+    assert "1 object(s) are not as they were" in str(caught.value)
+    assert isinstance(once["v"], np.ndarray)  # the truth: this one did not go back

@@ -343,6 +343,39 @@ def test_a_refusing_tensor_stays_and_the_rest_moves(dev):
     assert torch.equal(c, torch.full((2,), 2.0))
 
 
+class Lockable(torch.Tensor):
+    """A subclass that refuses to be re-pointed while ``locked`` is set."""
+
+    locked = False
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.set_ and cls.locked:
+            raise RuntimeError("locked tensors refuse set_")
+        with torch._C._DisableTorchDispatch():  # run the op itself, not this handler again
+            return func(*args, **(kwargs or {}))
+
+
+def test_a_tensor_refusing_the_reload_leaves_every_tensor_offloaded(dev, monkeypatch):
+    a = dev.put(torch.ones(2))
+    b = dev.put(torch.zeros(2).as_subclass(Lockable))
+    c = dev.put(torch.full((2,), 2.0))
+    adapter = dev.adapter()
+    moved = adapter.offload({"a": a, "b": b, "c": c}).count
+    host_ptrs = [t.data_ptr() for t in (a, b, c)]
+    monkeypatch.setattr(Lockable, "locked", True)
+    with pytest.raises(RuntimeError, match="refuse set_"):
+        adapter.reload()  # a was re-pointed at its device storage before b refused
+    assert adapter.offloaded
+    assert [t.data_ptr() for t in (a, b, c)] == host_ptrs
+    assert not any(dev.is_device(t) for t in (a, b, c))
+    assert a._version == 0 and torch.equal(a, torch.ones(2))
+
+    monkeypatch.setattr(Lockable, "locked", False)
+    assert adapter.reload().count == moved
+    assert all(dev.is_device(t) for t in (a, b, c)) and torch.equal(c, torch.full((2,), 2.0))
+
+
 def test_alias_outside_namespace_is_reported_not_split(dev):
     base = dev.put(torch.arange(6.0))
     hidden = types.ModuleType("hidden")  # modules are never walked

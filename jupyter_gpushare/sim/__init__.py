@@ -1,5 +1,10 @@
-"""The simulated GPU node: run, demo and test the whole product where there is no GPU."""
+"""The simulated GPU node: run, demo and test the whole product where there is no GPU.
 
-from . import simgpu
+``simgpu``: arrays on simulated GPUs. ``device``: the process's simulated GPU, its emulated
+checkpoint state machine, and fault injection for tests and demos
+(``device.get_device().inject_fault("checkpoint", after=2)``).
+"""
 
-__all__ = ["simgpu"]
+from . import device, simgpu
+
+__all__ = ["device", "simgpu"]

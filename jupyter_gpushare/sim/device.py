@@ -1,7 +1,18 @@
 """The simulated GPU as a kernel process sees it: allocations, busy time and the
-emulated CUDA checkpoint state machine (running -> locked -> checkpointed -> locked ->
-running), with the same rule as the driver: GPU calls block while the process is not
-running and go on once it is unlocked.
+emulated CUDA checkpoint state machine, with the driver's rules:
+
+- ``running -> lock -> locked -> checkpoint -> checkpointed -> restore -> locked -> unlock ->
+  running``; a step called in any other state raises :class:`SimCheckpointError` and changes
+  nothing (the driver's ``CUDA_ERROR_ILLEGAL_STATE``);
+- a lock that times out leaves the process running;
+- GPU calls block while the process is not running and go on once it is unlocked;
+- checkpoint and restore are all or nothing: every array's bytes are copied first, then one
+  step that cannot fail moves the accounting and the state. A failure in the copy leaves
+  every array, and the node's accounting, exactly as before the call.
+
+For tests and demos the state machine takes injected faults and stalls
+(:meth:`SimDevice.inject_fault`, :meth:`SimDevice.stall`), and :meth:`SimDevice.resume`
+brings the device back to running from any state.
 
 Memory is accounted on a :class:`~jupyter_gpushare.sim.node.SimNode`: the server's
 (through the agent channel) when the kernel was started by an enabled server, else a
@@ -10,18 +21,26 @@ private in-process node.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..protocol import SIMULATED_GPUS_ENV
 from .node import SimNode, SimOutOfMemoryError, format_bytes, parse_gpus
 
+log = logging.getLogger(__name__)
+
 RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
+#: the driver's terminal state (a restore without room leaves a process there): every step
+#: and every GPU call fails until the process is restarted
+FAILED = "failed"
+STEPS = ("lock", "checkpoint", "restore", "unlock")
 
 
 class Backend(Protocol):
@@ -57,6 +76,14 @@ class LocalBackend:
         return len(self.node.capacities)
 
 
+class SimCheckpointError(RuntimeError):
+    """A checkpoint step called in the wrong state, or a GPU call in the ``failed`` state."""
+
+
+class InjectedFault(RuntimeError):
+    """The error :meth:`SimDevice.inject_fault` raises when given a message or nothing."""
+
+
 @dataclass
 class _Block:
     """One allocation: where its bytes are and how big it is."""
@@ -66,15 +93,51 @@ class _Block:
     on_device: bool = True
 
 
+@dataclass
+class _Fault:
+    error: BaseException
+    after: int
+    wedge: bool
+
+
+@dataclass
+class Stall:
+    """A step held up on purpose (see :meth:`SimDevice.stall`)."""
+
+    step: str
+    after: int
+    seconds: float | None
+    #: set when the step reaches the stall (wait on it instead of sleeping)
+    reached: threading.Event = field(default_factory=threading.Event)
+    _go: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """Let the stalled step go on (or never stall, if it has not got there yet)."""
+        self._go.set()
+
+    def _hold(self) -> None:
+        self.reached.set()
+        self._go.wait(self.seconds)
+
+
 class SimDevice:
     """Process-wide simulated GPU state (one per kernel process)."""
 
     def __init__(self, backend: Backend | None = None):
         self.backend: Backend = backend or LocalBackend()
-        self._cond = threading.Condition()
-        self.state = RUNNING
-        self._inflight = 0
+        #: called as ``on_blocked(thread_name)`` when a thread other than the main thread
+        #: makes a GPU call while the device is not running, once per call that waits, on
+        #: that thread and without any lock held: the agent asks the server for a restore
+        self.on_blocked: Callable[[str], None] | None = None
+        self._cond = threading.Condition()  # guards state, _inflight, the blocks' flags
+        self._step_lock = threading.Lock()  # one checkpoint step at a time
+        self.state = RUNNING  # written only under _cond, by the steps
+        self._inflight = 0  # GPU calls running now
+        self._waiting = 0  # GPU calls blocked until the device runs again
         self._blocks: weakref.WeakKeyDictionary[Any, _Block] = weakref.WeakKeyDictionary()
+        self._users: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+        self._faults: dict[str, _Fault] = {}
+        self._stalls: dict[str, Stall] = {}
 
     # -- allocation ---------------------------------------------------------------
     def register(self, array: Any, gpu: int, nbytes: int) -> None:
@@ -86,33 +149,65 @@ class SimDevice:
             weakref.finalize(array, self._release_block, block)
 
     def _release_block(self, block: _Block) -> None:
-        if block.on_device:
-            block.on_device = False
+        with self._cond:
+            was_on_device, block.on_device = block.on_device, False
+        if was_on_device:
             try:
                 self.backend.free(block.gpu, block.nbytes)
             except Exception:  # interpreter shutdown, server gone: nothing left to free
                 pass
 
     def allocated(self, gpu: int | None = None) -> int:
+        """Bytes on the device now (all GPUs, or ``gpu``)."""
         return sum(
             b.nbytes
             for b in list(self._blocks.values())
             if b.on_device and (gpu is None or b.gpu == gpu)
         )
 
+    def on_host(self, gpu: int | None = None) -> int:
+        """Bytes of device arrays held in host memory now (checkpointed)."""
+        return sum(
+            b.nbytes
+            for b in list(self._blocks.values())
+            if not b.on_device and (gpu is None or b.gpu == gpu)
+        )
+
     def held(self) -> dict[int, int]:
+        """Bytes per GPU of every live array, wherever its bytes are now."""
         out: dict[int, int] = {}
         for b in list(self._blocks.values()):
             out[b.gpu] = out.get(b.gpu, 0) + b.nbytes
         return out
 
+    def placement(self) -> dict[str, Any]:
+        """The state, where the bytes are (per GPU) and how many GPU calls wait, read at one
+        moment (JSON-ready)."""
+        with self._cond:
+            blocks = list(self._blocks.values())
+            return {
+                "state": self.state,
+                "device": _per_gpu(b for b in blocks if b.on_device),
+                "host": _per_gpu(b for b in blocks if not b.on_device),
+                "waiting_calls": self._waiting,
+            }
+
     # -- GPU calls ----------------------------------------------------------------
     @contextmanager
-    def op(self):
+    def op(self) -> Iterator[None]:
         """Wrap every simulated GPU call: blocks while the process is locked or released."""
+        me = threading.current_thread()
+        background = me is not threading.main_thread()
         with self._cond:
-            while self.state != RUNNING:  # like CUDA under the checkpoint lock: wait
-                self._cond.wait()
+            if background:
+                self._users.add(me)
+            if self.state != RUNNING:
+                self._waiting += 1
+                try:
+                    # the main thread's cells are restored by the server before they run
+                    self._wait_running(me, ask=background)
+                finally:
+                    self._waiting -= 1
             self._inflight += 1
         try:
             yield
@@ -121,8 +216,34 @@ class SimDevice:
                 self._inflight -= 1
                 self._cond.notify_all()
 
+    def _wait_running(self, me: threading.Thread, ask: bool) -> None:
+        """Wait (``_cond`` held) until the device runs, like CUDA under the checkpoint lock;
+        if ``ask``, call ``on_blocked`` once first."""
+        while self.state != RUNNING:
+            if self.state == FAILED:
+                raise SimCheckpointError(
+                    "the simulated GPU is in the failed checkpoint state; restart the kernel"
+                )
+            hook = self.on_blocked
+            if ask and hook is not None:
+                ask = False
+                self._cond.release()  # the hook talks to the server: never under the lock
+                try:
+                    hook(me.name)
+                except Exception as e:
+                    log.warning("gpushare: the simulated GPU's on_blocked hook failed: %s", e)
+                finally:
+                    self._cond.acquire()
+                continue  # the state may have changed meanwhile
+            self._cond.wait()
+
+    def waiting_calls(self) -> int:
+        """GPU calls blocked now because the device is not running."""
+        with self._cond:
+            return self._waiting
+
     @contextmanager
-    def busy(self, gpu: int):
+    def busy(self, gpu: int) -> Iterator[None]:
         with self.op():
             self.backend.busy_begin(gpu)
             try:
@@ -130,73 +251,247 @@ class SimDevice:
             finally:
                 self.backend.busy_end(gpu)
 
+    def background_users(self) -> list[str]:
+        """Names of the live threads other than the main thread that used the GPU."""
+        with self._cond:
+            return sorted({t.name for t in list(self._users) if t.is_alive()})
+
+    # -- fault injection (tests, demos) ----------------------------------------------
+    def inject_fault(
+        self,
+        step: str,
+        error: BaseException | str | None = None,
+        *,
+        after: int = 0,
+        wedge: bool = False,
+    ) -> None:
+        """Make the next ``step`` ("lock", "checkpoint", "restore", "unlock") fail once.
+
+        ``error``: the exception to raise (a message becomes an :class:`InjectedFault`).
+        ``after``: for checkpoint and restore, how many arrays are copied before it strikes
+        (a restore has allocated its device memory by then); it strikes before the commit
+        even when there are fewer arrays. The failed step changes nothing, as the driver's
+        do, unless ``wedge``: then the device goes to the driver's ``failed`` state, where
+        every step and GPU call fails. A later fault for the same step replaces this one.
+        """
+        self._check_step(step, after)
+        if error is None:
+            error = InjectedFault(f"injected fault in {step}")
+        elif isinstance(error, str):
+            error = InjectedFault(error)
+        elif not isinstance(error, BaseException):
+            raise TypeError(f"error must be an exception or a message, got {error!r}")
+        with self._cond:
+            self._faults[step] = _Fault(error, after, wedge)
+
+    def stall(self, step: str, *, seconds: float | None = None, after: int = 0) -> Stall:
+        """Hold up the next ``step`` until ``Stall.release()`` or for ``seconds`` (once).
+
+        The step has checked its state and (checkpoint, restore) copied ``after`` arrays; a
+        stalled lock has not locked yet, a stalled restore holds its device memory.
+        ``Stall.reached`` is set when the step gets there. Then the step goes on (an injected
+        fault for it still strikes). A later stall for the same step replaces this one.
+        """
+        self._check_step(step, after)
+        if seconds is not None and seconds < 0:
+            raise ValueError(f"seconds must be >= 0, got {seconds!r}")
+        stall = Stall(step, after, seconds)
+        with self._cond:
+            self._stalls[step] = stall
+        return stall
+
+    def clear_faults(self) -> None:
+        """Drop every fault and stall not yet consumed (a stalled step goes on)."""
+        with self._cond:
+            stalls = list(self._stalls.values())
+            self._faults.clear()
+            self._stalls.clear()
+        for stall in stalls:
+            stall.release()
+
+    @staticmethod
+    def _check_step(step: str, after: int) -> None:
+        if step not in STEPS:
+            raise ValueError(f"step must be one of {', '.join(STEPS)}, got {step!r}")
+        if not isinstance(after, int) or isinstance(after, bool) or after < 0:
+            raise ValueError(f"after must be a count of arrays >= 0, got {after!r}")
+        if after and step in ("lock", "unlock"):
+            raise ValueError(f"after applies to checkpoint and restore only, not {step}")
+
+    def _strike(self, step: str, copied: int, last: bool = False) -> None:
+        """Where a step may be stalled or fail: once ``copied`` arrays were copied (``last``:
+        the copy is complete and nothing is committed yet)."""
+        with self._cond:
+            stall = self._stalls.get(step)
+            if stall is not None and (copied >= stall.after or last):
+                del self._stalls[step]
+            else:
+                stall = None
+            fault = self._faults.get(step)
+            if fault is not None and (copied >= fault.after or last):
+                del self._faults[step]
+            else:
+                fault = None
+        if stall is not None:
+            stall._hold()
+        if fault is not None:
+            if fault.wedge:
+                with self._cond:
+                    self.state = FAILED
+                    self._cond.notify_all()
+            raise fault.error
+
     # -- checkpoint state machine (driven by the server's simulated method) -------
+    def _expect(self, step: str, needed: str) -> None:
+        if self.state != needed:
+            raise SimCheckpointError(f"cannot {step}: process is {self.state}, not {needed}")
+
     def lock(self, timeout: float | None = 10.0) -> None:
-        """Stop new GPU calls and wait for running ones, like ``cuCheckpointProcessLock``."""
+        """Stop new GPU calls and wait for running ones, like ``cuCheckpointProcessLock``.
+
+        On timeout the process is running again and :class:`TimeoutError` is raised."""
+        with self._step_lock:
+            self._lock(timeout)
+
+    def _lock(self, timeout: float | None) -> None:
+        self._expect("lock", RUNNING)
+        self._strike("lock", 0)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if self.state != RUNNING:
-                raise RuntimeError(f"cannot lock: process is {self.state}")
             self.state = LOCKED
             while self._inflight:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     self.state = RUNNING
                     self._cond.notify_all()
-                    raise TimeoutError("GPU work still running after the lock timeout")
+                    raise TimeoutError(
+                        f"GPU work still running after the lock timeout ({timeout:g} s)"
+                    )
                 self._cond.wait(left)
 
     def checkpoint(self) -> dict[str, Any]:
-        """Copy every array's bytes to host memory and free the device memory."""
-        with self._cond:
-            if self.state != LOCKED:
-                raise RuntimeError(f"cannot checkpoint: process is {self.state}, not locked")
-            moved = 0
+        """Copy every array's bytes to host memory, then free the device memory.
+
+        All or nothing: if a copy fails, the device stays locked with every array on it and
+        the node's accounting unchanged."""
+        with self._step_lock:
+            return self._checkpoint()
+
+    def _checkpoint(self) -> dict[str, Any]:
+        self._expect("checkpoint", LOCKED)
+        with self._cond:  # strong references: no array dies between copy and commit
             arrays = [(a, b) for a, b in list(self._blocks.items()) if b.on_device]
-            for array, block in arrays:
-                array._to_host()
+        self._move(arrays, "checkpoint", to_host=True)
+        # commit: the accounting and the state, in one step nothing can interrupt halfway
+        with self._cond:
+            for _, block in arrays:
                 block.on_device = False
-                self.backend.free(block.gpu, block.nbytes)
-                moved += block.nbytes
             self.state = CHECKPOINTED
-            return {"bytes": moved, "arrays": len(arrays), "gpus": _per_gpu(b for _, b in arrays)}
+        moved = _per_gpu(b for _, b in arrays)
+        for key, nbytes in moved.items():
+            self._free_quietly(int(key), nbytes)
+        return _summary(arrays, moved)
 
     def restore(self) -> dict[str, Any]:
-        """Allocate everything again (all or nothing) and copy the bytes back."""
+        """Allocate everything again, copy the bytes back, then account them on the device.
+
+        All or nothing: if the allocation or a copy fails, what was allocated is freed and the
+        process stays checkpointed, every array in host memory, accounted exactly as before."""
+        with self._step_lock:
+            return self._restore()
+
+    def _restore(self) -> dict[str, Any]:
+        self._expect("restore", CHECKPOINTED)
         with self._cond:
-            if self.state != CHECKPOINTED:
-                raise RuntimeError(f"cannot restore: process is {self.state}, not checkpointed")
             arrays = [(a, b) for a, b in list(self._blocks.items()) if not b.on_device]
-            done: list[_Block] = []
-            try:
-                for _, block in arrays:
-                    self.backend.alloc(block.gpu, block.nbytes)
-                    done.append(block)
-            except BaseException:
-                for block in done:
-                    self.backend.free(block.gpu, block.nbytes)
-                raise
-            moved = 0
-            for array, block in arrays:
-                array._to_device()
+        needed = _per_gpu(b for _, b in arrays)
+        allocated: list[tuple[int, int]] = []
+        try:
+            for key, nbytes in needed.items():  # per GPU: one request each, freed on failure
+                self.backend.alloc(int(key), nbytes)
+                allocated.append((int(key), nbytes))
+            self._move(arrays, "restore", to_host=False)
+        except BaseException:
+            for gpu, nbytes in allocated:
+                self._free_quietly(gpu, nbytes)
+            raise
+        with self._cond:  # commit
+            for _, block in arrays:
                 block.on_device = True
-                moved += block.nbytes
             self.state = LOCKED
-            return {"bytes": moved, "arrays": len(arrays), "gpus": _per_gpu(b for _, b in arrays)}
+        return _summary(arrays, needed)
+
+    def _move(self, arrays: list[tuple[Any, _Block]], step: str, *, to_host: bool) -> None:
+        """Copy every array's bytes to the other side, or leave every array where it was.
+
+        A simulated GPU's device memory is host RAM too, so each array hands its old buffer
+        over as soon as its copy exists (holding the whole state twice would double the
+        kernel's memory during a move). Handing it back is an assignment, which cannot fail:
+        on any error every array already moved goes back, with the same bytes."""
+        moved: list[Any] = []
+        try:
+            for index, (array, _) in enumerate(arrays):
+                self._strike(step, index)
+                if to_host:
+                    array._commit_host(array._copy_to_host())
+                else:
+                    array._commit_device(array._copy_to_device())
+                moved.append(array)
+            self._strike(step, len(arrays), last=True)
+        except BaseException:
+            for array in reversed(moved):  # the copy it holds has the very same bytes
+                if to_host:
+                    array._commit_device(array._host)
+                else:
+                    array._commit_host(array._dev)
+            raise
 
     def unlock(self) -> None:
+        with self._step_lock:
+            self._unlock()
+
+    def _unlock(self) -> None:
+        self._expect("unlock", LOCKED)
+        self._strike("unlock", 0)
         with self._cond:
-            if self.state != LOCKED:
-                raise RuntimeError(f"cannot unlock: process is {self.state}, not locked")
             self.state = RUNNING
             self._cond.notify_all()
 
+    def resume(self) -> dict[str, Any]:
+        """Bring the device back to running from whatever state it is in: locked -> unlock,
+        checkpointed -> restore then unlock, running -> nothing.
 
-def _per_gpu(blocks) -> dict[str, int]:
+        For a server that lost track (a lock that ran after its timeout, an interrupted
+        operation). Returns what was moved back and the state it started from; raises like
+        the steps it runs (no room to restore: still checkpointed; ``failed``: stays)."""
+        with self._step_lock:
+            start = self.state
+            moved: dict[str, Any] = {"bytes": 0, "arrays": 0, "gpus": {}}
+            if start == FAILED:
+                raise SimCheckpointError("cannot resume: process is failed; restart the kernel")
+            if start == CHECKPOINTED:
+                moved = self._restore()
+            if self.state == LOCKED:
+                self._unlock()
+            return {"from": start, **moved}
+
+    def _free_quietly(self, gpu: int, nbytes: int) -> None:
+        try:
+            self.backend.free(gpu, nbytes)
+        except Exception as e:  # the bytes are off the device either way; say so and go on
+            log.warning("gpushare: could not account %d freed bytes on simulated GPU %d: %s",
+                        nbytes, gpu, e)
+
+
+def _per_gpu(blocks: Any) -> dict[str, int]:
     out: dict[str, int] = {}
     for b in blocks:
         out[str(b.gpu)] = out.get(str(b.gpu), 0) + b.nbytes
     return out
+
+
+def _summary(arrays: list[tuple[Any, _Block]], per_gpu: dict[str, int]) -> dict[str, Any]:
+    return {"bytes": sum(per_gpu.values()), "arrays": len(arrays), "gpus": per_gpu}
 
 
 _device: SimDevice | None = None
@@ -223,11 +518,16 @@ def set_backend(backend: Backend) -> SimDevice:
 
 __all__ = [
     "CHECKPOINTED",
+    "FAILED",
     "LOCKED",
     "RUNNING",
+    "STEPS",
+    "InjectedFault",
     "LocalBackend",
+    "SimCheckpointError",
     "SimDevice",
     "SimOutOfMemoryError",
+    "Stall",
     "format_bytes",
     "get_device",
     "set_backend",

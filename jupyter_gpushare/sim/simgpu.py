@@ -33,21 +33,34 @@ class SimArray:
         if not isinstance(device, int) or isinstance(device, bool):
             raise TypeError(f"device must be an int GPU index, got {device!r}")
         self.device = device
-        nbytes = int(data.nbytes)
-        get_device().register(self, device, nbytes)  # raises OutOfMemoryError before we hold bytes
         self._dev: np.ndarray | None = np.array(data, copy=True) if _copy else data
         self._host: np.ndarray | None = None
+        # last, so a checkpoint never finds a registered array without its bytes; raises
+        # OutOfMemoryError (and the bytes are dropped with the object) when it does not fit
+        get_device().register(self, device, int(data.nbytes))
 
-    # called by the checkpoint state machine with the device locked
+    # Called by the checkpoint state machine with the device locked, in two phases so that
+    # a checkpoint or restore is all or nothing: copy every array (nothing changes if a copy
+    # fails), then commit every copy (plain assignments, which cannot fail halfway).
+    def _copy_to_host(self) -> np.ndarray:
+        assert self._dev is not None, "array is not on the device"
+        return self._dev.copy()  # a real copy: the cost of moving bytes off the GPU
+
+    def _commit_host(self, copy: np.ndarray) -> None:
+        self._host, self._dev = copy, None
+
+    def _copy_to_device(self) -> np.ndarray:
+        assert self._host is not None, "array is not in host memory"
+        return self._host.copy()
+
+    def _commit_device(self, copy: np.ndarray) -> None:
+        self._dev, self._host = copy, None
+
     def _to_host(self) -> None:
-        assert self._dev is not None
-        self._host = self._dev.copy()  # a real copy: the cost of moving bytes off the GPU
-        self._dev = None
+        self._commit_host(self._copy_to_host())
 
     def _to_device(self) -> None:
-        assert self._host is not None
-        self._dev = self._host.copy()
-        self._host = None
+        self._commit_device(self._copy_to_device())
 
     def _data(self) -> np.ndarray:
         assert self._dev is not None, "array is not resident (the kernel is released)"

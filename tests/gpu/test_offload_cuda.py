@@ -130,6 +130,66 @@ def test_cupy_alias_outside_namespace_is_left_alone():
     assert float(base[10]) == 5.0
 
 
+def test_cupy_refusal_halfway_leaves_every_array_as_it_was():
+    """A re-point that refuses in the middle of an offload, then of a reload: every array
+    is put back where it was (same object, pointer, values, aliasing) and the adapter can
+    try again."""
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("cupy is not installed")
+    import cupy
+
+    from jupyter_gpushare.kernel.offload.cupy_adapter import CupyAdapter, _repoint
+
+    a = cupy.arange(MiB // 4, dtype=cupy.float32)
+    ns = {"a": a, "view": a[10:20], "b": cupy.ones(MiB // 4), "c": cupy.full(1000, 7.0)}
+    objects = dict(ns)
+    expected = {name: cupy.asnumpy(array) for name, array in ns.items()}
+    refuse = {"at": 3}  # a and its view are re-pointed, then b refuses
+    calls = []
+
+    def repoint(array, memptr):
+        calls.append(array)
+        if len(calls) == refuse["at"]:
+            raise RuntimeError("simulated: this array refuses to be re-pointed")
+        _repoint(array, memptr)
+
+    def check_intact(pointers):
+        assert all(ns[name] is objects[name] for name in ns)
+        assert {name: array.data.ptr for name, array in ns.items()} == pointers
+        for name, array in ns.items():
+            assert (cupy.asnumpy(array) == expected[name]).all(), name
+        assert ns["view"].base is a
+
+    adapter = CupyAdapter(repoint=repoint)
+    on_device = {name: array.data.ptr for name, array in ns.items()}
+    pool = cupy.get_default_memory_pool()
+    used = pool.used_bytes()
+    with pytest.raises(RuntimeError, match="refuses"):
+        adapter.offload(ns)
+    check_intact(on_device)
+    assert pool.used_bytes() == used  # nothing was freed
+    assert not adapter._groups
+
+    calls.clear()
+    refuse["at"] = None
+    off = adapter.offload(ns)
+    assert off.count == 4 and off.skipped == []
+    offloaded = {name: array.data.ptr for name, array in ns.items()}
+    calls.clear()
+    refuse["at"] = 3
+    with pytest.raises(RuntimeError, match="refuses"):
+        adapter.reload()
+    check_intact(offloaded)  # still every array in pinned host memory
+    assert adapter._groups
+
+    refuse["at"] = None
+    assert adapter.reload().count == 4
+    assert all(array.data.ptr not in offloaded.values() for array in ns.values())
+    check_intact({name: array.data.ptr for name, array in ns.items()})
+    ns["view"][0] = -1
+    assert float(a[10]) == -1.0  # the view still aliases its base
+
+
 def test_jax_round_trip_releases_device_buffers():
     jax = pytest.importorskip("jax")
     if not any(d.platform == "gpu" for d in jax.devices()):

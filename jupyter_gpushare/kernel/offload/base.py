@@ -11,6 +11,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+#: at most this many "name: why" entries per report, then one "... and N more" line: a
+#: namespace with a million objects left alone must not make a reply without bound
+MAX_SKIPPED = 50
+#: longest entry kept (a path through deeply nested containers can be very long)
+MAX_SKIPPED_CHARS = 300
+
 
 @dataclass
 class OffloadReport:
@@ -19,7 +25,23 @@ class OffloadReport:
     count: int = 0  # tensors / arrays moved
     seconds: float = 0.0
     freed_bytes: int = 0  # what the allocator gave back to the driver (after empty_cache)
-    skipped: list[str] = field(default_factory=list)  # "name: why", never silently dropped
+    #: "name: why" for what was deliberately left alone, never silently dropped; add with
+    #: ``skip``, which keeps it bounded
+    skipped: list[str] = field(default_factory=list)
+    left_out: int = 0  # entries beyond MAX_SKIPPED, counted in the last line of ``skipped``
+
+    def skip(self, entry: str) -> None:
+        """Record something left alone; past MAX_SKIPPED entries only count them."""
+        if len(entry) > MAX_SKIPPED_CHARS:  # cut the middle of the path: the why is at the end
+            half = (MAX_SKIPPED_CHARS - 5) // 2
+            entry = f"{entry[:half]} ... {entry[-half:]}"
+        if not self.left_out and len(self.skipped) < MAX_SKIPPED:
+            self.skipped.append(entry)
+            return
+        if self.left_out:
+            self.skipped.pop()  # the "... and N more" line, rewritten below
+        self.left_out += 1
+        self.skipped.append(f"... and {self.left_out} more left alone")
 
 
 class OffloadAdapter(abc.ABC):

@@ -12,7 +12,12 @@ copy, which CUDA maps into the device address space (UVA), so an accidental acce
 but correct rather than a read of freed memory. An allocation that something outside the
 namespace also points to is left alone and reported (moving it would split the aliases).
 
-Covered by tests/gpu/test_offload_cuda.py only: CuPy cannot run without a GPU.
+All or nothing (:mod:`.txn`): every allocation is copied first; then every array is
+re-pointed, and if one refuses, those already re-pointed go back to the memory they had, so
+a failed offload or reload leaves every array exactly as it was and raises.
+
+Covered by tests/gpu/test_offload_cuda.py only: CuPy cannot run without a GPU (the shared
+undo bookkeeping is tested on CPU in tests/test_offload_txn.py).
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ from __future__ import annotations
 import ctypes
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .base import OffloadAdapter, OffloadReport
+from .txn import Change, UndoIncomplete, apply_all
 from .walk import Child, Ref, names_reaching, walk_namespace
 
 _probe_result: str | None = None  # "" when re-pointing works, else why not
@@ -36,14 +42,34 @@ def _cupy() -> Any:
     return cupy
 
 
-def _repoint(array: Any, memptr: Any) -> None:
-    """Point ``array`` (same object, shape, strides, dtype) at ``memptr``."""
+Geometry = tuple[tuple[int, ...], tuple[int, ...], Any]  # shape, strides, dtype
+
+
+def _geometry(array: Any) -> Geometry:
+    return tuple(array.shape), tuple(array.strides), array.dtype
+
+
+def _init(array: Any, memptr: Any, geometry: Geometry) -> None:
     cupy = _cupy()
-    shape, strides, dtype = array.shape, array.strides, array.dtype
+    shape, strides, dtype = geometry
     array._shape = ()  # __init__ pushes the dimensions onto the existing vector
     cupy.ndarray.__init__(array, shape, dtype, memptr=memptr, strides=strides)
-    if array.shape != shape or array.strides != strides or array.data.ptr != memptr.ptr:
+    if _geometry(array) != geometry or array.data.ptr != memptr.ptr:
         raise RuntimeError("cupy.ndarray.__init__ did not re-point the array as expected")
+
+
+def _repoint(array: Any, memptr: Any) -> None:
+    """Point ``array`` (same object, shape, strides, dtype) at ``memptr``. On failure the
+    array points where it did before (its own pointer object) or the error says it cannot."""
+    geometry, old = _geometry(array), array.data
+    try:
+        _init(array, memptr, geometry)
+    except BaseException as exc:
+        try:
+            _init(array, old, geometry)
+        except BaseException as undo_exc:
+            raise UndoIncomplete(exc, [f"cupy array: {undo_exc}"]) from exc
+        raise
 
 
 def _probe() -> str:
@@ -89,7 +115,16 @@ class CupyAdapter(OffloadAdapter):
     module = "cupy"
     name = "cupy"
 
-    def __init__(self, *, max_depth: int = 100, max_objects: int = 1_000_000) -> None:
+    def __init__(
+        self,
+        *,
+        repoint: Callable[[Any, Any], None] | None = None,
+        max_depth: int = 100,
+        max_objects: int = 1_000_000,
+    ) -> None:
+        """repoint(array, memptr): point one array at other memory, or raise and leave it
+        as it was (default: ``ndarray.__init__`` on the same object; tests inject refusals)."""
+        self.repoint = repoint or _repoint
         self.walk_options = {"max_depth": max_depth, "max_objects": max_objects}
         self._groups: list[_Group] = []
 
@@ -112,28 +147,40 @@ class CupyAdapter(OffloadAdapter):
         cupy = _cupy()
         groups = self._find_groups(namespace, report)
         if groups and (why := _probe()):
-            report.skipped.extend(
-                f"{g.paths[0]}: cannot re-point CuPy arrays ({why})" for g in groups
-            )
+            for g in groups:
+                report.skip(f"{g.paths[0]}: cannot re-point CuPy arrays ({why})")
             return report
         before = self.device_bytes()
-        for group in groups:
-            with cupy.cuda.Device(group.device_id):
-                group.host = cupy.cuda.alloc_pinned_memory(group.nbytes)
-                # no local name for the source pointer: it would keep the allocation alive
-                cupy.cuda.MemoryPointer(group.mem, 0).copy_to_host_async(
-                    ctypes.c_void_p(group.host.ptr), group.nbytes
-                )
-        for group in groups:
-            with cupy.cuda.Device(group.device_id):
-                cupy.cuda.get_current_stream().synchronize()
-        for group in groups:
-            # The device sees page-locked host memory at the same address (UVA).
-            host = cupy.cuda.UnownedMemory(
-                group.host.ptr, group.nbytes, group.host, group.device_id
+        # 1. copy every allocation to pinned host memory; nothing has changed if this fails
+        try:
+            for group in groups:
+                with cupy.cuda.Device(group.device_id):
+                    group.host = cupy.cuda.alloc_pinned_memory(group.nbytes)
+                    # no local name for the source pointer: it would keep the allocation alive
+                    cupy.cuda.MemoryPointer(group.mem, 0).copy_to_host_async(
+                        ctypes.c_void_p(group.host.ptr), group.nbytes
+                    )
+            for group in groups:
+                with cupy.cuda.Device(group.device_id):
+                    cupy.cuda.get_current_stream().synchronize()
+        except BaseException:
+            self._drop_host_copies(groups)
+            raise
+        # 2. re-point every array at its host copy, all or nothing. The device sees
+        # page-locked host memory at the same address (UVA).
+        hosts = [
+            cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(g.host.ptr, g.nbytes, g.host, g.device_id), 0
             )
-            for array, offset in zip(group.arrays, group.offsets, strict=True):
-                _repoint(array, cupy.cuda.MemoryPointer(host, offset))
+            for g in groups
+        ]
+        try:
+            apply_all(self._changes(groups, hosts))
+        except BaseException:
+            del hosts
+            self._drop_host_copies(groups)
+            raise
+        for group in groups:
             group.mem = None  # the last reference to the device allocation
             report.bytes += group.nbytes
             report.count += len(group.arrays)
@@ -151,6 +198,7 @@ class CupyAdapter(OffloadAdapter):
         cupy = _cupy()
         fresh = []
         try:
+            # 1. allocate and fill every device allocation
             for group in self._groups:
                 with cupy.cuda.Device(group.device_id):
                     memptr = cupy.cuda.alloc(group.nbytes)
@@ -159,19 +207,36 @@ class CupyAdapter(OffloadAdapter):
             for group in self._groups:
                 with cupy.cuda.Device(group.device_id):
                     cupy.cuda.get_current_stream().synchronize()
+            # 2. re-point every array at it, all or nothing
+            apply_all(self._changes(self._groups, fresh))
         except BaseException:
             del fresh  # still fully offloaded; a later reload may find room
             cupy.get_default_memory_pool().free_all_blocks()
             raise
-        for group, memptr in zip(self._groups, fresh, strict=True):
-            for array, offset in zip(group.arrays, group.offsets, strict=True):
-                _repoint(array, memptr + offset)
+        for group in self._groups:
             report.bytes += group.nbytes
             report.count += len(group.arrays)
         self._groups = []
         cupy.get_default_pinned_memory_pool().free_all_blocks()
         report.seconds = time.perf_counter() - start
         return report
+
+    def _changes(self, groups: list[_Group], bases: list[Any]) -> Iterator[Change]:
+        """Re-point each group's arrays at their offsets in ``bases`` (one per group); each
+        change built just before it runs, so its undo holds the pointer of that moment."""
+        for group, base in zip(groups, bases, strict=True):
+            for array, offset, path in zip(group.arrays, group.offsets, group.paths, strict=True):
+                yield Change(
+                    do=lambda a=array, p=base + offset: self.repoint(a, p),
+                    undo=lambda a=array, p=array.data: self.repoint(a, p),
+                    what=path,
+                )
+
+    @staticmethod
+    def _drop_host_copies(groups: list[_Group]) -> None:
+        for group in groups:
+            group.host = None
+        _cupy().get_default_pinned_memory_pool().free_all_blocks()
 
     def gpu_names(self, namespace: dict[str, Any]) -> set[str]:
         cupy = _cupy()
@@ -191,7 +256,7 @@ class CupyAdapter(OffloadAdapter):
             **self.walk_options,
         )
         if result.truncated:
-            report.skipped.append(f"<walk>: stopped after {result.visited} objects")
+            report.skip(f"<walk>: stopped after {result.visited} objects")
         groups, pointers = _group_by_allocation(result.found.values(), report)
         result.release()
 
@@ -205,7 +270,7 @@ class CupyAdapter(OffloadAdapter):
                 # references: the arrays holding it, ``holders``, the argument
                 outside += sys.getrefcount(holders[key]) - 2 - len(pointers[key])
             if outside > 0:
-                report.skipped.append(
+                report.skip(
                     f"{group.paths[0]}: allocation also referenced outside the namespace; left alone"
                 )
                 continue
@@ -228,7 +293,7 @@ def _group_by_allocation(
         if array.nbytes == 0 or mem is None or mem.ptr == 0:
             continue
         if isinstance(mem, cupy.cuda.UnownedMemory):
-            report.skipped.append(f"{entry.path}: memory owned by another library; left alone")
+            report.skip(f"{entry.path}: memory owned by another library; left alone")
             continue
         group = groups.get(id(mem))
         if group is None:

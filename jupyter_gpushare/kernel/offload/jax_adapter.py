@@ -17,6 +17,11 @@ array is put back, so it never exists twice on the device. ``jax.live_arrays()``
 what else stays on the device.
 
 Sharding, committed placement and weak type are restored; dtype and values are bitwise.
+
+All or nothing (:mod:`.txn`): every array is copied first; then every slot is rebound, and
+if one refuses (a container that validates what it holds), the slots already rebound get
+their old values back, so a failed offload or reload leaves every object as it was (same
+ids, values and devices) and raises.
 """
 
 from __future__ import annotations
@@ -25,11 +30,12 @@ import gc
 import re
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from .base import OffloadAdapter, OffloadReport
+from .txn import Change, apply_all
 from .walk import Ref, is_user_name, names_reaching, namespace_roots, walk
 
 
@@ -49,9 +55,23 @@ def _to_numpy(array: Any) -> Any:
     return numpy.array(array, copy=True)  # a copy: on CPU, asarray may share the buffer
 
 
+def _to_device(entry: HeldArray) -> Any:
+    """Default ``to_device``: the host copy back where and how the original array was."""
+    jax = _jax()
+    if entry.committed:
+        array = jax.device_put(entry.host, entry.sharding)
+    else:  # uncommitted arrays follow their computations to any device; keep it so
+        array = jax.device_put(entry.host)
+    if entry.weak_type:
+        from jax._src.lax import lax as lax_internal
+
+        array = lax_internal._convert_element_type(array, weak_type=True)
+    return array
+
+
 @dataclass
-class _Held:
-    """One device array while offloaded."""
+class HeldArray:
+    """One device array while offloaded: its host copy and how to put it back."""
 
     host: Any
     sharding: Any
@@ -70,8 +90,19 @@ class _Binding:
     ref: Ref
     host_value: Any
     treedef: Any  # None when the slot holds a single array found inside an object
-    leaves: list[Any] = field(default_factory=list)  # _Held markers or the original leaves
+    leaves: list[Any] = field(default_factory=list)  # HeldArray markers or the original leaves
     root: str = ""  # the top-level name it was reached from
+    path: str = ""  # where the slot is, for messages
+
+
+def _offload_changes(bindings: list[_Binding]) -> Iterator[Change]:
+    for binding in bindings:
+        old = binding.ref.current()  # read just before the change: what an undo puts back
+        yield Change(
+            do=lambda b=binding: b.ref.rebind(b.host_value),
+            undo=lambda b=binding, v=old: b.ref.rebind(v),
+            what=binding.path,
+        )
 
 
 def _root_name(path: str) -> str:
@@ -88,15 +119,19 @@ class JaxAdapter(OffloadAdapter):
         *,
         is_device: Callable[[Any], bool] | None = None,
         to_host: Callable[[Any], Any] | None = None,
+        to_device: Callable[[HeldArray], Any] | None = None,
         max_depth: int = 100,
         max_objects: int = 1_000_000,
     ) -> None:
         """is_device(array): which arrays to move (default: on a non-CPU device);
-        to_host(array) -> a host copy (default: a NumPy copy)."""
+        to_host(array) -> a host copy (default: a NumPy copy);
+        to_device(held) -> a new device array from ``held.host`` (default: ``device_put``
+        with the original sharding, committed placement and weak type)."""
         self.is_device = is_device or _on_accelerator
         self.to_host = to_host or _to_numpy
+        self.to_device = to_device or _to_device
         self.walk_options = {"max_depth": max_depth, "max_objects": max_objects}
-        self._held: list[_Held] = []
+        self._held: list[HeldArray] = []
         self._bindings: list[_Binding] = []
 
     @property
@@ -132,14 +167,14 @@ class JaxAdapter(OffloadAdapter):
             return report
         start = time.perf_counter()
         before = self.device_bytes()
-        held: dict[int, _Held] = {}
+        held: dict[int, HeldArray] = {}
         originals: list[Any] = []  # alive until every slot is rebound (ids stay unique)
 
-        def hold(array: Any, path: str) -> _Held:
+        def hold(array: Any, path: str) -> HeldArray:
             entry = held.get(id(array))
             if entry is None:
                 originals.append(array)
-                entry = held[id(array)] = _Held(
+                entry = held[id(array)] = HeldArray(
                     host=self.to_host(array),
                     sharding=array.sharding,
                     committed=bool(getattr(array, "_committed", True)),
@@ -150,10 +185,11 @@ class JaxAdapter(OffloadAdapter):
                 )
             return entry
 
+        # 1. copy every device array to host (in ``hold``); nothing has changed if this fails
         bindings, objects = self._bind_trees(namespace, hold)
         bindings += self._bind_in_objects(objects, hold, report)
-        for binding in bindings:
-            binding.ref.rebind(binding.host_value)
+        # 2. rebind every slot to its host value, all or nothing
+        apply_all(_offload_changes(bindings))
         objects.clear()
         originals.clear()  # from here on only the rebound slots decide what stays alive
         self._held = list(held.values())
@@ -166,7 +202,7 @@ class JaxAdapter(OffloadAdapter):
                 report.bytes += entry.nbytes
                 report.count += 1
         for entry in alive:
-            report.skipped.append(
+            report.skip(
                 f"{entry.path}: still referenced outside the namespace; "
                 f"{entry.nbytes} bytes stay on the device"
             )
@@ -176,7 +212,7 @@ class JaxAdapter(OffloadAdapter):
         return report
 
     def _bind_trees(
-        self, namespace: dict[str, Any], hold: Callable[[Any, str], _Held]
+        self, namespace: dict[str, Any], hold: Callable[[Any, str], HeldArray]
     ) -> tuple[list[_Binding], list[tuple[str, Any]]]:
         """Rebuild each top-level pytree with host leaves; return the non-pytree leaves."""
         tree_util = _jax().tree_util
@@ -201,38 +237,42 @@ class JaxAdapter(OffloadAdapter):
                 else:
                     marked.append(leaf)
                     objects.append((f"{path}<{index}>", leaf))
-            if any(isinstance(leaf, _Held) for leaf in marked):
-                host_leaves = [m.host if isinstance(m, _Held) else m for m in marked]
+            if any(isinstance(leaf, HeldArray) for leaf in marked):
+                host_leaves = [m.host if isinstance(m, HeldArray) else m for m in marked]
                 host_value = tree_util.tree_unflatten(treedef, host_leaves)
-                bindings.append(_Binding(ref, host_value, treedef, marked, _root_name(path)))
+                bindings.append(
+                    _Binding(ref, host_value, treedef, marked, _root_name(path), path)
+                )
         return bindings, objects
 
     def _bind_in_objects(
         self,
         objects: list[tuple[str, Any]],
-        hold: Callable[[Any, str], _Held],
+        hold: Callable[[Any, str], HeldArray],
         report: OffloadReport,
     ) -> list[_Binding]:
         """Arrays inside objects that are not pytrees: rebind them where they sit."""
         result = walk([(p, o, None) for p, o in objects], self._is_target, **self.walk_options)
         if result.truncated:
-            report.skipped.append(f"<walk>: stopped after {result.visited} objects")
+            report.skip(f"<walk>: stopped after {result.visited} objects")
         bindings = []
         for found in result.found.values():
             fixed = [ref for ref in found.refs if not ref.rebindable]
             if fixed:
                 kinds = sorted({type(ref.container).__name__ for ref in fixed})
-                report.skipped.append(
+                report.skip(
                     f"{found.path}: held by {', '.join(kinds)} (cannot rebind); left on the device"
                 )
                 continue
             entry = hold(found.obj, found.path)
             root = _root_name(found.path)
-            bindings.extend(_Binding(ref, entry.host, None, [entry], root) for ref in found.refs)
+            bindings.extend(
+                _Binding(ref, entry.host, None, [entry], root, found.path) for ref in found.refs
+            )
         result.release()
         return bindings
 
-    def _still_alive(self) -> list[_Held]:
+    def _still_alive(self) -> list[HeldArray]:
         alive = [entry for entry in self._held if entry.original() is not None]
         if alive:
             gc.collect()  # a reference cycle may be all that keeps them
@@ -244,7 +284,7 @@ class JaxAdapter(OffloadAdapter):
         rest = [a for a in _jax().live_arrays() if id(a) not in known and self._is_target(a)]
         if rest:
             nbytes = sum(int(a.nbytes) for a in rest)
-            report.skipped.append(
+            report.skip(
                 f"<live arrays>: {len(rest)} device arrays ({nbytes} bytes) not reachable from "
                 "the namespace (closures in tuples, jit constants, library state) stay on the device"
             )
@@ -258,42 +298,40 @@ class JaxAdapter(OffloadAdapter):
         start = time.perf_counter()
         jax = _jax()
         try:
+            # 1. a device array for every held one (the original where it is still alive)
             for entry in self._held:
                 entry.new = entry.original()
                 if entry.new is None:
-                    entry.new = self._to_device(entry)
+                    entry.new = self.to_device(entry)
                     report.bytes += entry.nbytes
                     report.count += 1
             jax.block_until_ready([entry.new for entry in self._held])
+            # 2. rebind every slot to it, all or nothing; slots the user rebound stay as are
+            apply_all(self._reload_changes(report))
         except BaseException:
             for entry in self._held:
                 entry.new = None  # still offloaded; a later reload may find room
             raise
-        tree_util = jax.tree_util
-        for binding in self._bindings:
-            if binding.ref.current() is not binding.host_value:
-                report.skipped.append(f"{binding.root}: rebound while offloaded; kept as is")
-                continue
-            if binding.treedef is None:
-                binding.ref.rebind(binding.leaves[0].new)
-            else:
-                leaves = [m.new if isinstance(m, _Held) else m for m in binding.leaves]
-                binding.ref.rebind(tree_util.tree_unflatten(binding.treedef, leaves))
         self._held, self._bindings = [], []
         report.seconds = time.perf_counter() - start
         return report
 
-    def _to_device(self, entry: _Held) -> Any:
-        jax = _jax()
-        if entry.committed:
-            array = jax.device_put(entry.host, entry.sharding)
-        else:  # uncommitted arrays follow their computations to any device; keep it so
-            array = jax.device_put(entry.host)
-        if entry.weak_type:
-            from jax._src.lax import lax as lax_internal
-
-            array = lax_internal._convert_element_type(array, weak_type=True)
-        return array
+    def _reload_changes(self, report: OffloadReport) -> Iterator[Change]:
+        tree_util = _jax().tree_util
+        for binding in self._bindings:
+            if binding.ref.current() is not binding.host_value:
+                report.skip(f"{binding.root}: rebound while offloaded; kept as is")
+                continue
+            if binding.treedef is None:
+                value = binding.leaves[0].new
+            else:
+                leaves = [m.new if isinstance(m, HeldArray) else m for m in binding.leaves]
+                value = tree_util.tree_unflatten(binding.treedef, leaves)
+            yield Change(
+                do=lambda b=binding, v=value: b.ref.rebind(v),
+                undo=lambda b=binding: b.ref.rebind(b.host_value),
+                what=binding.path,
+            )
 
     # -- names ------------------------------------------------------------------------------
 

@@ -16,6 +16,11 @@ device and is reported in ``skipped``. While offloaded, the tensors are ordinary
 code that touches one by mistake computes on the CPU or gets a device-mismatch error, it never
 reads freed device memory.
 
+All or nothing (:mod:`.txn`): every storage is copied first; re-pointing a batch of tensors
+is undone completely if one refuses. On offload, a storage whose tensors refuse stays on the
+device and is reported in ``skipped`` while the rest moves; a failed reload leaves every
+tensor offloaded, ready for a retry.
+
 The move is parametrised by ``is_device`` / ``to_host`` / ``to_device`` / ``synchronize``, so
 tests run the very same logic between two CPU storages.
 """
@@ -28,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .base import OffloadAdapter, OffloadReport
+from .txn import Change, UndoIncomplete, apply_all
 from .walk import Child, Ref, names_reaching, walk_namespace
 
 if TYPE_CHECKING:  # torch is imported only when the adapter is used (it is then loaded already)
@@ -173,11 +179,17 @@ class TorchAdapter(OffloadAdapter):
         groups = self._find_groups(namespace, report)
 
         # 1. copy every storage to host; nothing has changed yet if this fails
-        for group, storage in groups:
-            group.host = self.to_host(storage)
-        self.synchronize()
+        try:
+            for group, storage in groups:
+                group.host = self.to_host(storage)
+            self.synchronize()
+        except BaseException:
+            for group, _ in groups:
+                group.host = None
+            _release_pinned_cache()
+            raise
         # 2. re-point every tensor at its host copy; drop the last device references
-        self._groups = _swap_groups([group for group, _ in groups], report)
+        self._groups = _swap_groups(groups, report)
         for group in self._groups:
             report.bytes += group.nbytes
             report.count += len(group.tensors)
@@ -201,10 +213,14 @@ class TorchAdapter(OffloadAdapter):
             fresh = []
             _empty_caches()
             raise
-        # 2. re-point the tensors at the device storages, then let the host copies go
-        _swap(
-            [(group.tensors, storage) for group, storage in zip(self._groups, fresh, strict=True)]
-        )
+        # 2. re-point the tensors at the device storages, then let the host copies go; if
+        # one refuses, all are put back: still fully offloaded, a later reload can try again
+        try:
+            _swap(list(zip(self._groups, fresh, strict=True)))
+        except BaseException:
+            del fresh
+            _empty_caches()
+            raise
         for group in self._groups:
             report.bytes += group.nbytes
             report.count += len(group.tensors)
@@ -241,7 +257,7 @@ class TorchAdapter(OffloadAdapter):
             **self.walk_options,
         )
         if result.truncated:
-            report.skipped.append(
+            report.skip(
                 f"<walk>: stopped after {result.visited} objects; "
                 "tensors beyond them stay on the device"
             )
@@ -253,7 +269,7 @@ class TorchAdapter(OffloadAdapter):
                     continue
                 storage = tensor.untyped_storage()
             except Exception as exc:  # sparse, nested, wrapper subclasses without storage
-                report.skipped.append(f"{found.path}: {type(exc).__name__}: {exc}")
+                report.skip(f"{found.path}: {type(exc).__name__}: {exc}")
                 continue
             key = storage._cdata
             if key not in groups:
@@ -268,7 +284,7 @@ class TorchAdapter(OffloadAdapter):
             # users = tensors sharing the storage + the one Python wrapper we hold
             users = torch._C._storage_Use_Count(storage._cdata)
             if users > len(group.tensors) + 1:
-                report.skipped.append(
+                report.skip(
                     f"{group.paths[0]}: its storage is also used by {users - 1 - len(group.tensors)}"
                     " tensor(s) outside the namespace (autograd graph, C++ or compiled state);"
                     " left on the device"
@@ -278,48 +294,62 @@ class TorchAdapter(OffloadAdapter):
         return movable
 
 
-def _swap_groups(groups: list[_Group], report: OffloadReport) -> list[_Group]:
-    """Re-point each group at its host copy; a group that refuses stays on the device."""
+def _swap_groups(groups: list[tuple[_Group, Any]], report: OffloadReport) -> list[_Group]:
+    """Re-point each group (with its device storage) at its host copy; a group that refuses
+    stays on the device and is reported."""
     try:
-        _swap([(group.tensors, group.host) for group in groups])  # fast path: one batch
-        return groups
+        _swap([(group, group.host) for group, _ in groups])  # fast path: one batch
+        return [group for group, _ in groups]
+    except UndoIncomplete:
+        raise  # some tensors could not be put back: never carry on from a split state
     except Exception:
         pass  # rolled back: find the group that refuses, one at a time
-    moved = []
-    for group in groups:
+    moved: list[tuple[_Group, Any]] = []
+    for group, storage in groups:
         try:
-            _swap([(group.tensors, group.host)])
+            _swap([(group, group.host)])
+        except UndoIncomplete:
+            for done, device_storage in reversed(moved):  # the caller will not hold them
+                try:
+                    _swap([(done, device_storage)])
+                except Exception:
+                    pass  # UndoIncomplete is on its way up and says the state is damaged
+            raise
         except Exception as exc:
             group.host = None
-            report.skipped.append(
+            report.skip(
                 f"{group.paths[0]}: cannot be re-pointed ({type(exc).__name__}: {exc});"
                 " left on the device"
             )
             continue
-        moved.append(group)
-    return moved
+        moved.append((group, storage))
+    return [group for group, _ in moved]
 
 
-def _swap(moves: list[tuple[list[Any], Any]]) -> None:
-    """Point every tensor at its new storage with the same view geometry, keeping autograd's
-    version counters (a saved graph must not think its inputs were modified).
+def _swap(moves: list[tuple[_Group, Any]]) -> None:
+    """Point every tensor of each group at the group's new storage with the same view
+    geometry, keeping autograd's version counters (a saved graph must not think its inputs
+    were modified).
 
-    All or nothing: if one tensor refuses, the ones already moved are put back."""
+    All or nothing: if one tensor refuses, the ones already moved are put back
+    (:class:`UndoIncomplete` if one of them cannot be)."""
     torch = _torch()
-    tensors = [tensor for group, _ in moves for tensor in group]
+    tensors = [tensor for group, _ in moves for tensor in group.tensors]
     tracked = [t for t in tensors if not t.is_inference()]  # inference tensors have no version
     versions = [t._version for t in tracked]
-    done: list[tuple[Any, Any]] = []
-    try:
+
+    def changes():
         for group, storage in moves:
-            for tensor in group:
+            for tensor, path in zip(group.tensors, group.paths, strict=True):
                 old = tensor.untyped_storage()
-                _set(torch, tensor, storage)
-                done.append((tensor, old))
-    except BaseException:
-        for tensor, old in reversed(done):
-            _set(torch, tensor, old)
-        raise
+                yield Change(
+                    do=lambda t=tensor, s=storage: _set(torch, t, s),
+                    undo=lambda t=tensor, s=old: _set(torch, t, s),
+                    what=path,
+                )
+
+    try:
+        apply_all(changes())
     finally:
         torch._C._autograd._unsafe_set_version_counter(tuple(tracked), tuple(versions))
 
