@@ -143,7 +143,7 @@ class HistoryHandler(GPUShareHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        seconds = parse_seconds(self.get_argument("seconds", "600"))
+        seconds = parse_seconds(self.get_argument("seconds", "600", strip=False))
         await self.gpushare.ready()
         app = self.gpushare
         self.write_json(history_view(app.tracker, seconds, app.poll_interval))

@@ -179,18 +179,21 @@ def check_response(parts: tuple[Any, ...], method: str, code: int, raw: bytes) -
     """Check one answer from the server against the REST contract; return its JSON body.
 
     Paths outside ``api/gpushare/`` are not checked. A path under it that no operation of
-    the contract matches must be unrouted (404, any body); a method the contract does not
-    list for a path must be refused with 405 and jupyter_server's JSON error.
+    the contract matches must be unrouted (404, or 403 from jupyter_server's XSRF check; any
+    body); a method the contract does not
+    list for a path must be refused (405, or 403 when a browser request fails jupyter_server's
+    XSRF check first) with jupyter_server's JSON error.
     """
     path = "/".join(str(p).strip("/") for p in parts)
     if not path.startswith(API_PREFIX):
         return None
     sub = "/" + path[len(API_PREFIX):]
     op = contract.find_operation(unquote(sub), method)
+    routed = contract.find_operation(unquote(sub), None) is not None
     if op is None:
-        if code == 404:
-            return None  # not routed: tornado's 404, not ours to describe
-        if code == 405 and contract.find_operation(unquote(sub), None) is not None:
+        if not routed and code in (403, 404):
+            return None  # not routed: jupyter_server's answer, not ours to describe
+        if routed and code in (403, 405):
             body = _json(raw, method, sub, code)
             contract.validator({"$ref": "#/components/schemas/Error"}).validate(body)
             return body
