@@ -5,12 +5,13 @@ the contract itself is valid OpenAPI, lists exactly the server's routes, and cat
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from openapi_spec_validator import validate as validate_openapi
 
-from jupyter_gpushare import contract
-from jupyter_gpushare.handlers import handlers
+from jupyter_gpushare import contract, contract_typescript
+from jupyter_gpushare.handlers import MAX_BODY_BYTES, handlers
 
 from .helpers import rest, wait_for
 
@@ -35,6 +36,37 @@ def test_the_contract_is_valid_openapi_and_lists_exactly_the_servers_routes():
             if method in vars(handler):
                 served.add((method, template))
     assert served == {(op.method, op.path) for op in contract.operations()}
+    pin = contract.operation("/kernels/k/pin", "PUT")
+    assert pin.request_body_max_bytes() == MAX_BODY_BYTES  # the limit the handler enforces
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_lab_extensions_types_are_generated_from_the_contract():
+    generated = (ROOT / contract_typescript.OUTPUT).read_text(encoding="utf-8")
+    assert generated == contract_typescript.render(), (
+        "labextension/src/contract.ts is out of date: run "
+        "`python -m jupyter_gpushare.contract_typescript`")
+    assert "export * from './contract';" in (ROOT / "labextension/src/api.ts").read_text()
+    names = [contract_typescript.type_name(n) for n in contract.spec()["components"]["schemas"]]
+    for source in (ROOT / "labextension" / "src").glob("*.ts"):
+        if source.name != "contract.ts":  # no hand-kept copy of a contract shape elsewhere
+            text = source.read_text(encoding="utf-8")
+            for name in names:
+                assert not re.search(rf"\b(interface|type|class) {name}\b", text), (source, name)
+
+
+def test_typescript_types_follow_the_schemas():
+    assert contract_typescript.ts_type({"type": ["integer", "null"]}) == "number | null"
+    assert contract_typescript.ts_type(
+        {"type": "array", "items": {"type": ["number", "null"]}}) == "(number | null)[]"
+    assert contract_typescript.ts_type(
+        {"type": "object", "additionalProperties": {"type": "integer"}}) == "{ [key: string]: number }"
+    assert contract_typescript.ts_type({"oneOf": [{"$ref": "#/components/schemas/Method"},
+                                                  {"type": "null"}]}) == "Method | null"
+    assert contract_typescript.ts_type({"$ref": "#/components/schemas/Kernel"}) == "IKernel"
+    assert contract_typescript.ts_type({"enum": ["a", "b'c"]}) == "'a' | 'b\\'c'"
 
 
 KERNEL = {
