@@ -39,6 +39,11 @@ class Operation:
     def statuses(self) -> set[int]:
         return {int(code) for code in self.spec["responses"]}
 
+    def request_body_max_bytes(self) -> int | None:
+        """The body's size limit (the spec's ``x-max-bytes``), if it has one."""
+        body = self.spec.get("requestBody")
+        return None if body is None else resolve(body).get("x-max-bytes")
+
     def request_body_schema(self) -> dict[str, Any] | None:
         body = self.spec.get("requestBody")
         if body is None:

@@ -238,7 +238,9 @@ async def check_case(fetch: Any, app: Any, world: World, case: Case) -> int:
     )
     body_schema = case.op.request_body_schema()
     if body_schema is not None:
-        valid = valid and body_valid(case.body or b"", body_schema)
+        limit = case.op.request_body_max_bytes()
+        valid = valid and body_valid(case.body or b"", body_schema) \
+            and (limit is None or len(case.body or b"") <= limit)
 
     change = None
     if not routed:
