@@ -4,6 +4,7 @@ the contract itself is valid OpenAPI, lists exactly the server's routes, and cat
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -67,6 +68,30 @@ def test_typescript_types_follow_the_schemas():
                                                   {"type": "null"}]}) == "Method | null"
     assert contract_typescript.ts_type({"$ref": "#/components/schemas/Kernel"}) == "IKernel"
     assert contract_typescript.ts_type({"enum": ["a", "b'c"]}) == "'a' | 'b\\'c'"
+
+
+def test_the_api_docs_examples_and_field_tables_agree_with_the_contract():
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    rest_part = text[text.index("## REST"):text.index("## Events")]
+    shown = []
+    for block in re.findall(r"```json\n(.*?)```", rest_part, re.S):
+        body = json.loads(block)
+        name = "Status" if "backend" in body else "History" if "interval" in body else "Error"
+        contract.validator({"$ref": f"#/components/schemas/{name}"}).validate(body)
+        shown.append(name)
+    assert sorted(shown) == ["Error", "History", "Status"]
+
+    schemas = contract.spec()["components"]["schemas"]
+    for heading, name in (("Top level:", "Status"), ("`gpus[]`:", "GPU"), ("`kernels[]`", "Kernel")):
+        table = rest_part[rest_part.index("\n" + heading):].split("\n\n")[1]
+        documented: dict[str, bool] = {}  # field -> "or null" in its Type column
+        for row in table.splitlines()[2:]:
+            cells = row.split("|")
+            for field in re.findall(r"`(\w+)`", cells[1]):
+                documented[field] = "null" in cells[2]
+        nullable = {f: "null" in contract_typescript.ts_type(p).split(" | ")
+                    for f, p in schemas[name]["properties"].items()}
+        assert documented == nullable, name
 
 
 KERNEL = {
