@@ -1,14 +1,17 @@
 """Thin REST handlers over the controller, under ``{base_url}api/gpushare/``.
 
-Every handler is authenticated and authorized (resource ``gpushare``). Caller errors are
-4xx with a message; the mapping from controller errors to HTTP lives in one place.
+The contract they keep is ``openapi.yaml`` beside this module. Every handler is
+authenticated and authorized (resource ``gpushare``). Caller errors are 4xx with a message
+and change nothing: handlers raise :class:`BadRequest` (or the controller a
+``ControllerError``), and ``GPUShareHandler`` alone turns them into the HTTP answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+import re
+from typing import Any, NoReturn
 
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
@@ -20,6 +23,70 @@ from .views import history_view, kernel_view
 
 KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
 MAX_HISTORY_SECONDS = 7 * 24 * 3600
+MAX_BODY_BYTES = 4096  # every body the API takes is a few bytes; parse nothing large
+# a JSON number, ASCII only: float() alone also takes " 5", "1_000", "nan", "inf", non-ASCII digits
+JSON_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?\Z")
+
+
+class BadRequest(Exception):
+    """Input the endpoint does not accept (400); raised before anything changes."""
+
+    status = 400
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def _caller_error(e: BaseException) -> tuple[int, str] | None:
+    """(status, message) when ``e`` is the caller's error, else None (a server fault)."""
+    if isinstance(e, (BadRequest, ControllerError)):
+        return e.status, e.message
+    return None
+
+
+def _no_constants(name: str) -> NoReturn:
+    raise BadRequest(f"request body is not valid JSON: {name} is not a JSON value")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise BadRequest("request body is not valid JSON: an object repeats a key")
+    return obj
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object: strict JSON (no NaN/Infinity, no repeated keys),
+    at most ``MAX_BODY_BYTES``, nesting never deeper than the parser can take."""
+    if len(raw) > MAX_BODY_BYTES:
+        raise BadRequest(f"request body is larger than {MAX_BODY_BYTES} bytes")
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constants,
+                          object_pairs_hook=_unique_keys)
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: deep nesting
+        raise BadRequest("request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def parse_seconds(raw: str) -> float:
+    """``history?seconds=``: a JSON number in (0, MAX_HISTORY_SECONDS]."""
+    shown = raw if len(raw) <= 40 else raw[:40] + "..."
+    if not JSON_NUMBER.match(raw):
+        raise BadRequest(f"seconds must be a number, got {shown!r}")
+    seconds = float(raw)
+    if not 0 < seconds <= MAX_HISTORY_SECONDS:  # also refuses 1e999 (inf)
+        raise BadRequest(f"seconds must be in (0, {MAX_HISTORY_SECONDS}], got {shown}")
+    return seconds
+
+
+def _log_background_failure(task: asyncio.Task[Any]) -> None:
+    """A restore that answered 202 goes on alone: its outcome shows in the kernel's state;
+    retrieve the exception so it is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
 
 
 class GPUShareHandler(ExtensionHandlerMixin, APIHandler):
@@ -30,13 +97,26 @@ class GPUShareHandler(ExtensionHandlerMixin, APIHandler):
         return self.extensionapp
 
     def _handle_request_exception(self, e: BaseException) -> None:
-        if isinstance(e, ControllerError):  # the caller's error, never a 500
-            try:  # tornado reads sys.exc_info(), so raise the HTTP form for it to see
-                raise web.HTTPError(e.status, e.message.replace("%", "%%")) from e
-            except web.HTTPError as http_error:
-                super()._handle_request_exception(http_error)
+        """The one place caller errors become 4xx answers (never a 500)."""
+        caller = _caller_error(e)
+        if caller is None:
+            super()._handle_request_exception(e)
             return
-        super()._handle_request_exception(e)
+        status, message = caller
+        self.log.info("gpushare: %s %s: %d %s", self.request.method, self.request.path,
+                      status, message)
+        if self._finished:
+            return
+        self.send_error(status, message=message)
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        message = kwargs.get("message")
+        if message is None:  # jupyter_server's own errors (403, 405, ...)
+            super().write_error(status_code, **kwargs)
+            return
+        # jupyter_server's error body; written here so a message is never %-formatted
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps({"message": message, "reason": None}))
 
     def write_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
@@ -44,13 +124,7 @@ class GPUShareHandler(ExtensionHandlerMixin, APIHandler):
         self.finish(json.dumps(data))
 
     def json_body(self) -> dict[str, Any]:
-        try:
-            body = json.loads(self.request.body or b"{}")
-        except (ValueError, UnicodeDecodeError):
-            raise web.HTTPError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise web.HTTPError(400, "request body must be a JSON object")
-        return body
+        return parse_json_object(self.request.body or b"{}")
 
 
 class StatusHandler(GPUShareHandler):
@@ -69,13 +143,7 @@ class HistoryHandler(GPUShareHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        raw = self.get_argument("seconds", "600")
-        try:
-            seconds = float(raw)
-        except ValueError:
-            raise web.HTTPError(400, f"seconds must be a number, got {raw!r}") from None
-        if not 0 < seconds <= MAX_HISTORY_SECONDS:
-            raise web.HTTPError(400, f"seconds must be in (0, {MAX_HISTORY_SECONDS}]")
+        seconds = parse_seconds(self.get_argument("seconds", "600", strip=False))
         await self.gpushare.ready()
         app = self.gpushare
         self.write_json(history_view(app.tracker, seconds, app.poll_interval))
@@ -106,6 +174,7 @@ class RestoreHandler(GPUShareHandler):
             await asyncio.wait({task}, timeout=0.1)
             if not task.done() and st.waiting:
                 # waiting for memory: say so now; the restore goes on in the background
+                task.add_done_callback(_log_background_failure)
                 self.write_json(kernel_view(controller, kernel_id), status=202)
                 return
         task.result()
@@ -123,8 +192,8 @@ class PinHandler(GPUShareHandler):
     async def put(self, kernel_id: str) -> None:
         body = self.json_body()
         pinned = body.get("pinned")
-        if not isinstance(pinned, bool):
-            raise web.HTTPError(400, 'body must be {"pinned": true|false}')
+        if not isinstance(pinned, bool) or len(body) != 1:
+            raise BadRequest('body must be {"pinned": true} or {"pinned": false}')
         await self.gpushare.ready()
         controller = self.gpushare.controller
         controller.set_pinned(kernel_id, pinned)

@@ -47,6 +47,15 @@ def _reset_clock():
 
 
 @pytest.fixture
+def jp_fetch(jp_fetch):
+    """pytest-jupyter's ``jp_fetch``, checking every ``api/gpushare`` answer (errors included)
+    against the REST contract (``jupyter_gpushare/openapi.yaml``)."""
+    from .helpers import validating
+
+    return validating(jp_fetch)
+
+
+@pytest.fixture
 def gpushare_app(jp_serverapp):
     return jp_serverapp.extension_manager.extension_points["jupyter_gpushare"].app
 

@@ -9,6 +9,11 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import unquote
+
+from tornado.httpclient import HTTPClientError, HTTPResponse
+
+from jupyter_gpushare import contract
 
 
 @dataclass
@@ -167,8 +172,83 @@ async def wait_for(predicate: Any, timeout: float = 30, what: str = "condition")
         await asyncio.sleep(0.05)
 
 
+API_PREFIX = contract.API_ROOT + "/"
+
+
+def check_response(parts: tuple[Any, ...], method: str, code: int, raw: bytes) -> Any:
+    """Check one answer from the server against the REST contract; return its JSON body.
+
+    Paths outside ``api/gpushare/`` are not checked. A path under it that no operation of
+    the contract matches must be unrouted (404, or 403 from jupyter_server's XSRF check; any
+    body); a method the contract does not
+    list for a path must be refused (405, or 403 when a browser request fails jupyter_server's
+    XSRF check first) with jupyter_server's JSON error.
+    """
+    path = "/".join(str(p).strip("/") for p in parts)
+    if not path.startswith(API_PREFIX):
+        return None
+    sub = "/" + path[len(API_PREFIX):]
+    op = contract.find_operation(unquote(sub), method)
+    routed = contract.find_operation(unquote(sub), None) is not None
+    if op is None:
+        if not routed and code in (403, 404):
+            return None  # not routed: jupyter_server's answer, not ours to describe
+        if routed and code in (403, 405):
+            body = _json(raw, method, sub, code)
+            contract.validator({"$ref": "#/components/schemas/Error"}).validate(body)
+            return body
+        raise contract.ContractError(f"{method} {sub} answered {code} but is not in the contract")
+    body = _json(raw, method, sub, code)
+    contract.validate_response(sub, method, code, body)
+    return body
+
+
+def _json(raw: bytes, method: str, path: str, code: int) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise contract.ContractError(f"{method} {path} {code}: the body is not JSON: {raw[:200]!r}") from None
+
+
+def validating(fetch: Any) -> Any:
+    """``jp_fetch`` that checks every gpushare answer, success or error, against the contract."""
+    if getattr(fetch, "checks_contract", False):
+        return fetch
+
+    async def fetch_checked(*parts: Any, **kw: Any) -> HTTPResponse:
+        method = kw.get("method", "GET")
+        try:
+            response = await fetch(*parts, **kw)
+        except HTTPClientError as e:
+            if e.response is not None:
+                check_response(parts, method, e.code, e.response.body)
+            raise
+        check_response(parts, method, response.code, response.body)
+        return response
+
+    fetch_checked.checks_contract = True  # type: ignore[attr-defined]
+    return fetch_checked
+
+
+async def rest(jp_fetch: Any, method: str, *parts: Any, body: Any = None, **kw: Any) -> tuple[int, Any]:
+    """One gpushare REST call: (status, JSON body), errors included, checked against the
+    contract. ``parts`` follow ``api/gpushare/``; a ``body`` that is not bytes is sent as JSON."""
+    if body is not None and not isinstance(body, (bytes, str)):
+        body = json.dumps(body)
+    if body is None and method in ("POST", "PUT"):
+        body = b""
+    fetch = validating(jp_fetch)
+    try:
+        r = await fetch("api", "gpushare", *parts, method=method, body=body, **kw)
+    except HTTPClientError as e:
+        if e.response is None:
+            raise
+        return e.code, json.loads(e.response.body)
+    return r.code, json.loads(r.body)
+
+
 async def get_json(jp_fetch: Any, *path: str, **kw: Any) -> Any:
-    r = await jp_fetch(*path, **kw)
+    r = await validating(jp_fetch)(*path, **kw)
     return json.loads(r.body)
 
 

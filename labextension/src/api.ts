@@ -3,77 +3,14 @@
  *
  * Requests go through `ServerConnection.makeRequest`, which adds the token and XSRF headers
  * the server expects. Errors carry the server's `message` so the panel can show it inline.
+ * The shapes it returns are those of the REST contract, `jupyter_gpushare/openapi.yaml`.
  */
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-export type KernelState =
-  'active' | 'idle' | 'releasing' | 'released' | 'restoring' | 'failed' | 'untracked';
-
-export type Method = 'simulated' | 'driver' | 'framework' | 'off';
-
-export interface IGPU {
-  index: number;
-  uuid: string | null;
-  name: string | null;
-  memory_total: number | null;
-  memory_used: number | null;
-  utilization: number | null;
-  released_bytes: number | null;
-}
-
-export interface IKernel {
-  id: string;
-  name: string | null;
-  path: string | null;
-  pids: number[] | null;
-  state: KernelState;
-  pinned: boolean;
-  gpu_memory_bytes: number | null;
-  released_bytes: number | null;
-  gpus: number[] | null;
-  sm_utilization: number | null;
-  idle_seconds: number | null;
-  release_in_seconds: number | null;
-  method: Method | string | null;
-  releases: number | null;
-  restores: number | null;
-  last_restore_seconds: number | null;
-  error: string | null;
-  waiting: string | null;
-}
-
-export interface IStatus {
-  backend: 'simulated' | 'nvml' | string;
-  method: Method | string | null;
-  available: boolean;
-  reason: string | null;
-  idle_timeout: number | null;
-  gpus: IGPU[];
-  kernels: IKernel[];
-}
-
-/** One time series; `t` is epoch seconds, the other arrays are aligned with it. */
-export interface IGPUHistory {
-  t: number[];
-  memory_used: (number | null)[];
-  utilization: (number | null)[];
-}
-
-export interface IKernelHistory {
-  t: number[];
-  gpu_memory_bytes: (number | null)[];
-  sm_utilization: (number | null)[];
-  /** Bytes held on each GPU index, aligned with `t`. */
-  gpu: { [index: string]: (number | null)[] };
-}
-
-export interface IHistory {
-  now: number;
-  interval: number;
-  gpus: { [index: string]: IGPUHistory };
-  kernels: { [kernelId: string]: IKernelHistory };
-}
+// The JSON shapes are generated from the contract (jupyter_gpushare/openapi.yaml).
+import type { IHistory, IKernel, IPinRequest, IStatus } from './contract';
+export * from './contract';
 
 /** An API error with the server's message (jupyter_server writes `{"message": ...}`). */
 export class APIError extends Error {
@@ -117,7 +54,7 @@ export class GPUShareAPI {
   pin(kernelId: string, pinned: boolean): Promise<IKernel> {
     return this._request<IKernel>(`kernels/${encodeURIComponent(kernelId)}/pin`, {
       method: 'PUT',
-      body: JSON.stringify({ pinned })
+      body: JSON.stringify({ pinned } satisfies IPinRequest)
     });
   }
 

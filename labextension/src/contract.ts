@@ -1,0 +1,141 @@
+/**
+ * The REST API's JSON shapes, generated from jupyter_gpushare/openapi.yaml (the contract).
+ * Do not edit: change the contract, then run `python -m jupyter_gpushare.contract_typescript`.
+ */
+
+/** jupyter_server's error body. */
+export interface IError {
+  /** What went wrong, for a person to act on. */
+  message: string;
+  /** The HTTP reason phrase when the server set one; usually null. */
+  reason: string | null;
+}
+
+export interface IPinRequest {
+  /** true = never release automatically; false = again. */
+  pinned: boolean;
+}
+
+/** The kernel's state (see docs/how-it-works.md, Kernel states). */
+export type KernelState =
+  'active' | 'idle' | 'releasing' | 'released' | 'restoring' | 'failed' | 'untracked';
+
+/** `eager` restores on any cell; `lazy` only when a cell needs the GPU. */
+export type RestoreMode = 'eager' | 'lazy';
+
+/**
+ * A release method: `driver`, `framework`, `simulated`, or `off` (none). Methods are an open set (a
+ * registry), so this is any name.
+ */
+export type Method = string;
+
+export interface IStatus {
+  /** `nvml`, `simulated`, or the name of a custom telemetry class. */
+  backend: string;
+  /** This server's release method. */
+  method: Method;
+  /** Whether the telemetry source answers. */
+  available: boolean;
+  /** Why it is unavailable; "" when available. */
+  reason: string;
+  /** The server's idle_timeout (s); 0 = never release automatically. */
+  idle_timeout: number;
+  /** As in effect (lazy falls back to eager with the framework method). */
+  restore_mode: RestoreMode;
+  /** One entry per GPU (or MIG instance), by index. */
+  gpus: IGPU[];
+  /** One entry per kernel of this server, GPU user or not. */
+  kernels: IKernel[];
+}
+
+export interface IGPU {
+  /** NVML index; MIG instances are numbered after all physical GPUs. */
+  index: number;
+  /** As NVML reports it ("" when it cannot). */
+  uuid: string;
+  /** As NVML reports it ("unavailable" when it cannot). */
+  name: string;
+  /** Bytes; null when unreadable. */
+  memory_total: number | null;
+  /** Bytes in use by every process on the GPU; null when unreadable. */
+  memory_used: number | null;
+  /** SM busy %, last sample; null for MIG instances or when unreadable. */
+  utilization: number | null;
+  /** Bytes this server's released kernels hold in host memory for this GPU. */
+  released_bytes: number;
+  /** This entry is a MIG instance. */
+  mig: boolean;
+}
+
+export interface IKernel {
+  /** Kernel id. */
+  id: string;
+  /** Kernelspec name ("" when not known yet). */
+  name: string;
+  /** Notebook path from the session; "" for a kernel without a session. */
+  path: string;
+  /** The kernel process and its descendants. */
+  pids: number[];
+  state: KernelState;
+  /** Never released automatically. */
+  pinned: boolean;
+  /** Bytes on the GPU now, all GPUs. */
+  gpu_memory_bytes: number;
+  /** Bytes of GPU state held in host memory while released; 0 otherwise. */
+  released_bytes: number;
+  /** GPU indices the kernel uses now or holds state for (-1 = GPU unknown). */
+  gpus: number[];
+  /** Bytes on the GPU now, per GPU index ("-1" = GPU unknown). */
+  gpu_bytes: { [key: string]: number };
+  /** SM % of the kernel's processes, last sample; null with no GPU memory. */
+  sm_utilization: number | null;
+  /** Seconds since the last activity; 0 while busy; null when not tracked yet. */
+  idle_seconds: number | null;
+  /** Seconds until the automatic idle release; null = none scheduled. */
+  release_in_seconds: number | null;
+  /** This kernel's effective idle timeout (override, else the server's). */
+  idle_timeout: number;
+  /** Method of the last release, else the one that would be used; null = none. */
+  method: Method | null;
+  /** Successful releases since the server started. */
+  releases: number;
+  /** Successful restores since the server started. */
+  restores: number;
+  /** Duration of the last restore (s). */
+  last_restore_seconds: number | null;
+  /** Duration of the last release (s). */
+  last_release_seconds: number | null;
+  /** The last failure. */
+  error: string | null;
+  /** Why a restore waits (for memory); null when none waits. */
+  waiting: string | null;
+  /** jupyter_server's execution_state (idle, busy, starting, ...; unknown). */
+  execution_state: string;
+}
+
+export interface IHistory {
+  /** The server's clock, Unix epoch seconds. */
+  now: number;
+  /** poll_interval (s). */
+  interval: number;
+  /** Series per GPU index (keys are strings). */
+  gpus: { [key: string]: IGPUHistory };
+  /** Series per kernel id (kernels that exited are not included). */
+  kernels: { [key: string]: IKernelHistory };
+}
+
+/** One GPU's series; `t` is epoch seconds, the other arrays are aligned with it. */
+export interface IGPUHistory {
+  t: number[];
+  memory_used: (number | null)[];
+  utilization: (number | null)[];
+}
+
+/** One kernel's series; `t` is epoch seconds, the other arrays are aligned with it. */
+export interface IKernelHistory {
+  t: number[];
+  gpu_memory_bytes: (number | null)[];
+  sm_utilization: (number | null)[];
+  /** Bytes held on each GPU index, aligned with `t`. */
+  gpu: { [key: string]: (number | null)[] };
+}
