@@ -78,13 +78,13 @@ class Agent:
         if sim:
             from ..sim import device
 
-            # No on_blocked hook: a GPU call on a released kernel blocks until a restore,
-            # exactly as CUDA calls do under the driver's checkpoint lock. Restoring from the
-            # blocked call would hide the agent's wrong "CPU-only" decisions in lazy mode,
-            # which on a real GPU only the server's watchdog (restore_grace) recovers from.
+            # A cell's GPU call on a released kernel blocks until a restore, exactly as CUDA
+            # calls do under the driver's checkpoint lock (so lazy mode's wrong "CPU-only"
+            # decisions show, as on a real GPU). Only threads other than the cells' ask for
+            # a restore when they block (on_blocked is never called for the main thread):
+            # nothing else would ever bring the state back for them.
             dev = device.set_backend(RemoteBackend(client, len(sim)))
-            if hasattr(dev, "on_blocked"):  # a thread of ours found the GPU released
-                dev.on_blocked = self._restore_for_thread
+            dev.on_blocked = self._restore_for_thread
         self.shell.events.register("pre_run_cell", self.pre_run_cell)
         self.shell.events.register("post_run_cell", self.post_run_cell)
 
@@ -181,7 +181,7 @@ class Agent:
         return {"freed": freed}
 
     def _offload(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from .offload import present_adapters
+        from .offload import OffloadReport, present_adapters
 
         self._note_gpu_names()
         reports = []
@@ -189,12 +189,18 @@ class Agent:
         if not adapters:
             raise RuntimeError("no supported framework (PyTorch, CuPy, JAX) is imported in this kernel")
         for adapter in adapters:
+            self._offloaded.append(adapter)  # before: a failure half-way is reloaded too
             reports.append(adapter.offload(self.shell.user_ns))
-            self._offloaded.append(adapter)
+        combined = OffloadReport("all")
+        for r in reports:
+            for entry in r.skipped:
+                combined.skip(entry)
         return {
             "bytes": sum(r.bytes for r in reports),
             "freed": sum(r.freed_bytes for r in reports),
-            "skipped": [s for r in reports for s in r.skipped],
+            "skipped": combined.skipped,  # bounded, with "... and N more"
+            "skipped_count": sum(len(r.skipped) - (1 if r.left_out else 0) + r.left_out
+                                 for r in reports),
         }
 
     def _reload(self, msg: dict[str, Any]) -> dict[str, Any]:

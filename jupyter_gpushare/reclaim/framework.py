@@ -62,10 +62,15 @@ class FrameworkMethod(ReclaimMethod):
             except _AGENT_ERRORS as undo:
                 raise ReclaimError(f"{why}; moving back not confirmed ({_why(undo)}): the state "
                                    "stays held until a restore brings it back") from None
+            if getattr(e, "kind", "") == "UndoIncomplete":  # objects the adapter left changed
+                raise ReclaimError(f"{why}; some objects could not be put back as they were",
+                                   retryable=False) from None
             raise ReclaimError(f"{why}; the kernel runs as before", resident=True) from None
-        skipped = reply.get("skipped") if isinstance(reply.get("skipped"), list) else []
+        left = reply.get("skipped_count")
+        if not isinstance(left, int) or isinstance(left, bool):
+            left = len(reply["skipped"]) if isinstance(reply.get("skipped"), list) else 0
         return ReclaimResult(moved, time.monotonic() - started,
-                             f"{len(skipped)} objects left on the GPU" if skipped else "")
+                             f"{left} objects left on the GPU" if left else "")
 
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
         agent = self._agent(target)

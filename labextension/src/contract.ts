@@ -111,6 +111,17 @@ export interface IKernel {
   waiting: string | null;
   /** jupyter_server's execution_state (idle, busy, starting, ...; unknown). */
   execution_state: string;
+  /**
+   * Why this kernel is not released automatically although it may be idle (threads other than its
+   * cells use the GPU; its GPU state would not fit in host memory); null when nothing stops it. A
+   * release by hand is still possible.
+   */
+  release_blocked: string | null;
+  /**
+   * Host memory the kernel's process may still use, in bytes (the tightest of its memory cgroup and
+   * the machine's MemAvailable); null when it cannot be read.
+   */
+  host_room_bytes: number | null;
 }
 
 export interface IHistory {
