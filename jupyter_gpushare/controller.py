@@ -206,6 +206,7 @@ class Controller:
         self.reservations = Reservations()
         self.host_inflight: dict[str, int] = {}  # host-memory scope -> bytes being released
         self.closing = False
+        self.agent_timeout = 10.0  # s the agent has to answer whether a release may start
         self._freed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._busy_since: dict[str, float] = {}
@@ -482,8 +483,8 @@ class Controller:
         agent = self.agent(kid)
         if agent is not None:  # the agent knows whether a cell runs now: it decides
             try:
-                await agent.request("begin_release", timeout=10, by_kernel=by_kernel,
-                                    automatic=automatic)
+                await agent.request("begin_release", timeout=self.agent_timeout,
+                                    by_kernel=by_kernel, automatic=automatic)
             except (ConnectionError, TimeoutError) as e:
                 return await self._refuse(st, op, f"the kernel's agent did not answer ({e or 'timeout'})")
             except Exception as e:

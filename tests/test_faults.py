@@ -223,3 +223,192 @@ async def test_a_kernel_in_a_small_memory_cgroup_is_not_released_into_an_oom_kil
         with open(os.path.join(root + home, "cgroup.procs"), "w") as f:
             f.write(str(pid))
         os.rmdir(group)
+
+
+# -- operations interrupted from outside: the bytes in flight always land -----------------------
+def stall(step: str, seconds: float) -> str:
+    """A cell that makes the kernel's next simulated ``step`` wait ``seconds`` (in the kernel)."""
+    return ("from jupyter_gpushare.sim import device as _device\n"
+            f"_stall = _device.get_device().stall({step!r}, seconds={seconds})")
+
+
+async def reconnect(jp_ws_fetch, kernel):
+    """A new tab on the same kernel."""
+    from .helpers import KernelConn
+
+    ws = await jp_ws_fetch("api", "kernels", kernel.id, "channels")
+    return KernelConn(kernel.id, ws, kernel.km)
+
+
+async def test_a_tab_closed_while_a_restore_moves_bytes_leaves_the_kernel_restored(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app
+):
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall("restore", 2.0))
+    await gpushare_app.poll_once()
+    assert (await rest(jp_fetch, k.id, "release"))[0] == 200
+    k.send(intact())  # the gate starts the restore for this cell...
+    await wait_for(lambda: state(gpushare_app, k) == "restoring", what="the restore to move bytes")
+    k.ws.close()  # ...and the tab goes away while the bytes move
+    await wait_for(lambda: state(gpushare_app, k) == "active", what="the restore to finish")
+    st = gpushare_app.controller.states[k.id]
+    assert st.op is None and st.held is None and st.error is None
+    again = await reconnect(jp_ws_fetch, k)
+    ex = await again.run(intact() + "\nfrom jupyter_gpushare.sim import device\n"
+                         "print(device.get_device().state)")
+    assert "intact" in ex.stdout and "running" in ex.stdout
+    again.ws.close()
+
+
+async def test_an_interrupt_while_a_restore_moves_bytes_lets_it_finish_and_the_cell_run(
+    jp_fetch, kernels, gpushare_app
+):
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall("restore", 1.5))
+    await gpushare_app.poll_once()
+    assert (await rest(jp_fetch, k.id, "release"))[0] == 200
+    msg_id = k.send(intact())
+    await wait_for(lambda: state(gpushare_app, k) == "restoring", what="the restore to move bytes")
+    k.send_control("interrupt_request")
+    ex = await k.wait(msg_id)
+    assert ex.status == "ok" and "intact" in ex.stdout
+    assert state(gpushare_app, k) == "active"
+
+
+MAKE_ROOM = {**SMALL_NODE, "pressure_idle_timeout": 30.0, "idle_timeout": 3600.0}
+
+
+@pytest.mark.parametrize("gpushare_config", [MAKE_ROOM])
+async def test_a_victim_released_to_make_room_is_released_whole_when_the_waiter_goes_away(
+    jp_fetch, kernels, gpushare_app
+):
+    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    await b.run(stall("checkpoint", 2.0))
+    clock.advance(31)  # b idle past pressure_idle_timeout: make-room may take it
+    await gpushare_app.poll_once()
+    a.send(intact("a"))
+    await wait_for(lambda: state(gpushare_app, b) == "releasing", what="make-room to take b")
+    a.ws.close()  # a's tab goes away while b's bytes move
+    await wait_for(lambda: gpushare_app.controller.states[b.id].op is None, what="b's release to end")
+    assert state(gpushare_app, b) == "released"
+    assert gpushare_app.controller.states[b.id].released_bytes == 1280 * MiB
+    await wait_for(lambda: gpushare_app.controller.states[a.id].op is None, what="a's restore to end")
+    await b.run(intact("b"), timeout=60)  # b comes back whole (taking a's room if it must)
+
+
+async def test_server_shutdown_while_a_restore_moves_bytes_waits_for_it(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall("restore", 1.0))
+    await gpushare_app.poll_once()
+    assert (await rest(jp_fetch, k.id, "release"))[0] == 200
+    msg_id = k.send(intact())
+    await wait_for(lambda: state(gpushare_app, k) == "restoring", what="the restore to move bytes")
+    await gpushare_app.controller.shutdown()
+    assert state(gpushare_app, k) == "active"
+    ex = await k.wait(msg_id)
+    assert "intact" in ex.stdout
+
+
+# -- the kernel dies or stops mid-operation ------------------------------------------------------
+@pytest.mark.parametrize("step", ["checkpoint", "restore"])
+async def test_a_kernel_killed_mid_operation_ends_with_its_state_dropped_and_says_so(
+    step, jp_fetch, kernels, gpushare_app
+):
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall(step, 30.0))
+    await gpushare_app.poll_once()
+    pid = gpushare_app.tracker.kernel_pid(k.id)
+    if step == "checkpoint":
+        pending = asyncio.ensure_future(rest(jp_fetch, k.id, "release"))
+        await wait_for(lambda: state(gpushare_app, k) == "releasing", what="the release")
+    else:
+        assert (await rest(jp_fetch, k.id, "release"))[0] == 200
+        msg_id = k.send("print('never runs')")
+        await wait_for(lambda: state(gpushare_app, k) == "restoring", what="the restore")
+    await asyncio.sleep(0.2)  # the kernel is inside the stalled step
+    os.kill(pid, 9)
+    if step == "checkpoint":
+        code, body = await pending
+        assert code == 409 and "not confirmed" in body["message"], body
+    else:
+        ex = await k.wait(msg_id)
+        assert ex.status == "error" and "never runs" not in ex.stdout
+    # the kernel manager restarts the dead kernel: the held state goes with the old process
+    await wait_for(lambda: gpushare_app.tracker.kernel_pid(k.id) not in (None, pid), what="restart")
+    await wait_for(lambda: (gpushare_app.controller.states[k.id].held is None
+                            and gpushare_app.controller.states[k.id].op is None),
+                   what="the held state to be dropped")
+    await gpushare_app.poll_once()
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] == "untracked" and "gone" in info["error"]
+    assert pid not in gpushare_app.node.pids()  # the dead process's memory is free again
+    await k.ready()
+    assert (await k.run("print(1 + 1)")).stdout == "2\n"
+
+
+async def test_a_lock_that_runs_after_the_server_gave_up_ends_held_then_comes_back(
+    jp_fetch, kernels, gpushare_app
+):
+    """The kernel's lock is held up past the server's timeout: the server cannot confirm where
+    the kernel is, so it shows failed (held); the next cell resumes it, data intact."""
+    method = gpushare_app.methods["simulated"]
+    method.lock_timeout, method.undo_timeout = 0.2, 0.5
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall("lock", 6.0))
+    await gpushare_app.poll_once()
+    code, body = await rest(jp_fetch, k.id, "release")
+    assert code == 409 and "lock failed" in body["message"] and "not confirmed" in body["message"]
+    assert "the kernel did not answer in time" in body["message"]
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] == "failed" and info["error"]
+    ex = await k.run(intact() + "\nfrom jupyter_gpushare.sim import device\n"
+                     "print(device.get_device().state)", timeout=60)
+    assert "intact" in ex.stdout and "running" in ex.stdout
+    assert state(gpushare_app, k) == "active"
+
+
+async def test_a_stopped_kernel_is_not_released_and_runs_on_when_continued(
+    jp_fetch, kernels, gpushare_app
+):
+    """SIGSTOP across the timeouts: nothing is taken from a kernel that cannot answer."""
+    import signal
+
+    gpushare_app.controller.agent_timeout = 1.0
+    k = await kernels.start()
+    await k.run(hold(256))
+    await gpushare_app.poll_once()
+    pid = gpushare_app.tracker.kernel_pid(k.id)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        code, body = await rest(jp_fetch, k.id, "release")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert code == 409 and "did not answer" in body["message"], body
+    assert state(gpushare_app, k) in ("active", "idle")
+    await k.run(intact())
+    code, _ = await rest(jp_fetch, k.id, "release")  # and a later release works
+    assert code == 200
+    await k.run(intact())
+
+
+# -- make-room with a victim that cannot be released ---------------------------------------------
+@pytest.mark.parametrize("gpushare_config", [MAKE_ROOM])
+async def test_a_victim_whose_release_fails_is_not_retried_in_a_hot_loop(
+    jp_fetch, kernels, gpushare_app, events
+):
+    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    await b.run("from jupyter_gpushare.sim import device\n"
+                "device.get_device().inject_fault('lock', RuntimeError('injected: lock refused'))")
+    clock.advance(31)
+    await gpushare_app.poll_once()
+    msg_id = a.send(intact("a"))
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="a waits for memory")
+    await asyncio.sleep(2.0)
+    tries = [e for e in events if e["kernel_id"] == b.id and e["action"] == "release_failed"]
+    assert len(tries) == 1, tries  # once, then left alone for a while
+    assert state(gpushare_app, b) in ("active", "idle")  # the failed release was undone
+    a.send_control("interrupt_request")  # waiting is set, so an interrupt stops it
+    ex = await a.wait(msg_id)
+    assert ex.error and ex.error["ename"] == "KeyboardInterrupt"
+    assert state(gpushare_app, a) == "released"
+    await b.run(intact("b"))

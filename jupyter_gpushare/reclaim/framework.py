@@ -8,6 +8,7 @@ is), so it is both the restore and the undo of a failed or half-done offload.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from ..protocol import RemoteError
@@ -22,11 +23,11 @@ from .base import (
     reply_int,
 )
 
-_AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError)
+_AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError, asyncio.TimeoutError)  # 3.10: two classes
 
 
 def _why(e: BaseException) -> str:
-    if isinstance(e, TimeoutError):
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return "the kernel did not answer in time"
     return str(e) or type(e).__name__
 

@@ -7,6 +7,7 @@ inside the kernel (lock -> checkpoint on release; resume = restore -> unlock on 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from ..protocol import RemoteError
@@ -22,11 +23,11 @@ from .base import (
     say,
 )
 
-_AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError)
+_AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError, asyncio.TimeoutError)  # 3.10: two classes
 
 
 def _why(e: BaseException) -> str:
-    if isinstance(e, TimeoutError):
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
         return "the kernel did not answer in time"
     return str(e) or type(e).__name__
 
