@@ -231,6 +231,25 @@ async def test_bad_fields_are_refused_with_the_reason_and_change_nothing(jp_fetc
     assert "same data" in (await k.run(same_data())).stdout
 
 
+async def test_a_malformed_reply_fails_the_release_cleanly(jp_fetch, kernels, gpushare_app):
+    """An agent that answers the checkpoint with a wrong-typed field: the release fails with
+    the reason (409, never a 500), nothing stays "releasing", and the kernel runs on."""
+    from tornado.httpclient import HTTPClientError
+
+    k = await kernels.start()
+    await k.run(hold(64) + "\n" + AGENT + "agent.client.handlers['sim_checkpoint'] = "
+                "lambda msg: {'bytes': 'lots', 'arrays': 1}")
+    await gpushare_app.poll_once()
+    with pytest.raises(HTTPClientError) as refused:
+        await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    assert refused.value.code == 409
+    assert ("bad reply from the agent to sim_checkpoint: bytes must be an integer, got 'lots'"
+            in refused.value.response.body.decode())
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] not in ("releasing", "released") and "got 'lots'" in info["error"]
+    assert "same data" in (await k.run(same_data(), timeout=20)).stdout  # unlocked, running
+
+
 # -- one agent's bad report affects only its own kernel -------------------------------------
 @pytest.fixture
 def fake_nvml(monkeypatch):
