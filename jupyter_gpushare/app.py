@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import os
 from typing import Any
 
@@ -29,7 +28,8 @@ from traitlets import (
 )
 
 from . import metrics, provisioner
-from .channel import AgentConnection, AgentServer, Refused, socket_path
+from .agent_ops import AgentOps, check_reply
+from .channel import AgentServer, socket_path
 from .controller import Controller
 from .events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from .gate import SETTINGS_KEY, GateConnection
@@ -267,12 +267,9 @@ class GPUShareApp(ExtensionApp):
         self.socket_path = socket_path(jupyter_runtime_dir())
         os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
         self.methods: dict[str, ReclaimMethod] = {}
-        self.channel = AgentServer(
-            self.socket_path, self._authorize, self._agent_handlers(),
-            on_connect=self._on_agent_connect, on_disconnect=self._on_agent_disconnect,
-        )
         self._choose_backend()
         self._wire_core()
+        self._wire_channel()
         self._install_gate()
         self._install_provisioner()
         self.server.event_logger.register_event_schema(KERNEL_SCHEMA_PATH)
@@ -316,7 +313,8 @@ class GPUShareApp(ExtensionApp):
         assert self.telemetry is not None
         self.tracker = Tracker(
             self.server.kernel_manager, self.telemetry, self.history_seconds, self.poll_interval,
-            session_manager=self.server.session_manager, agent_reports=self._agent_report,
+            session_manager=self.server.session_manager,
+            agent_reports=lambda kid: self.agent_ops.report_of(kid),
         )
         self.tracker.idle_utilization = self.idle_utilization
         if self.backend_name == "simulated":
@@ -365,8 +363,20 @@ class GPUShareApp(ExtensionApp):
             context_bytes=0 if self.backend_name == "simulated" else self.context_bytes,
             live_state=self._live_state,
         )
+
+    def _wire_channel(self) -> None:
+        self.agent_ops: AgentOps = AgentOps(
+            self.controller, self.tracker, self.node, poll=self.poll_once,
+            kernel_view=lambda kid: kernel_view(self.controller, kid), backend=self.backend_name,
+            connections=lambda: self.channel.connections,
+        )
+        self.channel: AgentServer = AgentServer(
+            self.socket_path, self.agent_ops.authorize, self.agent_ops.handlers(),
+            on_connect=self.agent_ops.on_connect, on_disconnect=self.agent_ops.on_disconnect,
+            hello_reply=self.agent_ops.hello_reply, check_reply=check_reply,
+        )
         self.channel.hello_extra = {
-            "restore_mode": restore_mode,
+            "restore_mode": self.controller.restore_mode,
             "simulated_gpus": list(self.node.capacities) if self.node else None,
         }
 
@@ -453,8 +463,9 @@ class GPUShareApp(ExtensionApp):
     async def poll_once(self) -> None:
         """One sample and one policy pass; polls never overlap (the loop, an agent's release)."""
         async with self._poll_lock:
+            await self.channel.heal()  # its socket file removed: listen again
             if self.tracker.foreign_pids:
-                await self._refresh_agent_reports()
+                await self.agent_ops.refresh_reports()
             await self.tracker.poll()
             metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
             await self.controller.tick()
@@ -472,111 +483,6 @@ class GPUShareApp(ExtensionApp):
                 self.telemetry.close()
             provisioner.settings = None
             self._unroute_logs()
-
-    # -- agent channel ------------------------------------------------------------------------
-    async def _authorize(self, kernel_id: str, pid: int) -> None:
-        """The peer must be (a child of) the process of the kernel it claims to be."""
-        km = self.server.kernel_manager
-        for _ in range(100):  # a kernel that is still starting appears within a few seconds
-            if kernel_id in km and self.tracker.kernel_pid(kernel_id) is not None:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise Refused(f"no kernel {kernel_id} on this server")
-        if not self.tracker.owns_pid(kernel_id, pid):
-            raise Refused(f"pid {pid} is not a process of kernel {kernel_id}")
-
-    async def _refresh_agent_reports(self) -> None:
-        """NVML cannot see our pids (a container): ask each agent what its frameworks hold."""
-        async def one(conn: AgentConnection) -> None:
-            try:
-                conn.report = await conn.request("report", timeout=2)
-            except Exception as e:  # a busy or gone agent keeps its last report
-                self.log.debug("gpushare: no report from kernel %s: %s", conn.kernel_id, e)
-
-        await asyncio.gather(*(one(c) for c in list(self.channel.connections.values())))
-
-    def _agent_report(self, kernel_id: str) -> dict[str, Any] | None:
-        conn = self.channel.connections.get(kernel_id)
-        return conn.report if conn else None
-
-    async def _on_agent_connect(self, conn: AgentConnection) -> None:
-        st = self.controller.states.get(conn.kernel_id)
-        held = st.held if st is not None else None
-        if held is not None and held.kernel_pid not in (None, conn.pid):
-            self.controller.drop_held(conn.kernel_id, "the kernel restarted")
-        self.log.info("gpushare: agent of kernel %s connected (pid %s)", conn.kernel_id, conn.pid)
-
-    async def _on_agent_disconnect(self, conn: AgentConnection) -> None:
-        if self.node is not None:
-            self.node.drop_pid(conn.pid)  # a simulated process's memory goes with its channel
-
-    def _agent_handlers(self) -> dict[str, Any]:
-        return {
-            "alloc": self._agent_alloc,
-            "free": lambda conn, m: self._sim_node().release(conn.pid, _int(m, "gpu"), _int(m, "bytes")),
-            "busy_begin": lambda conn, m: self._sim_node().busy_begin(conn.pid, _int(m, "gpu")),
-            "busy_end": lambda conn, m: self._sim_node().busy_end(conn.pid, _int(m, "gpu")),
-            "report": self._agent_store_report,
-            "status": lambda conn, m: {"kernel": kernel_view(self.controller, conn.kernel_id),
-                                       "backend": self.backend_name},
-            "restore": self._agent_restore,
-            "release": self._agent_release,
-            "pin": self._agent_pin,
-            "idle_timeout": self._agent_idle_timeout,
-            "allow_background": self._agent_allow_background,
-        }
-
-    def _sim_node(self) -> SimNode:
-        if self.node is None:
-            raise RuntimeError("the server is not running the simulated backend")
-        return self.node
-
-    def _agent_alloc(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        self._sim_node().alloc(conn.pid, _int(msg, "gpu"), _int(msg, "bytes"))
-        return {}
-
-    def _agent_store_report(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
-        conn.report = {k: v for k, v in msg.items() if k not in ("op", "id")}
-
-    async def _agent_restore(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        parent = msg.get("parent") if isinstance(msg.get("parent"), dict) else None
-        trigger = str(msg.get("trigger") or "agent")
-        await self.controller.ensure_resident(conn.kernel_id, trigger=trigger, parent=parent)
-        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
-
-    async def _agent_release(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        from .controller import ControllerError
-
-        await self.poll_once()  # see what the cell just allocated
-        try:
-            await self.controller.release(conn.kernel_id, reason="requested from the kernel",
-                                          by_kernel=True)
-        except ControllerError as e:
-            raise RuntimeError(e.message) from None
-        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
-
-    def _agent_pin(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        pinned = msg.get("pinned")
-        if not isinstance(pinned, bool):
-            raise ValueError("pinned must be true or false")
-        self.controller.set_pinned(conn.kernel_id, pinned)
-        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
-
-    def _agent_allow_background(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        allow = msg.get("allow")
-        if not isinstance(allow, bool):
-            raise ValueError("allow must be true or false")
-        self.controller.set_allow_background(conn.kernel_id, allow)
-        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
-
-    def _agent_idle_timeout(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        seconds = msg.get("seconds")
-        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
-                                    or not math.isfinite(seconds) or seconds < 0):
-            raise ValueError("idle timeout must be a number of seconds >= 0")
-        self.controller.set_idle_timeout(conn.kernel_id, None if seconds is None else float(seconds))
-        return {"kernel": kernel_view(self.controller, conn.kernel_id)}
 
     # -- helpers ------------------------------------------------------------------------------------
     def _free_bytes(self, gpu: int) -> int | None:
@@ -639,13 +545,6 @@ class GPUShareApp(ExtensionApp):
         tstatus = self.telemetry.status()
         return status_view(self.controller, self.backend_name, self.method_name,
                            tstatus.available, tstatus.reason if not tstatus.available else "")
-
-
-def _int(msg: dict[str, Any], key: str) -> int:
-    value = msg.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer")
-    return value
 
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

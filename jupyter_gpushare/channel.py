@@ -4,6 +4,11 @@ Security: the socket lives in the Jupyter runtime directory with mode 0600; ever
 uid (SO_PEERCRED) must be ours, and its pid must belong to the kernel it claims to be
 (``authorize``). Anything else is refused with a reason and disconnected, and nothing is
 changed on its behalf.
+
+Robustness: one bad line (too long, not JSON) is skipped and logged, never closes the
+channel; a reply that answers a request but cannot be read fails that request at once;
+replies are checked (``check_reply``) before a caller sees them; the listening socket is
+re-bound when its file disappears (``heal``), and agents reconnect by themselves.
 """
 
 from __future__ import annotations
@@ -16,14 +21,31 @@ import os
 import socket
 import struct
 import tempfile
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .protocol import MAX_LINE, ProtocolError, RemoteError, decode, encode
+from .protocol import (
+    BadLine,
+    LineBuffer,
+    MessageTooLarge,
+    ProtocolError,
+    RemoteError,
+    bad_line,
+    deadline_passed,
+    decode,
+    encode,
+)
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[["AgentConnection", dict[str, Any]], Any]
+#: raises ValueError (why) when an agent's reply to ``op`` is malformed
+ReplyCheck = Callable[[str, dict[str, Any]], None]
+
+READ_CHUNK = 1 << 16
+HELLO_TIMEOUT = 10.0
 
 
 class Refused(Exception):
@@ -45,45 +67,96 @@ def socket_path(runtime_dir: str) -> str:
     return os.path.join(tempfile.mkdtemp(prefix="gpushare-"), "agent.sock")
 
 
+def _powers_of_two(n: int) -> bool:
+    """Log the 1st, 2nd, 4th, 8th ... occurrence: a flood costs a few log lines, not one each."""
+    return n & (n - 1) == 0
+
+
+class _Lines:
+    """Lines (or BadLines) from a stream; None at the end."""
+
+    def __init__(self, reader: asyncio.StreamReader):
+        self.reader = reader
+        self.buffer = LineBuffer()
+        self.ready: deque[bytes | BadLine] = deque()
+
+    async def next(self) -> bytes | BadLine | None:
+        while not self.ready:
+            data = await self.reader.read(READ_CHUNK)
+            if not data:
+                return None
+            self.ready.extend(self.buffer.feed(data))
+        return self.ready.popleft()
+
+
 class AgentConnection:
     """One connected kernel agent."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pid: int):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, pid: int,
+                 check_reply: ReplyCheck | None = None):
         self.reader = reader
         self.writer = writer
         self.pid = pid
         self.kernel_id: str = ""
         self.frameworks: list[str] = []
-        self.report: dict[str, Any] = {}  # the agent's latest self-report (framework memory)
+        self.report: dict[str, Any] = {}  # the agent's latest valid self-report (framework memory)
+        self.check_reply = check_reply
+        self.replaced = False  # a newer connection of the same kernel took over
+        self.bad_lines = 0  # lines skipped (too long, not a message), for logs and tests
+        self.refused_notes = 0  # notifications refused for bad fields
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.closed = asyncio.Event()
 
     async def request(self, op: str, timeout: float | None = 30.0, **args: Any) -> dict[str, Any]:
-        """Ask the agent to do ``op``; its reply, or RemoteError / TimeoutError / ConnectionError."""
+        """Ask the agent to do ``op``; its checked reply, or RemoteError / TimeoutError /
+        ConnectionError. With a timeout the request carries a deadline, so the agent never
+        starts it after we stopped waiting."""
         if self.closed.is_set():
             raise ConnectionError(f"agent of kernel {self.kernel_id} is disconnected")
+        if timeout is not None and "deadline" not in args:
+            args["deadline"] = time.time() + timeout
         msg_id = next(self._ids)
+        try:
+            data = encode({"id": msg_id, "op": op, **args})
+        except MessageTooLarge as e:
+            raise RemoteError(str(e)) from None
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[msg_id] = fut
         try:
-            self.writer.write(encode({"id": msg_id, "op": op, **args}))
+            self.writer.write(data)
             await self.writer.drain()
             reply = await asyncio.wait_for(fut, timeout)
         finally:
             self._pending.pop(msg_id, None)
         if not reply.get("ok"):
-            raise RemoteError(str(reply.get("error") or f"agent refused {op}"), str(reply.get("kind") or ""))
+            raise RemoteError(str(reply.get("error") or f"agent refused {op}")[:2000],
+                              str(reply.get("kind") or ""))
+        if self.check_reply is not None:
+            try:
+                self.check_reply(op, reply)
+            except ValueError as e:
+                raise RemoteError(f"bad reply from the agent to {op}: {e}") from None
         return reply
 
     def notify(self, op: str, **args: Any) -> None:
-        if not self.closed.is_set():
+        if self.closed.is_set():
+            return
+        try:
             self.writer.write(encode({"op": op, **args}))
+        except MessageTooLarge as e:
+            log.warning("gpushare: not sent to kernel %s: %s", self.kernel_id, e)
 
     def _resolve(self, reply: dict[str, Any]) -> None:
-        fut = self._pending.get(reply.get("re"))  # type: ignore[arg-type]
+        key = reply.get("re")
+        fut = self._pending.get(key) if isinstance(key, int) else None
         if fut is not None and not fut.done():
             fut.set_result(reply)
+
+    def _fail(self, msg_id: int, why: str) -> None:
+        fut = self._pending.get(msg_id)
+        if fut is not None and not fut.done():
+            fut.set_exception(RemoteError(why))
 
     def _close(self) -> None:
         self.closed.set()
@@ -104,29 +177,68 @@ class AgentServer:
         handlers: dict[str, Handler],
         on_connect: Callable[[AgentConnection], Any] | None = None,
         on_disconnect: Callable[[AgentConnection], Any] | None = None,
+        hello_reply: Callable[[str], dict[str, Any]] | None = None,
+        check_reply: ReplyCheck | None = None,
     ):
         self.path = path
         self.authorize = authorize
         self.handlers = handlers
         self.on_connect = on_connect
         self.on_disconnect = on_disconnect
+        #: kernel_id -> fields for that kernel's hello reply (e.g. its gpushare state)
+        self.hello_reply = hello_reply
+        self.check_reply = check_reply
         self.connections: dict[str, AgentConnection] = {}  # kernel_id -> newest connection
         self.refusals = 0
+        self.rebinds = 0  # times the socket file was found gone and bound again
         self.hello_extra: dict[str, Any] = {}  # sent to every agent in the hello reply
         self._server: asyncio.AbstractServer | None = None
+        self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket file
+        self._heal_failed = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def start(self) -> None:
+        self._server = await self._bind()
+
+    async def _bind(self) -> asyncio.AbstractServer:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         old_umask = os.umask(0o177)  # the socket is created 0600, never briefly wider
         try:
-            self._server = await asyncio.start_unix_server(
-                self._serve, path=self.path, limit=MAX_LINE
-            )
+            server = await asyncio.start_unix_server(self._serve, path=self.path)
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
+        st = os.stat(self.path)
+        self._bound = (st.st_dev, st.st_ino)
+        return server
+
+    async def heal(self) -> bool:
+        """Listen again if our socket file was removed or replaced (an admin cleaning the
+        runtime directory); True when it re-bound. Cheap: one ``stat`` when all is well.
+        Connected agents are not affected; dropped ones reconnect by themselves."""
+        if self._server is None:
+            return False
+        with contextlib.suppress(OSError):
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._bound:
+                return False
+        old = self._server
+        try:
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            self._server = await self._bind()
+        except OSError as e:
+            if not self._heal_failed:
+                self._heal_failed = True
+                log.error("gpushare agent channel: socket %s is gone and cannot be bound again "
+                          "(%s); kernel agents cannot reconnect until it can", self.path, e)
+            return False
+        old.close()  # the orphaned listener; connections it accepted stay open
+        self._heal_failed = False
+        self.rebinds += 1
+        log.warning("gpushare agent channel: socket %s was removed or replaced; listening there "
+                    "again", self.path)
+        return True
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -142,6 +254,8 @@ class AgentServer:
     async def _refuse(self, writer: asyncio.StreamWriter, reply_to: Any, why: str) -> None:
         self.refusals += 1
         log.warning("gpushare agent channel: refused a peer: %s", why)
+        if not isinstance(reply_to, (int, str)) or len(str(reply_to)) > 64:
+            reply_to = None
         with contextlib.suppress(Exception):
             writer.write(encode({"re": reply_to, "ok": False, "error": f"refused: {why}"}))
             await writer.drain()
@@ -157,10 +271,16 @@ class AgentServer:
         if uid != os.getuid():
             await self._refuse(writer, None, f"peer uid {uid} is not the server's uid {os.getuid()}")
             return
+        lines = _Lines(reader)
         try:
-            hello = decode(await asyncio.wait_for(reader.readline(), 10))
-        except (ProtocolError, asyncio.TimeoutError, ValueError, ConnectionError) as e:
-            await self._refuse(writer, None, f"no valid hello ({e})")
+            first = await asyncio.wait_for(lines.next(), HELLO_TIMEOUT)
+            if first is None:
+                raise ProtocolError("the peer closed the connection")
+            if isinstance(first, BadLine):
+                raise ProtocolError(f"{first.why} ({first.size} bytes)")
+            hello = decode(first)
+        except (ProtocolError, asyncio.TimeoutError, ConnectionError) as e:
+            await self._refuse(writer, None, f"no valid hello ({e or type(e).__name__})")
             return
         kernel_id = hello.get("kernel_id")
         if hello.get("op") != "hello" or not isinstance(kernel_id, str) or not kernel_id:
@@ -171,41 +291,61 @@ class AgentServer:
         except Refused as e:
             await self._refuse(writer, hello.get("id"), str(e))
             return
-        conn = AgentConnection(reader, writer, pid)
+        conn = AgentConnection(reader, writer, pid, self.check_reply)
         conn.kernel_id = kernel_id
         frameworks = hello.get("frameworks")
-        conn.frameworks = [str(f) for f in frameworks] if isinstance(frameworks, list) else []
+        conn.frameworks = [str(f)[:64] for f in frameworks[:16]] if isinstance(frameworks, list) else []
         previous = self.connections.get(kernel_id)
-        self.connections[kernel_id] = conn
+        if previous is not None and previous.pid == pid:
+            conn.report = previous.report  # the same process again: its last report still holds
+        if self.on_connect:  # before the hello reply, so the state it carries is current
+            try:
+                await _maybe_await(self.on_connect(conn))
+            except Exception:
+                log.exception("gpushare: on_connect failed for kernel %s", kernel_id)
         writer.write(encode({"re": hello.get("id"), "ok": True, "server_pid": os.getpid(),
-                             **self.hello_extra}))
+                             **self.hello_extra, **self._hello_fields(kernel_id)}))
+        self.connections[kernel_id] = conn
         if previous is not None and previous is not conn:
+            previous.replaced = True
             previous._close()
-        if self.on_connect:
-            await _maybe_await(self.on_connect(conn))
         try:
-            await self._read_loop(conn)
+            await self._read_loop(conn, lines)
         finally:
             conn._close()
             if self.connections.get(kernel_id) is conn:
                 del self.connections[kernel_id]
             if self.on_disconnect:
-                with contextlib.suppress(Exception):
+                try:
                     await _maybe_await(self.on_disconnect(conn))
+                except Exception:
+                    log.exception("gpushare: on_disconnect failed for kernel %s", kernel_id)
 
-    async def _read_loop(self, conn: AgentConnection) -> None:
+    def _hello_fields(self, kernel_id: str) -> dict[str, Any]:
+        if self.hello_reply is None:
+            return {}
+        try:
+            return dict(self.hello_reply(kernel_id))
+        except Exception:  # the hello must not fail over an extra
+            log.exception("gpushare: hello_reply failed for kernel %s", kernel_id)
+            return {}
+
+    async def _read_loop(self, conn: AgentConnection, lines: _Lines) -> None:
         while True:
             try:
-                line = await conn.reader.readline()
-            except (ConnectionError, ValueError):  # ValueError: line over the limit
+                item = await lines.next()
+            except ConnectionError:
                 return
-            if not line:
+            if item is None:
                 return
+            if isinstance(item, BadLine):
+                self._skip(conn, item)
+                continue
             try:
-                msg = decode(line)
+                msg = decode(item)
             except ProtocolError as e:
-                log.warning("gpushare: bad message from kernel %s: %s", conn.kernel_id, e)
-                return
+                self._skip(conn, bad_line(item, str(e)))
+                continue
             if "re" in msg:
                 conn._resolve(msg)
                 continue
@@ -213,22 +353,44 @@ class AgentServer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _skip(self, conn: AgentConnection, bad: BadLine) -> None:
+        """A line we cannot use: drop it, fail the request it answers (if it says), go on."""
+        conn.bad_lines += 1
+        if _powers_of_two(conn.bad_lines):
+            log.warning("gpushare: skipped a bad message from kernel %s: %s (%d bytes; %d so far)",
+                        conn.kernel_id, bad.why, bad.size, conn.bad_lines)
+        if bad.reply_to is not None:
+            conn._fail(bad.reply_to, f"the agent's reply could not be read: {bad.why} "
+                                     f"({bad.size} bytes)")
+
     async def _dispatch(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
         op, msg_id = msg.get("op"), msg.get("id")
+        result = await self._run(conn, op, msg)
+        if msg_id is None:
+            if not result["ok"]:
+                conn.refused_notes += 1
+                if _powers_of_two(conn.refused_notes):
+                    log.warning("gpushare: refused %s from kernel %s: %s (%d so far)",
+                                str(op)[:64], conn.kernel_id, result["error"], conn.refused_notes)
+        elif not conn.closed.is_set():
+            conn.writer.write(encode({"re": msg_id, **result}))
+
+    async def _run(self, conn: AgentConnection, op: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        try:
+            if deadline_passed(msg, time.time()):
+                return {"ok": False, "error": "expired: the agent stopped waiting", "kind": "Expired"}
+        except ValueError as e:
+            return {"ok": False, "error": str(e), "kind": "ValueError"}
         handler = self.handlers.get(op) if isinstance(op, str) else None
         if handler is None:
-            result: dict[str, Any] = {"ok": False, "error": f"unknown op {op!r}"}
-        else:
-            try:
-                value = await _maybe_await(handler(conn, msg))
-                result = {"ok": True, **(value or {})}
-            except Exception as e:  # an agent's bad request must not hurt the server
-                if not isinstance(e, (ValueError, LookupError, RuntimeError, MemoryError)):
-                    log.exception("gpushare: handler for %s failed", op)
-                result = {"ok": False, "error": str(e) or type(e).__name__,
-                          "kind": type(e).__name__}
-        if msg_id is not None and not conn.closed.is_set():
-            conn.writer.write(encode({"re": msg_id, **result}))
+            return {"ok": False, "error": f"unknown op {str(op)[:64]!r}", "kind": "LookupError"}
+        try:
+            value = await _maybe_await(handler(conn, msg))
+        except Exception as e:  # an agent's bad request must not hurt the server
+            if not isinstance(e, (ValueError, LookupError, RuntimeError, MemoryError)):
+                log.exception("gpushare: handler for %s failed", op)
+            return {"ok": False, "error": str(e) or type(e).__name__, "kind": type(e).__name__}
+        return {"ok": True, **(value or {})}
 
 
 async def _maybe_await(value: Any) -> Any:

@@ -49,6 +49,8 @@ class Agent:
         #: names that may reach the GPU, computed at release (lazy mode); None while resident
         self.gpu_names: set[str] | None = None
         self._offloaded: list[Any] = []  # framework adapters holding offloaded state
+        self._remote: RemoteBackend | None = None  # simulated GPU accounted on the server
+        self._hooked = False  # pre_run_cell registered
         self._last_shown: dict[str, Any] = {}
 
     # -- connection -------------------------------------------------------------------
@@ -56,40 +58,67 @@ class Agent:
         # Take the channel's address out of the environment: processes this kernel starts
         # (`!jupyter nbconvert --execute`, subprocesses that load the extension) must not
         # connect in its name. The server would accept them (they are its descendants) and
-        # drop this kernel's own connection.
+        # drop this kernel's own connection. The client keeps the path to reconnect.
         path = os.environ.pop(SOCKET_ENV, None)
         os.environ.pop(KERNEL_ID_ENV, None)
         if not path or not self.kernel_id:
             self.why_offline = "this kernel was not started by a gpushare-enabled Jupyter server"
             return
-        client = AgentClient(path, self._handlers())
-        try:
-            reply = client.connect(
-                {"kernel_id": self.kernel_id, "pid": os.getpid(), "frameworks": self.frameworks()}
-            )
-        except (OSError, RemoteError) as e:
-            self.why_offline = f"the gpushare server is not reachable ({e})"
-            log.warning("gpushare agent: %s", self.why_offline)
-            return
-        self.client = client
+        client = AgentClient(path, self._handlers(), hello=self._hello)
+        client.on_hello = self._on_hello
+        client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
-        self.restore_mode = reply.get("restore_mode", "eager")
-        sim = reply.get("simulated_gpus")
-        if sim:
-            from ..sim import device
+        self.client = client
+        if not client.open():  # it keeps trying in the background
+            self.why_offline = f"the gpushare server is not reachable ({client.last_error}); retrying"
+            log.warning("gpushare agent: %s", self.why_offline)
 
+    def _hello(self) -> dict[str, Any]:
+        return {"kernel_id": self.kernel_id, "pid": os.getpid(), "frameworks": self.frameworks()}
+
+    def _on_hello(self, reply: dict[str, Any]) -> None:
+        """The server's settings and its word on our state, before any later notification."""
+        self.why_offline = ""
+        if reply.get("restore_mode") in ("eager", "lazy"):
+            self.restore_mode = reply["restore_mode"]
+        if isinstance(reply.get("state"), str):
+            self.note_state(reply["state"])
+
+    def _on_connect(self, reply: dict[str, Any]) -> None:
+        """After every (re)connection: our simulated GPU memory, so that the server's
+        accounting is exactly what this process holds."""
+        sim = reply.get("simulated_gpus")
+        if sim and isinstance(sim, list) and self._remote is None:
+            self._remote = self._use_server_gpus(len(sim))
+        if not self._hooked:
+            self._hooked = True
+            self.shell.events.register("pre_run_cell", self.pre_run_cell)
+            self.shell.events.register("post_run_cell", self.post_run_cell)
+        if self._remote is not None:
+            self._remote.sync()
+
+    def _use_server_gpus(self, count: int) -> RemoteBackend | None:
+        from ..sim import device
+
+        assert self.client is not None
+        backend = RemoteBackend(self.client, count)
+        try:
             # A cell's GPU call on a released kernel blocks until a restore, exactly as CUDA
             # calls do under the driver's checkpoint lock (so lazy mode's wrong "CPU-only"
             # decisions show, as on a real GPU). Only threads other than the cells' ask for
             # a restore when they block (on_blocked is never called for the main thread):
             # nothing else would ever bring the state back for them.
-            dev = device.set_backend(RemoteBackend(client, len(sim)))
+            dev = device.set_backend(backend)
             dev.on_blocked = self._restore_for_thread
-        self.shell.events.register("pre_run_cell", self.pre_run_cell)
-        self.shell.events.register("post_run_cell", self.post_run_cell)
+        except RuntimeError as e:  # used locally before the server answered: stays local
+            log.warning("gpushare agent: the simulated GPU stays private to this kernel: %s", e)
+            return None
+        return backend
 
     def _on_disconnect(self) -> None:
-        self.why_offline = "the gpushare server closed the channel"
+        self.why_offline = "the gpushare server closed the channel; reconnecting"
+        if self._remote is not None:
+            self._remote.channel_lost()
 
     def frameworks(self) -> list[str]:
         return [name for name in GPU_FRAMEWORKS if name in sys.modules]

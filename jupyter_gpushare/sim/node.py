@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import clock
@@ -120,11 +121,51 @@ class SimNode:
             for gpu, n in per_gpu.items():
                 self._used[gpu][pid] = self._used[gpu].get(pid, 0) + n
 
+    def set_usage(self, pid: int, per_gpu: dict[int, int]) -> None:
+        """Set what ``pid`` holds to exactly ``per_gpu`` (an agent's count after it
+        reconnected); all or nothing: refused if a GPU is invalid or would be over capacity."""
+        with self._lock:
+            for gpu, n in per_gpu.items():
+                self._check_gpu(gpu)
+                if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                    raise ValueError(f"bytes on GPU {gpu} must be an integer >= 0, got {n!r}")
+                others = sum(b for p, b in self._used[gpu].items() if p != pid)
+                if others + n > self.capacities[gpu]:
+                    raise SimOutOfMemoryError(
+                        f"simulated GPU {gpu} cannot hold {format_bytes(n)} for pid {pid}: "
+                        f"{format_bytes(self.capacities[gpu] - others)} free"
+                    )
+            for gpu in range(len(self.capacities)):
+                n = per_gpu.get(gpu, 0)
+                if n:
+                    self._used[gpu][pid] = n
+                else:
+                    self._used[gpu].pop(pid, None)
+
+    def end_busy(self, pid: int) -> None:
+        """Close ``pid``'s open busy intervals (its channel dropped: their ends may be lost)."""
+        now = clock.now()
+        with self._lock:
+            for (p, _), b in self._busy.items():
+                if p == pid and b.open_since is not None:
+                    b.intervals.append((b.open_since, now))
+                    b.open_since = None
+
     def drop_pid(self, pid: int) -> None:
         self.take_all(pid)
         with self._lock:
             for key in [k for k in self._busy if k[0] == pid]:
                 del self._busy[key]
+
+    def drop_gone(self, alive: Callable[[int], bool]) -> list[int]:
+        """Drop every pid for which ``alive(pid)`` is false: a process's memory is freed when
+        the process exits, as on a real GPU (not when its channel closes). Returns them."""
+        with self._lock:
+            known = {p for by_pid in self._used.values() for p in by_pid} | {p for p, _ in self._busy}
+        gone = [p for p in known if not alive(p)]
+        for pid in gone:
+            self.drop_pid(pid)
+        return gone
 
     def pids(self) -> dict[int, dict[int, int]]:
         """pid -> gpu -> bytes, for every pid holding memory."""

@@ -1,6 +1,14 @@
-"""Telemetry of the simulated GPU node: what kernels allocated through their agents."""
+"""Telemetry of the simulated GPU node: what kernels allocated through their agents.
+
+As on a real GPU, a process's memory is held until the process exits: each sample first
+drops the pids that no longer run (a kernel shut down or died), whatever their channel did.
+"""
 
 from __future__ import annotations
+
+import os
+
+import psutil
 
 from .. import clock
 from ..sim.node import DEVICE_NAME, SimNode
@@ -50,6 +58,7 @@ class SimulatedTelemetry(Telemetry):
         return out
 
     def processes(self) -> list[ProcessUsage]:
+        self.node.drop_gone(process_alive)  # the tracker samples processes before devices
         now = clock.now()
         since = self._last_process if self._last_process is not None else now - 1.0
         self._last_process = now
@@ -59,3 +68,19 @@ class SimulatedTelemetry(Telemetry):
                 util = 100 * self.node.busy_fraction(pid, gpu, since, now)
                 out.append(ProcessUsage(pid, gpu, nbytes, round(util, 1)))
         return out
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` exists (about 1 us on POSIX). A zombie still counts until its
+    parent reaps it, which jupyter_client does for the kernels it started."""
+    if pid <= 0:
+        return False
+    if os.name != "posix":
+        return psutil.pid_exists(pid)
+    try:
+        os.kill(pid, 0)  # signal 0: existence check, nothing is sent
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

@@ -1,0 +1,314 @@
+"""What a kernel's agent may ask of the server over the agent channel, and who may ask.
+
+The channel's counterpart of ``handlers.py``: thin operations over the controller and the
+simulated node. Every field is checked before anything changes (integers are integers and
+not booleans, byte counts >= 0, a GPU is a valid index, ``pinned`` is a boolean, seconds are
+finite and >= 0), so an agent's bad request gets an error reply that says why and changes
+nothing. The agent's answers to the server's own requests are checked here too
+(``check_reply``), and its self-report is checked when it arrives: a bad one is refused and
+the previous one kept, so the tracker never sees garbage and one bad agent affects only
+its own kernel.
+
+Everything it needs is passed in; it never imports the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from .channel import AgentConnection, Handler, Refused
+from .controller import ControllerError
+from .sim.node import SimNode
+from .telemetry.simulated import process_alive
+
+log = logging.getLogger(__name__)
+
+RESTORE_TRIGGERS = ("agent", "magic", "background")  # triggers an agent may name (others: the server's)
+REPORT_TIMEOUT = 2.0
+MAX_FRAMEWORKS = 16
+
+
+# -- field checks (ValueError says what is wrong) ----------------------------------------------
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def integer(msg: Mapping[str, Any], key: str, minimum: int = 0) -> int:
+    value = msg.get(key)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key} must be an integer, got {_shown(value)}")
+    if value < minimum:
+        raise ValueError(f"{key} must be >= {minimum}, got {value}")
+    return value
+
+
+def optional_integer(msg: Mapping[str, Any], key: str) -> int | None:
+    return None if msg.get(key) is None else integer(msg, key)
+
+
+def boolean(msg: Mapping[str, Any], key: str) -> bool:
+    value = msg.get(key)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {_shown(value)}")
+    return value
+
+
+def seconds_or_none(msg: Mapping[str, Any], key: str) -> float | None:
+    value = msg.get(key)
+    if value is None:
+        return None
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"{key} must be a number of seconds >= 0, got {_shown(value)}")
+    return float(value)
+
+
+def strings(msg: Mapping[str, Any], key: str, most: int = 10_000) -> list[str] | None:
+    value = msg.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{key} must be a list of strings")
+    if len(value) > most:
+        raise ValueError(f"{key} has {len(value)} entries; at most {most}")
+    return value
+
+
+def check_report(report: Mapping[str, Any]) -> dict[str, Any]:
+    """An agent's self-report (``Agent.report``), checked and reduced to its known fields."""
+    clean: dict[str, Any] = {"framework_bytes": integer(report, "framework_bytes")}
+    frameworks = strings(report, "frameworks", MAX_FRAMEWORKS)
+    clean["frameworks"] = [f[:64] for f in frameworks or []]
+    simulated = optional_integer(report, "simulated_bytes")
+    if simulated is not None:
+        clean["simulated_bytes"] = simulated
+    threads = strings(report, "background_gpu_threads", 100)
+    if threads:
+        clean["background_gpu_threads"] = [t[:100] for t in threads]
+    if report.get("error") is not None:
+        if not isinstance(report["error"], str):
+            raise ValueError("error must be a string")
+        clean["error"] = report["error"][:500]
+    return clean
+
+
+def _moved(reply: Mapping[str, Any]) -> None:
+    integer(reply, "bytes")
+    optional_integer(reply, "arrays")
+
+
+#: shapes of the agent's replies to the server's requests (fields the server reads)
+REPLY_CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
+    "sim_checkpoint": _moved,
+    "sim_resume": _moved,
+    "offload": lambda r: (integer(r, "bytes"), optional_integer(r, "freed"), strings(r, "skipped", 1000)),
+    "reload": lambda r: integer(r, "bytes"),
+    "trim": lambda r: integer(r, "freed"),
+    "report": check_report,
+}
+
+
+def check_reply(op: str, reply: dict[str, Any]) -> None:
+    """Raise ValueError when the agent's reply to ``op`` lacks a field or has a wrong type."""
+    check = REPLY_CHECKS.get(op)
+    if check is not None:
+        check(reply)
+
+
+# -- the operations ---------------------------------------------------------------------------
+class AgentOps:
+    """The agent channel's operation table, authorization and connection hooks."""
+
+    def __init__(
+        self,
+        controller: Any,
+        tracker: Any,
+        node: SimNode | None,
+        poll: Callable[[], Awaitable[None]],
+        kernel_view: Callable[[str], dict[str, Any]],
+        backend: str,
+        connections: Callable[[], Mapping[str, AgentConnection]],
+    ):
+        self.controller = controller
+        self.tracker = tracker
+        self.node = node
+        self.poll = poll
+        self.kernel_view = kernel_view
+        self.backend = backend
+        self.connections = connections
+
+    def handlers(self) -> dict[str, Handler]:
+        return {
+            "alloc": self.alloc,
+            "free": self.free,
+            "busy_begin": self.busy_begin,
+            "busy_end": self.busy_end,
+            "sync": self.sync,
+            "report": self.report,
+            "status": self.status,
+            "restore": self.restore,
+            "release": self.release,
+            "pin": self.pin,
+            "idle_timeout": self.idle_timeout,
+            "allow_background": self.allow_background,
+        }
+
+    # -- who may connect, and what a connection changes -----------------------------------------
+    async def authorize(self, kernel_id: str, pid: int) -> None:
+        """The peer must be (a child of) the process of the kernel it claims to be."""
+        km = self.tracker.km
+        for _ in range(100):  # a kernel that is still starting appears within a few seconds
+            if kernel_id in km and self.tracker.kernel_pid(kernel_id) is not None:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise Refused(f"no kernel {kernel_id} on this server")
+        if not self.tracker.owns_pid(kernel_id, pid):
+            raise Refused(f"pid {pid} is not a process of kernel {kernel_id}")
+
+    def hello_reply(self, kernel_id: str) -> dict[str, Any]:
+        """The kernel's gpushare state, so a reconnecting agent knows where it stands."""
+        st = self.controller.states.get(kernel_id)
+        return {"state": st.state} if st is not None else {}
+
+    def on_connect(self, conn: AgentConnection) -> None:
+        st = self.controller.states.get(conn.kernel_id)
+        held = st.held if st is not None else None
+        if held is not None and held.kernel_pid not in (None, conn.pid):
+            self.controller.drop_held(conn.kernel_id, "the kernel restarted")
+        log.info("gpushare: agent of kernel %s connected (pid %s)", conn.kernel_id, conn.pid)
+
+    def on_disconnect(self, conn: AgentConnection) -> None:
+        if conn.replaced:
+            return  # a newer connection of the same kernel took over; nothing was lost
+        log.info("gpushare: agent of kernel %s disconnected", conn.kernel_id)
+        if self.node is not None:
+            # GPU memory belongs to the process until it exits, not to its channel: keep it
+            # (a reconnecting agent syncs it) unless the process is gone already
+            self.node.end_busy(conn.pid)
+            if not process_alive(conn.pid):
+                self.node.drop_pid(conn.pid)
+
+    # -- self-reports (NVML cannot see our pids) -------------------------------------------------
+    async def refresh_reports(self) -> None:
+        """Ask each agent what its frameworks hold; a bad or missing answer keeps the last."""
+        async def one(conn: AgentConnection) -> None:
+            try:
+                conn.report = check_report(await conn.request("report", timeout=REPORT_TIMEOUT))
+            except Exception as e:  # busy, gone or wrong: this kernel keeps its last report
+                log.debug("gpushare: no report from kernel %s: %s", conn.kernel_id, e)
+
+        await asyncio.gather(*(one(c) for c in list(self.connections().values())))
+
+    def report_of(self, kernel_id: str) -> dict[str, Any] | None:
+        conn = self.connections().get(kernel_id)
+        return conn.report if conn else None
+
+    # -- simulated GPU accounting -----------------------------------------------------------------
+    def _sim(self) -> SimNode:
+        if self.node is None:
+            raise RuntimeError("the server is not running the simulated backend")
+        return self.node
+
+    def _gpu(self, msg: Mapping[str, Any], key: str = "gpu") -> int:
+        node = self._sim()
+        value = msg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < len(node.capacities):
+            raise ValueError(f"invalid device {value}: this node has {len(node.capacities)} simulated GPUs")
+        return integer(msg, key)
+
+    def alloc(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        gpu, nbytes = self._gpu(msg), integer(msg, "bytes")
+        self._sim().alloc(conn.pid, gpu, nbytes)
+        return {}
+
+    def free(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
+        gpu, nbytes = self._gpu(msg), integer(msg, "bytes")
+        self._sim().release(conn.pid, gpu, nbytes)
+
+    def busy_begin(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
+        self._sim().busy_begin(conn.pid, self._gpu(msg))
+
+    def busy_end(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
+        self._sim().busy_end(conn.pid, self._gpu(msg))
+
+    def sync(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        """After a reconnection: what the agent's process holds, exactly, per GPU
+        (``{"gpus": {"0": bytes}, "busy": [gpu, ...]}``); replaces the node's count for it."""
+        node = self._sim()
+        gpus = msg.get("gpus")
+        if not isinstance(gpus, dict):
+            raise ValueError('gpus must be an object {"GPU index": bytes}')
+        per_gpu: dict[int, int] = {}
+        for key, nbytes in gpus.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise ValueError(f"gpus keys must be GPU indexes, got {_shown(key)}")
+            per_gpu[self._gpu({"gpu": int(key)})] = integer({"bytes": nbytes}, "bytes")
+        busy = msg.get("busy", [])
+        if not isinstance(busy, list):
+            raise ValueError("busy must be a list of GPU indexes")
+        busy_gpus = [self._gpu({"gpu": g}) for g in busy]
+        node.set_usage(conn.pid, per_gpu)  # all or nothing
+        node.end_busy(conn.pid)
+        for gpu in busy_gpus:
+            node.busy_begin(conn.pid, gpu)
+        return {}
+
+    # -- the kernel's own requests (magics, pre_run_cell) -------------------------------------------
+    def report(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
+        conn.report = check_report(msg)  # a bad report raises: the previous one stays
+
+    def status(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        return {"kernel": self._view(conn.kernel_id), "backend": self.backend}
+
+    async def restore(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        trigger = msg.get("trigger", "agent")
+        if trigger not in RESTORE_TRIGGERS:
+            raise ValueError(f"trigger must be one of {', '.join(RESTORE_TRIGGERS)}, got {_shown(trigger)}")
+        parent = msg.get("parent")
+        if parent is not None and not isinstance(parent, dict):
+            raise ValueError("parent must be a message header (an object)")
+        try:
+            await self.controller.ensure_resident(conn.kernel_id, trigger=trigger, parent=parent or None)
+        except ControllerError as e:
+            raise RuntimeError(e.message) from None
+        return {"kernel": self._view(conn.kernel_id)}
+
+    async def release(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        await self.poll()  # see what the cell just allocated
+        try:
+            await self.controller.release(conn.kernel_id, reason="requested from the kernel",
+                                          by_kernel=True)
+        except ControllerError as e:
+            raise RuntimeError(e.message) from None
+        return {"kernel": self._view(conn.kernel_id)}
+
+    def pin(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        pinned = boolean(msg, "pinned")
+        self._controller_call(self.controller.set_pinned, conn.kernel_id, pinned)
+        return {"kernel": self._view(conn.kernel_id)}
+
+    def idle_timeout(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        seconds = seconds_or_none(msg, "seconds")
+        self._controller_call(self.controller.set_idle_timeout, conn.kernel_id, seconds)
+        return {"kernel": self._view(conn.kernel_id)}
+
+    def allow_background(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        allow = boolean(msg, "allow")
+        self._controller_call(self.controller.set_allow_background, conn.kernel_id, allow)
+        return {"kernel": self._view(conn.kernel_id)}
+
+    def _view(self, kernel_id: str) -> dict[str, Any]:
+        return self._controller_call(self.kernel_view, kernel_id)
+
+    @staticmethod
+    def _controller_call(fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ControllerError as e:  # e.g. a kernel the server no longer knows
+            raise LookupError(e.message) from None
