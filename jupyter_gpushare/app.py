@@ -243,7 +243,9 @@ class GPUShareApp(ExtensionApp):
         pkg = logging.getLogger("jupyter_gpushare")
         self._saved_log = (pkg.handlers, pkg.propagate, pkg.level)
         pkg.handlers = list(self.log.handlers)
-        pkg.propagate = not pkg.handlers
+        # still propagate: a root handler (pytest's, an admin's logging config) sees them too;
+        # the server's own loggers do not sit under the root's handlers, so nothing doubles
+        pkg.propagate = True
         pkg.setLevel(self.log.getEffectiveLevel())
 
     def _unroute_logs(self) -> None:

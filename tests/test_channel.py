@@ -184,7 +184,7 @@ BAD_REQUESTS = [
     ("idle_timeout", {"seconds": -1}, "seconds must be a number of seconds >= 0, got -1"),
     ("idle_timeout", {"seconds": float("inf")}, "seconds must be a number of seconds >= 0, got inf"),
     ("idle_timeout", {"seconds": "60"}, "seconds must be a number of seconds >= 0, got '60'"),
-    ("restore", {"trigger": "shutdown"}, "trigger must be one of agent, magic, got 'shutdown'"),
+    ("restore", {"trigger": "shutdown"}, "trigger must be one of agent, magic, background, got 'shutdown'"),
     ("restore", {"parent": "header"}, "parent must be a message header (an object)"),
     ("report", {"framework_bytes": "lots"}, "framework_bytes must be an integer, got 'lots'"),
     ("report", {"framework_bytes": 1, "frameworks": "torch"}, "frameworks must be a list of strings"),

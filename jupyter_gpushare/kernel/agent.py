@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from ..protocol import KERNEL_ID_ENV, SOCKET_ENV, RemoteError
+from ..protocol import KERNEL_ID_ENV, LIST_CAP, SOCKET_ENV, RemoteError, cap_list
 from ..states import HELD as HELD_STATES
 from . import lazy
 from .client import AgentClient, RemoteBackend
@@ -210,7 +210,7 @@ class Agent:
         return {"freed": freed}
 
     def _offload(self, msg: dict[str, Any]) -> dict[str, Any]:
-        from .offload import OffloadReport, present_adapters
+        from .offload import present_adapters
 
         self._note_gpu_names()
         reports = []
@@ -220,16 +220,17 @@ class Agent:
         for adapter in adapters:
             self._offloaded.append(adapter)  # before: a failure half-way is reloaded too
             reports.append(adapter.offload(self.shell.user_ns))
-        combined = OffloadReport("all")
-        for r in reports:
-            for entry in r.skipped:
-                combined.skip(entry)
+        # one bounded list for every adapter, with the true count of what was left alone
+        entries = [e for r in reports for e in (r.skipped[:-1] if r.left_out else r.skipped)]
+        total = len(entries) + sum(r.left_out for r in reports)
+        shown = cap_list(entries[:LIST_CAP])
+        if total > len(shown):
+            shown.append(f"... and {total - len(shown)} more")
         return {
             "bytes": sum(r.bytes for r in reports),
             "freed": sum(r.freed_bytes for r in reports),
-            "skipped": combined.skipped,  # bounded, with "... and N more"
-            "skipped_count": sum(len(r.skipped) - (1 if r.left_out else 0) + r.left_out
-                                 for r in reports),
+            "skipped": shown,
+            "skipped_count": total,
         }
 
     def _reload(self, msg: dict[str, Any]) -> dict[str, Any]:
