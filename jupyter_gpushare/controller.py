@@ -484,7 +484,8 @@ class Controller:
         if agent is not None:  # the agent knows whether a cell runs now: it decides
             try:
                 await agent.request("begin_release", timeout=self.agent_timeout,
-                                    by_kernel=by_kernel, automatic=automatic)
+                                    by_kernel=by_kernel, automatic=automatic,
+                                    background_ok=st.allow_background)
             except (ConnectionError, TimeoutError) as e:
                 return await self._refuse(st, op, f"the kernel's agent did not answer ({e or 'timeout'})")
             except Exception as e:

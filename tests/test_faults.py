@@ -412,3 +412,72 @@ async def test_a_victim_whose_release_fails_is_not_retried_in_a_hot_loop(
     assert ex.error and ex.error["ename"] == "KeyboardInterrupt"
     assert state(gpushare_app, a) == "released"
     await b.run(intact("b"))
+
+
+async def test_a_channel_dropped_mid_release_leaves_the_state_held_until_the_agent_is_back(
+    jp_fetch, kernels, gpushare_app
+):
+    """The agent channel breaks while the kernel checkpoints: the server cannot confirm where
+    the state is, so it keeps it held; the agent reconnects, learns its state, and the next
+    cell brings the data back."""
+    gpushare_app.methods["simulated"].undo_timeout = 0.5
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall("checkpoint", 1.0))
+    await gpushare_app.poll_once()
+    conn = gpushare_app.channel.connections[k.id]
+    pending = asyncio.ensure_future(rest(jp_fetch, k.id, "release"))
+    await wait_for(lambda: state(gpushare_app, k) == "releasing", what="the release")
+    await asyncio.sleep(0.2)  # inside the stalled checkpoint
+    conn._close()
+    code, body = await pending
+    assert code == 409 and "not confirmed" in body["message"], body
+    assert state(gpushare_app, k) == "failed"
+    await wait_for(lambda: (k.id in gpushare_app.channel.connections
+                            and gpushare_app.channel.connections[k.id] is not conn),
+                   what="the agent to reconnect")
+    ex = await k.run(intact() + "\nfrom jupyter_gpushare.sim import device\n"
+                     "print(device.get_device().state)")
+    assert "intact" in ex.stdout and "running" in ex.stdout
+    assert state(gpushare_app, k) == "active"
+
+
+@pytest.mark.parametrize("gpushare_config", [{"idle_timeout": 60.0}])
+async def test_a_model_serving_thread_keeps_its_kernel_until_allowed_then_brings_it_back(
+    jp_fetch, kernels, gpushare_app, restores, tmp_path
+):
+    """A thread that works on GPU data now and then (a model server, a scheduled job) is named
+    as the reason the kernel is not released; once the person allows it, the kernel is
+    released, and the thread's next GPU call brings the state back by itself."""
+    k = await kernels.start()
+    inbox = tmp_path / "requests"  # requests reach the thread from outside, not through a cell
+    inbox.mkdir()
+    await k.run(hold(256) + (
+        "\nimport os, threading, time\nanswers = []\n"
+        "def serve():\n"
+        "    while True:\n"
+        f"        for name in sorted(os.listdir({str(inbox)!r})):\n"
+        f"            os.remove(os.path.join({str(inbox)!r}, name))\n"
+        "            answers.append([a.checksum() for a in x] == x_sum)\n"
+        "        time.sleep(0.05)\n"
+        "server = threading.Thread(target=serve, name='model-server', daemon=True)\n"
+        "server.start()"))
+    (inbox / "1").touch()
+    await k.run("while not answers: time.sleep(0.05)")
+    await gpushare_app.poll_once()
+    clock.advance(61)
+    await gpushare_app.poll_once()
+    await wait_for(lambda: gpushare_app.controller.states[k.id].op is None, what="no operation")
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["state"] == "idle" and "model-server" in (info["release_blocked"] or ""), info
+    ex = await k.run("%gpushare")
+    assert "model-server" in ex.text
+
+    await k.run("%gpushare allow-background")
+    clock.advance(61)
+    await gpushare_app.poll_once()
+    await wait_for(lambda: state(gpushare_app, k) == "released", what="the automatic release")
+    (inbox / "2").touch()  # no cell runs: only the thread's GPU call can bring the state back
+    await wait_for(lambda: (k.id, "background") in restores, what="the thread's restore")
+    await wait_for(lambda: state(gpushare_app, k) == "active", what="active again")
+    ex = await k.run("while len(answers) < 2: time.sleep(0.05)\nprint(answers)")
+    assert ex.stdout == "[True, True]\n"

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 GPU_FRAMEWORKS = ("torch", "cupy", "jax", "tensorflow")
 _MAX_SHOWN = 32  # display ids remembered (one per restore that showed progress)
+RECONNECT_WAIT = 15.0  # s a cell waits for a dropped channel to come back before it restores
 
 
 class KernelBusy(RuntimeError):
@@ -143,7 +144,7 @@ class Agent:
         with self._cell_lock:
             if self.executing and not msg.get("by_kernel"):
                 raise KernelBusy("kernel is busy running a cell; release it when idle")
-            if msg.get("automatic"):
+            if msg.get("automatic") and not msg.get("background_ok"):
                 threads = self.background_gpu_threads()
                 if threads:
                     raise BackgroundGPUWork(
@@ -293,6 +294,8 @@ class Agent:
                 return
         parent = getattr(self.shell, "parent_header", None) or {}
         started = time.monotonic()
+        if not self.client.connected:  # a channel that dropped comes back by itself: wait a bit
+            self.client.wait_connected(RECONNECT_WAIT)
         try:
             reply = self.client.request("restore", timeout=None, trigger="agent", parent=parent)
         except (RemoteError, OSError) as e:
