@@ -541,6 +541,10 @@ class GPUShareApp(ExtensionApp):
             (kid, str(gpu)): n
             for kid, rec in self.tracker.kernels.items() for gpu, n in rec.gpu_bytes.items()
         })
+        metrics.set_kernel_host_room({
+            kid: rec.host_room.available for kid, rec in self.tracker.kernels.items()
+            if rec.host_room is not None and rec.host_room.available is not None
+        })
 
     def status(self) -> dict[str, Any]:
         assert self.telemetry is not None

@@ -5,6 +5,8 @@ They appear on the server's ``/metrics``. Names start with ``gpushare_``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter, Gauge, Histogram
 
 GPU_MEMORY_TOTAL = Gauge("gpushare_gpu_memory_total_bytes", "GPU memory in total", ["gpu"])
@@ -34,17 +36,33 @@ POLL_SECONDS = Histogram(
     "gpushare_poll_seconds", "Time of one tracker poll", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1)
 )
 
+KERNEL_HOST_ROOM = Gauge(
+    "gpushare_kernel_host_room_bytes",
+    "Host memory a kernel's process may still use (its memory cgroup or the machine), the room a "
+    "release has",
+    ["kernel_id"],
+)
+
 _known_kernel_series: set[tuple[str, str]] = set()
+_known_host_room: set[tuple[str, ...]] = set()
+
+
+def _replace_series(gauge: Gauge, known: set[Any], values: dict[Any, int]) -> None:
+    """Set these series and remove those no longer there (kernels gone: no leak of label sets)."""
+    for key in known - set(values):
+        gauge.remove(*key)
+    for key, v in values.items():
+        gauge.labels(*key).set(v)
+    known.clear()
+    known.update(values)
 
 
 def set_kernel_memory(values: dict[tuple[str, str], int]) -> None:
-    """Set per-kernel series and remove those of kernels that are gone (no leak of label sets)."""
-    for key in _known_kernel_series - set(values):
-        KERNEL_MEMORY.remove(*key)
-    for key, v in values.items():
-        KERNEL_MEMORY.labels(*key).set(v)
-    _known_kernel_series.clear()
-    _known_kernel_series.update(values)
+    _replace_series(KERNEL_MEMORY, _known_kernel_series, values)
+
+
+def set_kernel_host_room(values: dict[str, int]) -> None:
+    _replace_series(KERNEL_HOST_ROOM, _known_host_room, {(k,): v for k, v in values.items()})
 
 
 def forget_kernel(kernel_id: str) -> None:

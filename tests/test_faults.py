@@ -182,6 +182,8 @@ async def test_a_release_that_would_not_fit_in_host_memory_is_refused_and_says_w
     info = await kernel_status(jp_fetch, k.id)
     assert info["state"] in ("active", "idle") and "would not fit" in info["release_blocked"]
     assert info["host_room_bytes"] > 0
+    text = (await jp_fetch("metrics")).body.decode()
+    assert f'gpushare_kernel_host_room_bytes{{kernel_id="{k.id}"}}' in text
     clock.advance(61)
     await gpushare_app.poll_once()
     assert state(gpushare_app, k) == "idle"  # never released automatically either

@@ -337,6 +337,8 @@ async def test_kernels_that_come_and_go_leave_nothing_behind(jp_fetch, kernels, 
     assert gpushare_app.node.pids() == {}
     assert not any(kid in str(key) for key in metrics._known_kernel_series for kid in
                    (k.id for k in started))
+    assert not any(kid in str(key) for key in metrics._known_host_room for kid in
+                   (k.id for k in started))
 
 
 async def test_gpushare_magic_cells_pass_the_gate_without_a_restore(jp_fetch, kernels, gpushare_app):
