@@ -22,10 +22,13 @@ time and reserves room on the GPU before calling ``restore``.
 from __future__ import annotations
 
 import abc
+import asyncio
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from ..protocol import RemoteError
 
 
 class ReclaimError(Exception):
@@ -84,6 +87,18 @@ async def say(progress: Progress | None, text: str) -> None:
         out = progress(text)
         if inspect.isawaitable(out):
             await out
+
+
+#: what a request to the kernel's agent raises when it did not get its answer
+#: (Python 3.10's asyncio.TimeoutError is not yet the built-in one)
+AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError, asyncio.TimeoutError)
+
+
+def agent_failure(e: BaseException) -> str:
+    """Why a request to the agent failed, for a person."""
+    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
+        return "the kernel did not answer in time"
+    return str(e) or type(e).__name__
 
 
 def reply_int(reply: dict[str, Any], key: str, default: int = 0) -> int:

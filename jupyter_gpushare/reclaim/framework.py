@@ -8,11 +8,10 @@ is), so it is both the restore and the undo of a failed or half-done offload.
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-from ..protocol import RemoteError
 from .base import (
+    AGENT_ERRORS,
     AgentLink,
     KernelTarget,
     Progress,
@@ -20,16 +19,9 @@ from .base import (
     ReclaimMethod,
     ReclaimResult,
     Support,
+    agent_failure,
     reply_int,
 )
-
-_AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError, asyncio.TimeoutError)  # 3.10: two classes
-
-
-def _why(e: BaseException) -> str:
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-        return "the kernel did not answer in time"
-    return str(e) or type(e).__name__
 
 
 class FrameworkMethod(ReclaimMethod):
@@ -56,12 +48,12 @@ class FrameworkMethod(ReclaimMethod):
         try:
             reply = await agent.request("offload", timeout=self.op_timeout)
             moved = reply_int(reply, "bytes")
-        except (*_AGENT_ERRORS, ReclaimError) as e:
-            why = f"offload failed: {_why(e)}"
+        except (*AGENT_ERRORS, ReclaimError) as e:
+            why = f"offload failed: {agent_failure(e)}"
             try:  # the agent's reload moves back whatever did leave the GPU
                 await agent.request("reload", timeout=self.op_timeout)
-            except _AGENT_ERRORS as undo:
-                raise ReclaimError(f"{why}; moving back not confirmed ({_why(undo)}): the state "
+            except AGENT_ERRORS as undo:
+                raise ReclaimError(f"{why}; moving back not confirmed ({agent_failure(undo)}): the state "
                                    "stays held until a restore brings it back") from None
             if getattr(e, "kind", "") == "UndoIncomplete":  # objects the adapter left changed
                 raise ReclaimError(f"{why}; some objects could not be put back as they were",
@@ -78,6 +70,6 @@ class FrameworkMethod(ReclaimMethod):
         started = time.monotonic()
         try:
             reply = await agent.request("reload", timeout=self.op_timeout)
-        except _AGENT_ERRORS as e:
-            raise ReclaimError(f"reload failed: {_why(e)}") from None
+        except AGENT_ERRORS as e:
+            raise ReclaimError(f"reload failed: {agent_failure(e)}") from None
         return ReclaimResult(reply_int(reply, "bytes"), time.monotonic() - started)

@@ -7,11 +7,11 @@ inside the kernel (lock -> checkpoint on release; resume = restore -> unlock on 
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from ..protocol import RemoteError
 from .base import (
+    AGENT_ERRORS,
     AgentLink,
     KernelTarget,
     Progress,
@@ -19,17 +19,10 @@ from .base import (
     ReclaimMethod,
     ReclaimResult,
     Support,
+    agent_failure,
     reply_int,
     say,
 )
-
-_AGENT_ERRORS = (RemoteError, ConnectionError, TimeoutError, asyncio.TimeoutError)  # 3.10: two classes
-
-
-def _why(e: BaseException) -> str:
-    if isinstance(e, (TimeoutError, asyncio.TimeoutError)):
-        return "the kernel did not answer in time"
-    return str(e) or type(e).__name__
 
 
 class SimulatedMethod(ReclaimMethod):
@@ -63,8 +56,8 @@ class SimulatedMethod(ReclaimMethod):
             await say(progress, "checkpointing the simulated GPU state")
             reply = await agent.request("sim_checkpoint", timeout=self.op_timeout)
             moved = reply_int(reply, "bytes")
-        except (*_AGENT_ERRORS, ReclaimError) as e:
-            why = f"{step} failed: {_why(e)}"
+        except (*AGENT_ERRORS, ReclaimError) as e:
+            why = f"{step} failed: {agent_failure(e)}"
             if step == "lock" and isinstance(e, RemoteError) and "still running" in str(e):
                 why += f" (waited {self.lock_timeout:g} s: is the kernel busy on the GPU?)"
             raise await self._undo(agent, why) from None
@@ -74,8 +67,8 @@ class SimulatedMethod(ReclaimMethod):
         """Bring the kernel back to running; say whether that is confirmed."""
         try:
             await agent.request("sim_resume", timeout=self.undo_timeout)
-        except _AGENT_ERRORS as e:
-            return ReclaimError(f"{why}; undo not confirmed ({_why(e)}): the state stays held "
+        except AGENT_ERRORS as e:
+            return ReclaimError(f"{why}; undo not confirmed ({agent_failure(e)}): the state stays held "
                                 "until a restore brings it back")
         return ReclaimError(f"{why}; the kernel runs as before", resident=True)
 
@@ -84,7 +77,7 @@ class SimulatedMethod(ReclaimMethod):
         started = time.monotonic()
         try:
             reply = await agent.request("sim_resume", timeout=self.op_timeout)
-        except _AGENT_ERRORS as e:
-            raise ReclaimError(_why(e)) from None
+        except AGENT_ERRORS as e:
+            raise ReclaimError(agent_failure(e)) from None
         return ReclaimResult(reply_int(reply, "bytes"), time.monotonic() - started,
                              f"{reply.get('arrays', 0)} arrays")
