@@ -615,6 +615,7 @@ class GPUShareApp(ExtensionApp):
             (kid, str(gpu)): n
             for kid, rec in self.tracker.kernels.items() for gpu, n in rec.gpu_bytes.items()
         })
+        metrics.ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
 
     def status(self) -> dict[str, Any]:
         assert self.telemetry is not None

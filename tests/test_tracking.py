@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -145,6 +146,23 @@ async def test_metrics_exposed(jp_fetch, kernels, gpushare_app):
     text = r.body.decode()
     assert 'gpushare_gpu_memory_used_bytes{gpu="1"} 3.221225472e+09' in text
     assert f'gpushare_kernel_gpu_memory_bytes{{gpu="1",kernel_id="{k.id}"}} 3.221225472e+09' in text
+
+
+async def test_asyncio_tasks_gauge_counts_the_servers_tasks(jp_fetch, gpushare_app):
+    async def tasks_seen() -> float:
+        await gpushare_app.poll_once()
+        text = (await jp_fetch("metrics")).body.decode()
+        line = next(x for x in text.splitlines() if x.startswith("gpushare_asyncio_tasks "))
+        return float(line.split()[1])
+
+    stop = asyncio.Event()
+    extra = [asyncio.ensure_future(stop.wait()) for _ in range(25)]
+    with_extra = await tasks_seen()
+    stop.set()
+    await asyncio.gather(*extra)
+    without = await tasks_seen()
+    assert with_extra - without >= 25  # other tasks of the server may come and go meanwhile
+    assert without >= 1  # at least the poll itself
 
 
 async def test_events_schema_registered(jp_serverapp):
