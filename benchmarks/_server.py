@@ -394,7 +394,9 @@ class Server:
 
     async def connect(self, kernel_id: str, protocol: str = "json") -> Kernel:
         url = f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
-        req = HTTPRequest(url, headers={"Authorization": f"token {self.token}"})
+        # a loaded machine (50 kernels starting on 2 cores) can take longer than tornado's 20 s
+        req = HTTPRequest(url, headers={"Authorization": f"token {self.token}"},
+                          connect_timeout=60, request_timeout=60)
         ws = await websocket_connect(
             req, subprotocols=[V1] if protocol == "v1" else None, max_message_size=1 << 30,
         )
