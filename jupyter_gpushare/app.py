@@ -188,7 +188,8 @@ class GPUShareApp(ExtensionApp):
     history_seconds = Float(
         1800.0,
         help="""Seconds of samples kept per GPU and per kernel for the history API and the
-        panel's charts. Default 1800. Memory: about 100 bytes per kernel per poll.""",
+        panel's charts. Default 1800. Memory: about 450 bytes per kernel per poll (a
+        release or restore adds a poll, so under load the samples span less time).""",
     ).tag(config=True)
 
     load_agent = Bool(
