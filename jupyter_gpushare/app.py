@@ -604,6 +604,7 @@ class GPUShareApp(ExtensionApp):
         self.server.event_logger.emit(schema_id=KERNEL_SCHEMA_ID, data=data)
 
     def _export_metrics(self) -> None:
+        metrics.ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
         for g in self.tracker.gpus.values():
             label = str(g.info.index)
             if g.info.memory_total is not None:
@@ -616,7 +617,6 @@ class GPUShareApp(ExtensionApp):
             (kid, str(gpu)): n
             for kid, rec in self.tracker.kernels.items() for gpu, n in rec.gpu_bytes.items()
         })
-        metrics.ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
 
     def status(self) -> dict[str, Any]:
         assert self.telemetry is not None
