@@ -50,6 +50,7 @@ from typing import Any
 
 import psutil
 from tornado.httpclient import HTTPClientError
+from tornado.simple_httpclient import HTTPTimeoutError
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _server import GiB, Kernel, Server, machine, process_cpu_seconds, quantile, table
@@ -91,7 +92,9 @@ class StatusPoller(threading.Thread):
 
     def stop(self) -> None:
         self._quit.set()
-        self.join(timeout=35)
+        # idle between phases, it ends at once; one stuck in a request to a server that no
+        # longer answers is a daemon and must not hold up the stopping of everything else
+        self.join(timeout=2)
 
     def _get(self) -> tuple[int, bytes]:
         if self._conn is None:
@@ -367,9 +370,14 @@ async def stop_kernels(srv: Server, concurrency: int) -> None:
 
     async def one(kid: str) -> None:
         async with gate:
+            if srv.unresponsive:
+                return
             try:
-                await srv.api("DELETE", f"/api/kernels/{kid}", timeout=60)
+                await srv.api("DELETE", f"/api/kernels/{kid}", timeout=30)
                 srv.kernel_ids.remove(kid)
+            except HTTPTimeoutError:  # the server stopped answering: Server.stop kills it all
+                srv.unresponsive = True
+                print(f"shutting down kernel {kid}: the server does not answer", file=sys.stderr)
             except Exception as e:  # Server.stop tries again, then kills what is left
                 print(f"shutting down kernel {kid}: {e}", file=sys.stderr)
 
@@ -554,7 +562,11 @@ def main() -> None:
             ap.error(f"--{name} must be at least 1")
     if args.hz <= 0:
         ap.error("--hz must be > 0")
-    sys.exit(asyncio.run(run(args)))
+    try:
+        sys.exit(asyncio.run(run(args)))
+    except KeyboardInterrupt:  # the server and kernels were stopped on the way out
+        print("interrupted: every process the benchmark started is stopped", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
