@@ -35,6 +35,7 @@ from jupyter_server.services.kernels.connection.base import (
 )
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.simple_httpclient import HTTPTimeoutError
 from tornado.websocket import websocket_connect
 
 from jupyter_gpushare.gate import GateConnection
@@ -229,6 +230,7 @@ class Server:
         self.kernels: list[Kernel] = []
         self.kernel_ids: list[str] = []
         self._tree: set[int] = set()  # every pid seen in the server's process tree
+        self.unresponsive = False  # a request timed out while stopping: skip the rest, kill
         self._http = AsyncHTTPClient(force_instance=True)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -332,13 +334,17 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             self._note_tree()
             for kid in self.kernel_ids:
+                if self.unresponsive:
+                    break
                 try:
                     await self.api("DELETE", f"/api/kernels/{kid}", timeout=30)
+                except HTTPTimeoutError:  # a server that stopped answering gets killed below
+                    self.unresponsive = True
                 except Exception:  # the server may be gone already: the kill below cleans up
                     pass
             self.proc.send_signal(signal.SIGTERM)
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 20)
+                await asyncio.wait_for(asyncio.to_thread(self.proc.wait), 5 if self.unresponsive else 20)
             except asyncio.TimeoutError:
                 pass
         self._kill_leftovers()
@@ -394,7 +400,9 @@ class Server:
 
     async def connect(self, kernel_id: str, protocol: str = "json") -> Kernel:
         url = f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels"
-        req = HTTPRequest(url, headers={"Authorization": f"token {self.token}"})
+        # a loaded machine (50 kernels starting on 2 cores) can take longer than tornado's 20 s
+        req = HTTPRequest(url, headers={"Authorization": f"token {self.token}"},
+                          connect_timeout=60, request_timeout=60)
         ws = await websocket_connect(
             req, subprotocols=[V1] if protocol == "v1" else None, max_message_size=1 << 30,
         )

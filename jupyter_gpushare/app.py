@@ -188,7 +188,8 @@ class GPUShareApp(ExtensionApp):
     history_seconds = Float(
         1800.0,
         help="""Seconds of samples kept per GPU and per kernel for the history API and the
-        panel's charts. Default 1800. Memory: about 100 bytes per kernel per poll.""",
+        panel's charts. Default 1800. Memory: about 450 bytes per kernel per poll (a
+        release or restore adds a poll, so under load the samples span less time).""",
     ).tag(config=True)
 
     load_agent = Bool(
@@ -529,6 +530,7 @@ class GPUShareApp(ExtensionApp):
         self.server.event_logger.emit(schema_id=KERNEL_SCHEMA_ID, data=data)
 
     def _export_metrics(self) -> None:
+        metrics.ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
         for g in self.tracker.gpus.values():
             label = str(g.info.index)
             if g.info.memory_total is not None:

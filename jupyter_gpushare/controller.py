@@ -684,9 +684,8 @@ class Controller:
         while True:
             if st.held is not held:
                 return Outcome(False, f"{st.error or 'the held state was dropped'}", False, dropped=True)
-            busy = [g for g in need if self.reservations.busy(g)]
-            if busy:
-                st.waiting = f"waiting for another kernel's restore on GPU {', '.join(map(str, busy))}"
+            # a turn behind another restore on the same GPU is not `waiting` (that, and REST's
+            # 202, mean "no memory"): the other one moves its bytes and gives the GPU back
             grant = await self.reservations.acquire(list(need))
             try:
                 free = await self.read_free(list(need))

@@ -35,6 +35,8 @@ RELEASE_SECONDS = Histogram(
 POLL_SECONDS = Histogram(
     "gpushare_poll_seconds", "Time of one tracker poll", buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1)
 )
+# a count that only grows under steady load is a leak of tasks (benchmarks/load_cycle.py)
+ASYNCIO_TASKS = Gauge("gpushare_asyncio_tasks", "asyncio tasks alive in the server's event loop, at the last poll")
 
 KERNEL_HOST_ROOM = Gauge(
     "gpushare_kernel_host_room_bytes",

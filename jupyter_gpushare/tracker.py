@@ -54,6 +54,13 @@ class KernelRecord:
     background_threads: list[str] = field(default_factory=list)  # agent: threads using the GPU
     # (t, bytes held, SM %, {gpu: bytes}) per poll
     history: deque[tuple[float, int, float | None, dict[int, int]]] = field(default_factory=deque)
+    # the samples of history that no later sample's SM % reaches, oldest first, as
+    # (serial, t, SM %): SM % falls along it, so the first one at or after a time is the
+    # highest SM % since then. Serials count every sample folded in.
+    _peaks: deque[tuple[int, float, float]] = field(default_factory=deque, init=False,
+                                                    repr=False, compare=False)
+    _peaks_upto: Any = field(default=None, init=False, repr=False, compare=False)
+    _peaks_folded: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def gpu_memory_bytes(self) -> int:
@@ -69,9 +76,41 @@ class KernelRecord:
         return max(0.0, now - self.last_activity)
 
     def max_utilization_since(self, since: float) -> float:
-        """Highest SM utilization sampled since ``since`` (0 when none was sampled)."""
-        values = [u for t, _, u, _ in self.history if t >= since and u is not None]
-        return max(values, default=0.0)
+        """Highest SM utilization sampled since ``since`` (0 when none was sampled).
+
+        Asked for every kernel at every poll and every status request: a scan of the whole
+        history made each status request cost O(kernels x history), growing with every poll
+        until the ring buffers are full (benchmarks/load_cycle.py). Samples are in time order."""
+        self._catch_up_peaks()
+        for _, t, u in self._peaks:
+            if t >= since:
+                return u
+        return 0.0
+
+    def _catch_up_peaks(self) -> None:
+        """Fold in the samples appended since the last call; forget the peaks of samples the
+        ring buffer has dropped."""
+        history, peaks = self.history, self._peaks
+        if history and history[-1] is not self._peaks_upto:
+            new = []
+            for sample in reversed(history):
+                if sample is self._peaks_upto:
+                    break
+                new.append(sample)
+            else:  # the last sample we saw is gone (a new buffer, or it wrapped): start over
+                peaks.clear()
+                self._peaks_folded = 0
+            for t, _, u, _ in reversed(new):
+                self._peaks_folded += 1
+                if u is None:
+                    continue
+                while peaks and peaks[-1][2] <= u:
+                    peaks.pop()
+                peaks.append((self._peaks_folded, t, u))
+            self._peaks_upto = history[-1]
+        oldest_kept = self._peaks_folded - len(history) + 1  # serial of history[0]
+        while peaks and peaks[0][0] < oldest_kept:
+            peaks.popleft()
 
 
 @dataclass

@@ -362,3 +362,26 @@ async def test_shutdown_while_a_restore_waits_drops_everything_cleanly(jp_fetch,
     assert a.id not in gpushare_app.controller.states
     assert gpushare_app.node.used(0) == 1280 * MiB  # only b's memory is accounted
     await b.run("assert [v.checksum() for v in b] == b_sum")  # the other kernel is unharmed
+
+
+async def test_restore_queued_behind_another_on_its_gpu_is_not_waiting_for_memory(
+    jp_fetch, kernels, gpushare_app
+):
+    """Restores on one GPU take turns; a turn is not "waiting for memory": no `waiting`, no
+    202 (the load benchmark saw 202s on a node with plenty of room)."""
+    k = await released(jp_fetch, kernels, gpushare_app)
+    ledger = gpushare_app.controller.reservations
+    other = await ledger.acquire([0])  # another kernel's restore holds GPU 0
+    try:
+        request = asyncio.ensure_future(
+            jp_fetch("api", "gpushare", "kernels", k.id, "restore", method="POST", body=b""))
+        await wait_for(lambda: ledger._locks[0]._waiters, what="the restore to queue for GPU 0")
+        assert gpushare_app.controller.states[k.id].waiting is None
+        shown = await kernel_status(jp_fetch, k.id)
+        assert (shown["state"], shown["waiting"]) == ("released", None)
+    finally:
+        other.release()
+    r = await request
+    assert r.code == 200
+    assert json.loads(r.body)["state"] == "active"
+    await k.run("assert [a.checksum() for a in x] == x_sum")

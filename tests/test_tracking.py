@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tornado.httpclient import HTTPClientError
 
 from jupyter_gpushare.sim.node import GiB
@@ -147,6 +150,23 @@ async def test_metrics_exposed(jp_fetch, kernels, gpushare_app):
     assert f'gpushare_kernel_gpu_memory_bytes{{gpu="1",kernel_id="{k.id}"}} 3.221225472e+09' in text
 
 
+async def test_asyncio_tasks_gauge_counts_the_servers_tasks(jp_fetch, gpushare_app):
+    async def tasks_seen() -> float:
+        await gpushare_app.poll_once()
+        text = (await jp_fetch("metrics")).body.decode()
+        line = next(x for x in text.splitlines() if x.startswith("gpushare_asyncio_tasks "))
+        return float(line.split()[1])
+
+    stop = asyncio.Event()
+    extra = [asyncio.ensure_future(stop.wait()) for _ in range(25)]
+    with_extra = await tasks_seen()
+    stop.set()
+    await asyncio.gather(*extra)
+    without = await tasks_seen()
+    assert with_extra - without >= 25  # other tasks of the server may come and go meanwhile
+    assert without >= 1  # at least the poll itself
+
+
 async def test_events_schema_registered(jp_serverapp):
     from jupyter_gpushare.events import KERNEL_SCHEMA_ID
 
@@ -155,3 +175,48 @@ async def test_events_schema_registered(jp_serverapp):
 
 def test_json_shapes_are_json(gpushare_app):
     json.dumps(gpushare_app.status())
+
+
+# -- the highest SM utilization over a window, asked at every poll and status request ----------
+_samples = st.lists(  # (time step, SM %, ask after this sample?): asked now and then, so the
+    st.tuples(st.floats(0, 5), st.one_of(st.none(), st.floats(0, 100)), st.booleans()),
+    max_size=60,  # ring buffer also wraps past what was last asked about
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_samples, st.integers(1, 12), st.lists(st.floats(-1, 1), min_size=1, max_size=4))
+def test_max_utilization_since_equals_a_scan_of_the_history(steps, maxlen, windows):
+    """The incremental answer equals the plain scan over what the ring buffer holds, for
+    windows that start before, inside and after the history (equal times included)."""
+    from collections import deque
+
+    from jupyter_gpushare.tracker import KernelRecord
+
+    rec = KernelRecord(id="k")
+    rec.history = deque(maxlen=maxlen)
+    t = 1000.0
+    for step, util, ask in steps:
+        t += step
+        rec.history.append((t, 0, util, {}))
+        if not ask:
+            continue
+        span = rec.history[-1][0] - rec.history[0][0]
+        for w in windows:  # from a little before the oldest sample to a little after now
+            since = rec.history[0][0] + w * (span + 1)
+            want = max((u for ts, _, u, _ in rec.history if ts >= since and u is not None), default=0.0)
+            assert rec.max_utilization_since(since) == want
+
+
+def test_max_utilization_since_follows_a_new_history_buffer():
+    from collections import deque
+
+    from jupyter_gpushare.tracker import KernelRecord
+
+    rec = KernelRecord(id="k")
+    rec.history.append((1.0, 0, 90.0, {}))
+    assert rec.max_utilization_since(0) == 90.0
+    rec.history = deque([(2.0, 0, 10.0, {})], maxlen=5)  # the tracker gives each record its own
+    assert rec.max_utilization_since(0) == 10.0
+    rec.history.clear()
+    assert rec.max_utilization_since(0) == 0.0
