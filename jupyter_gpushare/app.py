@@ -265,6 +265,7 @@ class GPUShareApp(ExtensionApp):
         self.method_name = "off"
         self._started = asyncio.Event()
         self._poll_lock = asyncio.Lock()
+        self._next_poll: asyncio.Future[None] | None = None
         self._start_task: Any = None
         self._poll_task: asyncio.Task[None] | None = None
         self.socket_path = socket_path(jupyter_runtime_dir())
@@ -360,7 +361,7 @@ class GPUShareApp(ExtensionApp):
             restore_mode=restore_mode,
             restore_grace=self.restore_grace,
             kernel_overrides=self._kernelspec_overrides,
-            refresh=self.poll_once,
+            refresh=self.refresh,
             host_room=self._host_room,
             host_memory_reserve=self.host_memory_reserve,
             context_bytes=0 if self.backend_name == "simulated" else self.context_bytes,
@@ -463,9 +464,20 @@ class GPUShareApp(ExtensionApp):
             self._started.set()  # after the first poll: status never answers with no GPUs yet
             await asyncio.sleep(self.poll_interval)
 
+    async def refresh(self) -> None:
+        """A poll that starts after this call: what status shows after an operation is of one
+        moment. Operations that end while no such poll has started yet share one (under load
+        a poll per operation was most of a release's latency)."""
+        pending = self._next_poll
+        if pending is None or pending.done():
+            pending = self._next_poll = asyncio.ensure_future(self.poll_once())
+        await asyncio.shield(pending)
+
     async def poll_once(self) -> None:
         """One sample and one policy pass; polls never overlap (the loop, an agent's release)."""
         async with self._poll_lock:
+            if self._next_poll is not None and self._next_poll is asyncio.current_task():
+                self._next_poll = None  # started: later callers need a poll after this one
             await self.channel.heal()  # its socket file removed: listen again
             if self.tracker.foreign_pids:
                 await self.agent_ops.refresh_reports()

@@ -23,6 +23,8 @@ scope can be subtracted by the caller.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 _NO_LIMIT = 1 << 62  # cgroup v1 writes "unlimited" as a huge page-aligned number
@@ -46,15 +48,31 @@ class HostMemory:
     def __init__(self, proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup"):
         self.proc = proc
         self.cgroup_root = cgroup_root
+        self._cache: dict[str, str | None] | None = None
+
+    @contextmanager
+    def one_moment(self) -> Iterator[None]:
+        """Read each file once inside: a poll asks for every kernel, and kernels share the
+        machine's numbers and their cgroups' ancestors."""
+        self._cache = {}
+        try:
+            yield
+        finally:
+            self._cache = None
 
     # -- reading files --------------------------------------------------------------------
-    @staticmethod
-    def _read(path: str) -> str | None:
+    def _read(self, path: str) -> str | None:
+        cache = self._cache
+        if cache is not None and path in cache:
+            return cache[path]
         try:
             with open(path) as f:
-                return f.read().strip()
+                text: str | None = f.read().strip()
         except OSError:
-            return None
+            text = None
+        if cache is not None:
+            cache[path] = text
+        return text
 
     def _int(self, path: str) -> int | None:
         text = self._read(path)

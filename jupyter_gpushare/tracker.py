@@ -283,13 +283,14 @@ class Tracker:
         devices = self.telemetry.devices()
         seen = {u.pid for u in usage}
         pids, host, gpu_pids = {}, {}, {}
-        for kid, root in roots.items():
-            tree = self._descendants(root, children)
-            pids[kid] = tree
-            if tree:
-                host[kid] = self.hostmem.room(tree[0])
-            if tree and not seen.intersection(tree):
-                gpu_pids[kid] = _gpu_device_pids(tree)
+        with self.hostmem.one_moment():
+            for kid, root in roots.items():
+                tree = self._descendants(root, children)
+                pids[kid] = tree
+                if tree:
+                    host[kid] = self.hostmem.room(tree[0])
+                if tree and not seen.intersection(tree):
+                    gpu_pids[kid] = _gpu_device_pids(tree)
         return _Sample(children, usage, devices, pids, host, gpu_pids)
 
     @staticmethod
