@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from openapi_spec_validator import validate as validate_openapi
 
-from jupyter_gpushare import contract, contract_typescript
+from jupyter_gpushare import contract, contract_typescript, states
 from jupyter_gpushare.handlers import MAX_BODY_BYTES, handlers
 
 from .helpers import rest, wait_for
@@ -56,6 +56,17 @@ def test_the_lab_extensions_types_are_generated_from_the_contract():
             text = source.read_text(encoding="utf-8")
             for name in names:
                 assert not re.search(rf"\b(interface|type|class) {name}\b", text), (source, name)
+
+
+def test_the_state_names_are_the_contracts():
+    """Server, agent and magics spell states from one module; the contract (and so the lab
+    extension's generated types) lists the same states, in the same order."""
+    assert list(states.ALL) == contract.spec()["components"]["schemas"]["KernelState"]["enum"]
+    assert set(states.HELD) | set(states.RESIDENT) == set(states.ALL)
+    assert not set(states.HELD) & set(states.RESIDENT)
+    generated = (ROOT / contract_typescript.OUTPUT).read_text(encoding="utf-8")
+    listed = re.search(r"KernelStateValues: readonly KernelState\[\] = \[(.*?)\];", generated, re.S)
+    assert listed and re.findall(r"'(\w+)'", listed.group(1)) == list(states.ALL)
 
 
 def test_typescript_types_follow_the_schemas():

@@ -24,6 +24,7 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
+from .. import states
 from ..protocol import RemoteError
 from ..sim.node import format_bytes
 from . import agent as agent_module
@@ -195,7 +196,7 @@ class GPUShareMagics(Magics):
         before = self._ask("status")
         if before is None:
             return
-        if before["kernel"].get("state") not in agent_module.HELD_STATES:
+        if before["kernel"].get("state") not in states.HELD:
             print("gpushare: this kernel's GPU state is already resident")
             return
         parent = getattr(self.shell, "parent_header", None) or {}

@@ -20,8 +20,22 @@ export interface IPinRequest {
 export type KernelState =
   'active' | 'idle' | 'releasing' | 'released' | 'restoring' | 'failed' | 'untracked';
 
+/** Every `KernelState`, in the contract's order. */
+export const KernelStateValues: readonly KernelState[] = [
+  'active',
+  'idle',
+  'releasing',
+  'released',
+  'restoring',
+  'failed',
+  'untracked'
+];
+
 /** `eager` restores on any cell; `lazy` only when a cell needs the GPU. */
 export type RestoreMode = 'eager' | 'lazy';
+
+/** Every `RestoreMode`, in the contract's order. */
+export const RestoreModeValues: readonly RestoreMode[] = ['eager', 'lazy'];
 
 /**
  * A release method: `driver`, `framework`, `simulated`, or `off` (none). Methods are an open set (a

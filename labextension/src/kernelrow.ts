@@ -121,10 +121,17 @@ export class KernelRow {
     }
     setText(this._timing, parts.join(' · '));
 
-    const allowed = allowedActions(k.state, k.pinned);
+    const allowed = allowedActions(k.state);
     setDisabled(this._release, view.pending || !allowed.release);
     setDisabled(this._restore, view.pending || !allowed.restore);
     setDisabled(this._pin, view.pending || !allowed.pin);
+    setAttr(
+      this._release,
+      'title',
+      k.pinned
+        ? "Move this kernel's GPU memory to host memory now (pinned only stops automatic releases)"
+        : "Move this kernel's GPU memory to host memory now"
+    );
     setText(this._pin, k.pinned ? 'Unpin' : 'Pin');
     setAttr(this._pin, 'aria-pressed', k.pinned ? 'true' : 'false');
 

@@ -1,6 +1,6 @@
 /**
  * Which actions a kernel's state allows (pure; mirrors the server's 409 rules so buttons are
- * disabled instead of failing).
+ * disabled instead of failing). The states are the contract's (`KernelState`).
  */
 import type { KernelState } from './api';
 
@@ -10,10 +10,14 @@ export interface IAllowed {
   pin: boolean;
 }
 
-export function allowedActions(state: KernelState, pinned: boolean): IAllowed {
+/**
+ * Pinning is not part of it: a pinned kernel is never released *automatically*, and a person
+ * may still release it by hand, as over REST and with `%gpushare release`.
+ */
+export function allowedActions(state: KernelState): IAllowed {
   return {
-    // A pinned kernel is kept resident; unpin it first to release it.
-    release: !pinned && (state === 'active' || state === 'idle'),
+    // Only a resident kernel has GPU memory to release.
+    release: state === 'active' || state === 'idle',
     // `failed` keeps the held state, so a restore can be retried.
     restore: state === 'released' || state === 'failed',
     pin: state !== 'untracked'

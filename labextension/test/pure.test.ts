@@ -13,6 +13,7 @@ import {
   formatPercent
 } from '../src/format';
 import { efficiency, IHistoryLike, mergeHistory, sampleAndHold, stackOnGPU } from '../src/metrics';
+import { KernelState, KernelStateValues } from '../src/contract';
 import { allowedActions, ColorMap, PALETTE } from '../src/rules';
 
 const GiB = 1024 ** 3;
@@ -95,21 +96,18 @@ test('stackOnGPU stacks in order and leaves out kernels holding nothing there', 
   ]);
 });
 
-test('allowedActions follows the state machine and the pin flag', () => {
-  assert.deepEqual(allowedActions('idle', false), { release: true, restore: false, pin: true });
-  assert.deepEqual(allowedActions('idle', true), { release: false, restore: false, pin: true });
-  assert.deepEqual(allowedActions('released', false), { release: false, restore: true, pin: true });
-  assert.deepEqual(allowedActions('failed', false), { release: false, restore: true, pin: true });
-  assert.deepEqual(allowedActions('restoring', false), {
-    release: false,
-    restore: false,
-    pin: true
-  });
-  assert.deepEqual(allowedActions('untracked', false), {
-    release: false,
-    restore: false,
-    pin: false
-  });
+test('allowedActions follows the state machine; pinning never blocks a release by hand', () => {
+  const resident = new Set<KernelState>(['active', 'idle']);
+  const held = new Set<KernelState>(['released', 'failed']);
+  for (const state of KernelStateValues) {
+    assert.deepEqual(
+      allowedActions(state),
+      { release: resident.has(state), restore: held.has(state), pin: state !== 'untracked' },
+      state
+    );
+  }
+  assert.deepEqual(allowedActions('idle'), { release: true, restore: false, pin: true });
+  assert.deepEqual(allowedActions('restoring'), { release: false, restore: false, pin: true });
 });
 
 test('ColorMap keeps a color per kernel', () => {
