@@ -14,7 +14,7 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
 from jupyter_gpushare import clock
-from jupyter_gpushare.kernel import lazy
+from jupyter_gpushare.kernel import lazy, walk
 
 from .helpers import kernel_status, wait_for
 
@@ -101,6 +101,31 @@ def test_gpu_names_gives_up_on_huge_object_graphs_conservatively():
     flat = list(range(100_000))  # atoms cost nothing: no reason to give up
     assert lazy.gpu_names({"flat": flat}, packages=frozenset()) == set()
     assert lazy.gpu_names({"longer": [*flat, 1]}, packages=frozenset()) == {"longer"}
+
+
+class _Unreadable(dict):
+    """A mapping whose items cannot be read (a broken proxy, a lazy loader that fails)."""
+
+    def items(self):
+        raise RuntimeError("no")
+
+
+_Unreadable.__module__ = "some_installed_lib"
+
+
+def test_what_the_walk_could_not_look_at_counts_as_reaching_the_gpu():
+    deep: list = []
+    for _ in range(40):  # deeper than the walk looks
+        deep = [deep]
+    bad = _Unreadable(a=1)
+    assert lazy.gpu_names({"deep": deep, "bad": bad, "ok": [[1]]}, packages=frozenset()) \
+        == {"deep", "bad"}
+    result = walk.walk([("bad", bad, None)], lambda obj: False)
+    assert result.unreadable == 1 and not result.complete and not result.found
+    # the same walk, asked by a framework adapter, just finds nothing there
+    assert walk.names_reaching({"bad": bad}, lambda obj: False) == set()
+    assert lazy.may_reach_gpu(deep, packages=frozenset())
+    assert not lazy.may_reach_gpu(deep, packages=frozenset(), deep=False)
 
 
 def test_gpu_names_looks_past_the_first_items():
