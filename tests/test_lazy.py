@@ -113,6 +113,28 @@ class _Unreadable(dict):
 _Unreadable.__module__ = "some_installed_lib"
 
 
+class _Slotted:
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+_Slotted.__module__ = "some_installed_lib"
+
+
+def test_gpu_names_follows_slots_and_closures_like_the_offload_walk():
+    def make_step(model):  # a library's closure over a model
+        def step():
+            return model
+        return step
+
+    step = make_step(_Tensor())
+    step.__module__ = "some_installed_lib"
+    ns = {"slotted": _Slotted(_Tensor()), "step": step, "empty": _Slotted(None)}
+    assert lazy.gpu_names(ns, packages=frozenset()) == {"slotted", "step"}
+
+
 def test_what_the_walk_could_not_look_at_counts_as_reaching_the_gpu():
     deep: list = []
     for _ in range(40):  # deeper than the walk looks
