@@ -108,6 +108,7 @@ def test_the_api_docs_examples_and_field_tables_agree_with_the_contract():
 KERNEL = {
     "id": "k", "name": "python3", "path": "", "pids": [1], "state": "released", "pinned": False,
     "gpu_memory_bytes": 0, "released_bytes": 1, "gpus": [0], "gpu_bytes": {}, "sm_utilization": None,
+    "gpu_utilization": {},
     "idle_seconds": 1.0, "release_in_seconds": None, "idle_timeout": 600.0, "method": "simulated",
     "releases": 1, "restores": 0, "last_restore_seconds": None, "last_release_seconds": 0.1,
     "error": None, "waiting": None, "execution_state": "idle", "release_blocked": None,
