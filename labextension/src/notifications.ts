@@ -6,7 +6,8 @@ import { Notification } from '@jupyterlab/apputils';
 import { Event } from '@jupyterlab/services';
 import { IDisposable } from '@lumino/disposable';
 
-import { baseName, formatBytes, formatDuration } from './format';
+import type { RestoreMode } from './contract';
+import { formatBytes, formatDuration } from './format';
 import { GPUShareModel } from './model';
 
 export const EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpushare/kernel/v1';
@@ -28,10 +29,15 @@ export interface INotifierOptions {
   openPanel(): void;
 }
 
-/** The toast for an event, or null for events that need none (pin/unpin: the user did it). */
+/**
+ * The toast for an event, or null for events that need none (pin/unpin: the user did it).
+ * `name` is the notebook's path; `restoreMode` the server's (what brings a released kernel
+ * back: any cell in eager mode, a cell that may use the GPU in lazy mode).
+ */
 export function describeEvent(
   event: IKernelEvent,
-  name: string
+  name: string,
+  restoreMode: RestoreMode = 'eager'
 ): { type: 'info' | 'success' | 'warning' | 'error'; message: string } | null {
   const bytes = event.bytes ? formatBytes(event.bytes) : null;
   const took =
@@ -43,7 +49,11 @@ export function describeEvent(
     case 'released':
       return {
         type: 'info',
-        message: `Released ${bytes ?? 'the'} GPU memory of ${name} to host memory${why}. It comes back on the next cell.`
+        message:
+          `Released ${bytes ?? 'the'} GPU memory of ${name} to host memory${why}. ` +
+          (restoreMode === 'lazy'
+            ? 'It comes back before the next cell that may use the GPU.'
+            : 'It comes back before the next cell runs.')
       };
     case 'restored':
       return {
@@ -77,9 +87,10 @@ export function connectNotifications(options: INotifierOptions): IDisposable {
       return;
     }
     const kernel = model.kernel(event.kernel_id);
-    const name =
-      baseName(kernel?.path) || kernel?.name || `kernel ${String(event.kernel_id).slice(0, 8)}`;
-    const toast = describeEvent(event, name);
+    // The whole path: a toast stands alone, without the panel's other rows to tell
+    // two notebooks of the same name apart.
+    const name = kernel?.path || kernel?.name || `kernel ${String(event.kernel_id).slice(0, 8)}`;
+    const toast = describeEvent(event, name, model.status?.restore_mode);
     if (!toast) {
       return;
     }
