@@ -1,6 +1,7 @@
-"""Issue 4 item 2: lazy restore. Unit tests of the cell analysis, then real kernels in
-restore_mode = "lazy": CPU-only cells run on a released kernel without a restore; GPU cells
-restore first (the agent's pre_run_cell), and what the agent misses the watchdog restores."""
+"""Lazy restore: which cells may touch the GPU. Unit tests of the cell analysis and of the
+namespace scan, then real kernels in restore_mode = "lazy": CPU-only cells run on a released
+kernel without a restore; GPU cells restore first (the agent's pre_run_cell), and what the
+agent misses the watchdog restores."""
 
 from __future__ import annotations
 
@@ -306,6 +307,7 @@ async def test_lazy_mode_cpu_cells_run_without_restore_gpu_cells_restore_first(
         assert (st.state, st.restores) == ("released", 0), code
     assert outputs[0].strip() == "2" and outputs[1].strip() == "4.0"
     assert "released" in outputs[3]  # %gpushare shows the state as it is
+    assert "lazy: before the next cell that may use the GPU" in outputs[3]  # and what restores
     info = await kernel_status(jp_fetch, k.id)
     assert info["state"] == "released" and info["restores"] == 0
     assert gpushare_app.node.used(0) == 0
