@@ -31,7 +31,10 @@ export const KernelStateValues: readonly KernelState[] = [
   'untracked'
 ];
 
-/** `eager` restores on any cell; `lazy` only when a cell needs the GPU. */
+/**
+ * What brings a released kernel back: `eager` restores before any cell runs; `lazy` only before a
+ * cell that may use the GPU, judged from its code.
+ */
 export type RestoreMode = 'eager' | 'lazy';
 
 /** Every `RestoreMode`, in the contract's order. */
