@@ -35,14 +35,16 @@ export function formatPercent(value: number | null | undefined): string {
 
 /**
  * A kernel's SM utilization: "SM 35 %", or per GPU when it holds memory on several, so a GPU
- * it only keeps data on shows as such: "SM 93 % on 0 · 0 % on 1".
+ * it only keeps data on shows as such: "SM 93 % on GPU 0 · 0 % on GPU 1".
  */
 export function formatUtilization(k: Pick<IKernel, 'sm_utilization' | 'gpu_utilization'>): string {
   const perGPU = Object.entries(k.gpu_utilization ?? {}).filter(([index]) => index !== '-1');
   if (perGPU.length < 2) {
     return `SM ${formatPercent(k.sm_utilization)}`;
   }
-  return 'SM ' + perGPU.map(([index, util]) => `${formatPercent(util)} on ${index}`).join(' · ');
+  return (
+    'SM ' + perGPU.map(([index, util]) => `${formatPercent(util)} on GPU ${index}`).join(' · ')
+  );
 }
 
 /**

@@ -9,6 +9,7 @@ import { IDisposable } from '@lumino/disposable';
 import type { RestoreMode } from './contract';
 import { formatBytes, formatDuration } from './format';
 import { GPUShareModel } from './model';
+import { kernelLabels } from './rules';
 
 export const EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpushare/kernel/v1';
 
@@ -31,8 +32,9 @@ export interface INotifierOptions {
 
 /**
  * The toast for an event, or null for events that need none (pin/unpin: the user did it).
- * `name` is the notebook's path; `restoreMode` the server's (what brings a released kernel
- * back: any cell in eager mode, a cell that may use the GPU in lazy mode).
+ * `name` is the kernel's name as its panel row shows it; `restoreMode` the server's (what
+ * brings a released kernel back: any cell in eager mode, a cell that may use the GPU in lazy
+ * mode). The lab cuts toasts at 140 characters, so what matters comes first.
  */
 export function describeEvent(
   event: IKernelEvent,
@@ -50,10 +52,9 @@ export function describeEvent(
       return {
         type: 'info',
         message:
-          `Released ${bytes ?? 'the'} GPU memory of ${name} to host memory${why}. ` +
-          (restoreMode === 'lazy'
-            ? 'It comes back before the next cell that may use the GPU.'
-            : 'It comes back before the next cell runs.')
+          `Released ${bytes ?? 'the'} GPU memory of ${name} to host memory; it comes back ` +
+          (restoreMode === 'lazy' ? 'before the next GPU cell' : 'before the next cell') +
+          `${why}.`
       };
     case 'restored':
       return {
@@ -86,10 +87,10 @@ export function connectNotifications(options: INotifierOptions): IDisposable {
     if (!options.enabled()) {
       return;
     }
-    const kernel = model.kernel(event.kernel_id);
-    // The whole path: a toast stands alone, without the panel's other rows to tell
-    // two notebooks of the same name apart.
-    const name = kernel?.path || kernel?.name || `kernel ${String(event.kernel_id).slice(0, 8)}`;
+    // Named as in the panel: as much of the path as tells it from the other kernels.
+    const kernels = model.status?.kernels ?? [];
+    const name =
+      kernelLabels(kernels).get(event.kernel_id) ?? `kernel ${String(event.kernel_id).slice(0, 8)}`;
     const toast = describeEvent(event, name, model.status?.restore_mode);
     if (!toast) {
       return;

@@ -48,8 +48,8 @@ export class GPUSharePanel extends Widget {
       el(
         'div',
         `${CSS.efficiency}-help`,
-        'held = integral of GPU bytes held by kernels over time; ' +
-          'used = the same integral counting only the time a kernel’s SM utilization was above 0.'
+        'held = integral of GPU bytes held by kernels over time; used = the same integral ' +
+          'counting only the time a kernel’s SM utilization on that GPU was above 0.'
       )
     );
     this._gpuList = el('div', CSS.gpuList);

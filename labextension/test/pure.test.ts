@@ -45,7 +45,7 @@ test('formatUtilization shows each GPU when the kernel holds memory on several',
   assert.equal(formatUtilization({ sm_utilization: null, gpu_utilization: {} }), 'SM —');
   assert.equal(
     formatUtilization({ sm_utilization: 93, gpu_utilization: { '0': 93, '1': 0 } }),
-    'SM 93 % on 0 · 0 % on 1'
+    'SM 93 % on GPU 0 · 0 % on GPU 1'
   );
 });
 
