@@ -1,4 +1,4 @@
-"""Per-cell overhead of the kernel agent on a resident kernel (issue 4).
+"""Per-cell overhead of the kernel agent on a resident kernel.
 
 Three real servers run side by side, one kernel each:
 

@@ -1,4 +1,4 @@
-"""Latency the gate adds to an execute_request on a resident kernel (issue 3).
+"""Latency the gate adds to an execute_request on a resident kernel.
 
 Two real servers run side by side, both with the extension and the kernel agent:
 

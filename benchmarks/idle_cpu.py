@@ -1,4 +1,4 @@
-"""Idle CPU use of the jupyter server with the extension on vs off (issue 2).
+"""Idle CPU use of the jupyter server with the extension on vs off.
 
 Three real servers run side by side on this machine, each with 2 idle ipykernels and an
 open websocket to each (as JupyterLab keeps them):

@@ -70,6 +70,7 @@ function makeStatus(seq) {
       gpu_memory_bytes: bytes,
       released_bytes: released ? 4 * GiB : 0,
       gpus: [i % GPUS],
+      gpu_bytes: released ? {} : { [i % GPUS]: bytes },
       sm_utilization: state === 'active' ? Math.round(r() * 100) : 0,
       idle_seconds: (seq * INTERVAL + i * 7) % 900,
       release_in_seconds: released ? null : 600 - ((seq + i) % 600),
@@ -81,6 +82,11 @@ function makeStatus(seq) {
       waiting: null
     };
   });
+  for (const k of kernels) {
+    k.gpu_utilization = Object.fromEntries(
+      Object.keys(k.gpu_bytes).map(g => [g, k.sm_utilization])
+    );
+  }
   const gpus = Array.from({ length: GPUS }, (_, g) => {
     const used = kernels.filter(k => k.gpus[0] === g).reduce((a, k) => a + k.gpu_memory_bytes, 0);
     return {
@@ -113,12 +119,14 @@ function makeHistory(seq, seconds) {
   const kernels = {};
   kernelIds.forEach((id, i) => {
     const bytes = t.map((_, j) => ((first + j + i) % 97 < 80 ? Math.round((1 + (i % 5)) * GiB) : 0));
+    // Short bursts of work between long idle stretches, as in a notebook.
+    const util = t.map((_, j) => ((first + j + i * 13) % 60 < 6 ? 40 + ((i * 17) % 60) : 0));
     kernels[id] = {
       t,
       gpu_memory_bytes: bytes,
-      // Short bursts of work between long idle stretches, as in a notebook.
-      sm_utilization: t.map((_, j) => ((first + j + i * 13) % 60 < 6 ? 40 + ((i * 17) % 60) : 0)),
-      gpu: { [i % GPUS]: bytes }
+      sm_utilization: util,
+      gpu: { [i % GPUS]: bytes },
+      gpu_utilization: { [i % GPUS]: util }
     };
   });
   // Each GPU's series follow from its kernels: memory summed, utilization the busiest one.

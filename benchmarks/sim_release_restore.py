@@ -1,4 +1,4 @@
-"""Release and restore time of simulated GPU states of 1, 4 and 12 GiB (issue 3).
+"""Release and restore time of simulated GPU states of 1, 4 and 12 GiB.
 
 A real server with the simulated backend (two 16 GiB simulated GPUs) and one real kernel.
 For each size the kernel holds that many 1 GiB ``simgpu`` arrays on GPU 0; then, per

@@ -1,4 +1,4 @@
-"""Time of one tracker poll with 50 kernels on the simulated node (issue 2).
+"""Time of one tracker poll with 50 kernels on the simulated node.
 
 Part 1, in process (precise): the real ``Tracker`` and ``SimulatedTelemetry`` over a real
 ``SimNode``, and a minimal kernel manager whose 50 "kernels" are real child processes

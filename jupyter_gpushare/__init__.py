@@ -1,4 +1,4 @@
-"""jupyter-gpushare: reclaim idle GPU memory from Jupyter kernels, restore it on the next cell.
+"""jupyter-gpushare: reclaim idle GPU memory from Jupyter kernels, restore it before the next cell.
 
 This module only exposes entry points; importing it touches no hardware.
 """

@@ -92,6 +92,16 @@ def _type_alias(name: str, value: str) -> list[str]:
     return [f"export type {name} =", *(f"  | {m}" for m in members[:-1]), f"  | {members[-1]};"]
 
 
+def _value_list(name: str, values: list[Any]) -> list[str]:
+    """Every value of a string enum, as a constant (code can iterate over the states)."""
+    head = f"export const {name}Values: readonly {name}[] = ["
+    items = [_literal(v) for v in values]
+    line = head + ", ".join(items) + "];"
+    if len(line) <= 100:
+        return [line]
+    return [head, *(f"  {item}," for item in items[:-1]), f"  {items[-1]}", "];"]
+
+
 def render() -> str:
     blocks = []
     for name, schema in contract.spec()["components"]["schemas"].items():
@@ -106,6 +116,9 @@ def render() -> str:
             lines.append("}")
         else:
             lines += _type_alias(name, ts_type(schema))
+            if "enum" in schema:
+                lines += ["", f"/** Every `{name}`, in the contract's order. */"]
+                lines += _value_list(name, schema["enum"])
         blocks.append("\n".join(lines))
     return HEADER + "\n" + "\n\n".join(blocks) + "\n"
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import psutil
 
@@ -34,6 +34,16 @@ SAMPLE_TIMEOUT = 30.0  # s a telemetry sample may take before the poll gives up 
 log = logging.getLogger(__name__)
 
 
+class KernelSample(NamedTuple):
+    """One poll's numbers for a kernel (the history API's series are made of these)."""
+
+    t: float  # epoch seconds
+    gpu_memory_bytes: int  # all GPUs
+    sm_utilization: float | None  # percent, the busiest GPU
+    gpu_bytes: dict[int, int]  # GPU index -> bytes
+    gpu_utilization: dict[int, float]  # GPU index -> percent SM of the kernel's processes there
+
+
 @dataclass
 class KernelRecord:
     id: str
@@ -42,7 +52,9 @@ class KernelRecord:
     pids: list[int] = field(default_factory=list)
     gpu_bytes: dict[int, int] = field(default_factory=dict)  # GPU index -> bytes held now
     pid_gpu_bytes: dict[int, dict[int, int]] = field(default_factory=dict)  # pid -> GPU -> bytes
-    sm_utilization: float | None = None  # percent, last sample
+    sm_utilization: float | None = None  # percent, last sample, the busiest of its GPUs
+    # GPU index -> percent SM of the kernel's processes on that GPU, last sample
+    gpu_utilization: dict[int, float] = field(default_factory=dict)
     execution_state: str = "unknown"
     last_activity: float = 0.0  # epoch seconds (server activity or GPU use, the later)
     server_activity: float = 0.0  # epoch seconds of the last message the server saw
@@ -52,8 +64,7 @@ class KernelRecord:
     host_room: HostRoom | None = None  # host memory the kernel's process may still use
     gpu_work_while_idle: bool = False  # the last sample saw GPU work while no cell ran
     background_threads: list[str] = field(default_factory=list)  # agent: threads using the GPU
-    # (t, bytes held, SM %, {gpu: bytes}) per poll
-    history: deque[tuple[float, int, float | None, dict[int, int]]] = field(default_factory=deque)
+    history: deque[KernelSample] = field(default_factory=deque)  # one per poll
     # the samples of history that no later sample's SM % reaches, oldest first, as
     # (serial, t, SM %): SM % falls along it, so the first one at or after a time is the
     # highest SM % since then. Serials count every sample folded in.
@@ -100,7 +111,8 @@ class KernelRecord:
             else:  # the last sample we saw is gone (a new buffer, or it wrapped): start over
                 peaks.clear()
                 self._peaks_folded = 0
-            for t, _, u, _ in reversed(new):
+            for sample in reversed(new):
+                t, u = sample[0], sample[2]  # KernelSample.t, .sm_utilization
                 self._peaks_folded += 1
                 if u is None:
                     continue
@@ -323,14 +335,14 @@ class Tracker:
 
         gpu_bytes: dict[int, int] = {}
         pid_gpu_bytes: dict[int, dict[int, int]] = {}
-        utils: list[float] = []
+        gpu_util: dict[int, float] = {}  # the busiest of the kernel's processes, per GPU
         for pid in rec.pids:
             for u in by_pid.get(pid, ()):
                 gpu_bytes[u.gpu] = gpu_bytes.get(u.gpu, 0) + u.memory_bytes
                 per_pid = pid_gpu_bytes.setdefault(pid, {})
                 per_pid[u.gpu] = per_pid.get(u.gpu, 0) + u.memory_bytes
                 if u.sm_utilization is not None:
-                    utils.append(u.sm_utilization)
+                    gpu_util[u.gpu] = max(gpu_util.get(u.gpu, 0.0), u.sm_utilization)
         rec.attributed = True
         report = self.agent_reports(rec.id) if self.agent_reports is not None else None
         report = report or {}
@@ -345,7 +357,10 @@ class Tracker:
                 rec.attributed = False
         rec.gpu_bytes = gpu_bytes
         rec.pid_gpu_bytes = pid_gpu_bytes
-        rec.sm_utilization = max(utils) if utils else (0.0 if gpu_bytes else None)
+        # a GPU it holds memory on without a utilization sample (none since the last poll,
+        # MIG, the agent's own count) shows 0, as the kernel's overall figure always has
+        rec.gpu_utilization = {g: gpu_util.get(g, 0.0) for g in sorted(gpu_bytes)}
+        rec.sm_utilization = max(rec.gpu_utilization.values()) if gpu_bytes else None
         gpu_working = bool(rec.sm_utilization and rec.sm_utilization > self.idle_utilization)
         # the whole sample interval was quiet for the server (no message since the previous
         # poll, idle then and now), yet the GPU worked: a thread of the kernel uses it
@@ -356,7 +371,8 @@ class Tracker:
         if rec.busy:
             activity = now
         rec.last_activity = max(rec.last_activity, activity)
-        rec.history.append((now, rec.gpu_memory_bytes, rec.sm_utilization, dict(gpu_bytes)))
+        rec.history.append(KernelSample(now, rec.gpu_memory_bytes, rec.sm_utilization,
+                                        dict(gpu_bytes), dict(rec.gpu_utilization)))
 
     def _note_foreign(self, usage: Iterable[ProcessUsage]) -> None:
         if self.telemetry.name != "nvml":

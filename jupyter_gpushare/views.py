@@ -1,4 +1,5 @@
-"""The JSON shapes of the REST API (DESIGN.md "Contract"), built from tracker and controller."""
+"""The JSON shapes of the REST API (written down in openapi.yaml), built from tracker and
+controller."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "gpus": sorted(set(rec.gpu_bytes) | set(st.released_gpus)) if rec else sorted(st.released_gpus),
         "gpu_bytes": {str(g): b for g, b in (rec.gpu_bytes.items() if rec else ())},
         "sm_utilization": rec.sm_utilization if rec else None,
+        "gpu_utilization": {str(g): u for g, u in (rec.gpu_utilization.items() if rec else ())},
         "idle_seconds": round(rec.idle_seconds(now), 1) if rec else None,
         "release_in_seconds": _round(controller.release_in(kernel_id)),
         "idle_timeout": st.idle_timeout if st.idle_timeout is not None else controller.config.idle_timeout,
@@ -95,14 +97,15 @@ def history_view(tracker: Tracker, seconds: float, poll_interval: float) -> dict
         }
     kernels = {}
     for kid, krec in tracker.kernels.items():
-        krows = [r for r in krec.history if r[0] >= since]
-        per_gpu: dict[str, list[int]] = {}
-        for g in {g for r in krows for g in r[3]}:
-            per_gpu[str(g)] = [r[3].get(g, 0) for r in krows]
+        krows = [r for r in krec.history if r.t >= since]
+        gpus_seen = sorted({g for r in krows for g in r.gpu_bytes})
         kernels[kid] = {
-            "t": [round(r[0], 3) for r in krows],
-            "gpu_memory_bytes": [r[1] for r in krows],
-            "sm_utilization": [r[2] for r in krows],
-            "gpu": per_gpu,
+            "t": [round(r.t, 3) for r in krows],
+            "gpu_memory_bytes": [r.gpu_memory_bytes for r in krows],
+            "sm_utilization": [r.sm_utilization for r in krows],
+            "gpu": {str(g): [r.gpu_bytes.get(g, 0) for r in krows] for g in gpus_seen},
+            # null where the kernel held nothing on that GPU at that time
+            "gpu_utilization": {str(g): [r.gpu_utilization.get(g) for r in krows]
+                                for g in gpus_seen},
         }
     return {"now": round(now, 3), "interval": poll_interval, "gpus": gpus, "kernels": kernels}

@@ -1,4 +1,4 @@
-"""Issue 4 items 3-5: progress lines in the cell that triggered a restore (both triggers),
+"""The kernel agent: progress lines in the cell that triggered a restore (both triggers),
 the environment and kernelspec overrides of kernels the server starts, and the agent
 channel refusing processes that are not the kernel they claim to be."""
 
@@ -41,7 +41,7 @@ def assert_one_transient_line(lines: list[tuple[str, str, str]]) -> None:
     assert len(ids) == 1 and next(iter(ids)).startswith("gpushare-"), ids
 
 
-# -- item 3: progress in the cell ---------------------------------------------------------------
+# -- progress in the cell ---------------------------------------------------------------
 @pytest.mark.parametrize("gpushare_config, trigger", [
     ({"restore_mode": "eager"}, "gate"),
     ({"restore_mode": "lazy"}, "agent"),
@@ -125,7 +125,7 @@ async def test_restore_waiting_for_memory_says_so_and_how_much(
     assert restores == [(a.id, trigger)]
 
 
-# -- item 4: kernel environment and kernelspec overrides -----------------------------------------
+# -- kernel environment and kernelspec overrides -----------------------------------------
 ENV_PROBE = ("import os\nprint(os.environ.get('TF_FORCE_GPU_ALLOW_GROWTH'), "
              "os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'), "
              "os.environ.get('JUPYTER_GPUSHARE_SOCKET'))")
@@ -181,7 +181,7 @@ async def test_kernels_get_env_defaults_unless_set_and_honour_kernelspec_idle_ti
     assert gpushare_app.controller.states[keep.id].state == "idle"
 
 
-# -- item 5: the channel refuses foreign processes ------------------------------------------------
+# -- the channel refuses foreign processes ------------------------------------------------
 CONNECT = """
 import json, socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from openapi_spec_validator import validate as validate_openapi
 
-from jupyter_gpushare import contract, contract_typescript
+from jupyter_gpushare import contract, contract_typescript, states
 from jupyter_gpushare.handlers import MAX_BODY_BYTES, handlers
 
 from .helpers import rest, wait_for
@@ -58,6 +58,17 @@ def test_the_lab_extensions_types_are_generated_from_the_contract():
                 assert not re.search(rf"\b(interface|type|class) {name}\b", text), (source, name)
 
 
+def test_the_state_names_are_the_contracts():
+    """Server, agent and magics spell states from one module; the contract (and so the lab
+    extension's generated types) lists the same states, in the same order."""
+    assert list(states.ALL) == contract.spec()["components"]["schemas"]["KernelState"]["enum"]
+    assert set(states.HELD) | set(states.RESIDENT) == set(states.ALL)
+    assert not set(states.HELD) & set(states.RESIDENT)
+    generated = (ROOT / contract_typescript.OUTPUT).read_text(encoding="utf-8")
+    listed = re.search(r"KernelStateValues: readonly KernelState\[\] = \[(.*?)\];", generated, re.S)
+    assert listed and re.findall(r"'(\w+)'", listed.group(1)) == list(states.ALL)
+
+
 def test_typescript_types_follow_the_schemas():
     assert contract_typescript.ts_type({"type": ["integer", "null"]}) == "number | null"
     assert contract_typescript.ts_type(
@@ -97,6 +108,7 @@ def test_the_api_docs_examples_and_field_tables_agree_with_the_contract():
 KERNEL = {
     "id": "k", "name": "python3", "path": "", "pids": [1], "state": "released", "pinned": False,
     "gpu_memory_bytes": 0, "released_bytes": 1, "gpus": [0], "gpu_bytes": {}, "sm_utilization": None,
+    "gpu_utilization": {},
     "idle_seconds": 1.0, "release_in_seconds": None, "idle_timeout": 600.0, "method": "simulated",
     "releases": 1, "restores": 0, "last_restore_seconds": None, "last_release_seconds": 0.1,
     "error": None, "waiting": None, "execution_state": "idle", "release_blocked": None,

@@ -1,6 +1,7 @@
-"""Issue 4 item 2: lazy restore. Unit tests of the cell analysis, then real kernels in
-restore_mode = "lazy": CPU-only cells run on a released kernel without a restore; GPU cells
-restore first (the agent's pre_run_cell), and what the agent misses the watchdog restores."""
+"""Lazy restore: which cells may touch the GPU. Unit tests of the cell analysis and of the
+namespace scan, then real kernels in restore_mode = "lazy": CPU-only cells run on a released
+kernel without a restore; GPU cells restore first (the agent's pre_run_cell), and what the
+agent misses the watchdog restores."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from IPython.core.inputtransformer2 import TransformerManager
 
 from jupyter_gpushare import clock
-from jupyter_gpushare.kernel import lazy
+from jupyter_gpushare.kernel import lazy, walk
 
 from .helpers import kernel_status, wait_for
 
@@ -101,6 +102,53 @@ def test_gpu_names_gives_up_on_huge_object_graphs_conservatively():
     flat = list(range(100_000))  # atoms cost nothing: no reason to give up
     assert lazy.gpu_names({"flat": flat}, packages=frozenset()) == set()
     assert lazy.gpu_names({"longer": [*flat, 1]}, packages=frozenset()) == {"longer"}
+
+
+class _Unreadable(dict):
+    """A mapping whose items cannot be read (a broken proxy, a lazy loader that fails)."""
+
+    def items(self):
+        raise RuntimeError("no")
+
+
+_Unreadable.__module__ = "some_installed_lib"
+
+
+class _Slotted:
+    __slots__ = ("inner",)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+_Slotted.__module__ = "some_installed_lib"
+
+
+def test_gpu_names_follows_slots_and_closures_like_the_offload_walk():
+    def make_step(model):  # a library's closure over a model
+        def step():
+            return model
+        return step
+
+    step = make_step(_Tensor())
+    step.__module__ = "some_installed_lib"
+    ns = {"slotted": _Slotted(_Tensor()), "step": step, "empty": _Slotted(None)}
+    assert lazy.gpu_names(ns, packages=frozenset()) == {"slotted", "step"}
+
+
+def test_what_the_walk_could_not_look_at_counts_as_reaching_the_gpu():
+    deep: list = []
+    for _ in range(40):  # deeper than the walk looks
+        deep = [deep]
+    bad = _Unreadable(a=1)
+    assert lazy.gpu_names({"deep": deep, "bad": bad, "ok": [[1]]}, packages=frozenset()) \
+        == {"deep", "bad"}
+    result = walk.walk([("bad", bad, None)], lambda obj: False)
+    assert result.unreadable == 1 and not result.complete and not result.found
+    # the same walk, asked by a framework adapter, just finds nothing there
+    assert walk.names_reaching({"bad": bad}, lambda obj: False) == set()
+    assert lazy.may_reach_gpu(deep, packages=frozenset())
+    assert not lazy.may_reach_gpu(deep, packages=frozenset(), deep=False)
 
 
 def test_gpu_names_looks_past_the_first_items():
@@ -259,6 +307,7 @@ async def test_lazy_mode_cpu_cells_run_without_restore_gpu_cells_restore_first(
         assert (st.state, st.restores) == ("released", 0), code
     assert outputs[0].strip() == "2" and outputs[1].strip() == "4.0"
     assert "released" in outputs[3]  # %gpushare shows the state as it is
+    assert "lazy: before the next cell that may use the GPU" in outputs[3]  # and what restores
     info = await kernel_status(jp_fetch, k.id)
     assert info["state"] == "released" and info["restores"] == 0
     assert gpushare_app.node.used(0) == 0

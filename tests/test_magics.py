@@ -1,5 +1,5 @@
-"""Issue 4 item 1: the %gpushare magics, in a real kernel the server started (output AND
-the state change the server reports over REST), and in a plain IPython with no server."""
+"""The %gpushare magics, in a real kernel the server started (output AND the state change
+the server reports over REST), and in a plain IPython with no server."""
 
 from __future__ import annotations
 
@@ -111,9 +111,12 @@ async def test_release_then_status_then_restore_in_one_cell(jp_fetch, kernels, g
                      "import json, urllib.request\n%gpushare restore")
     clean(ex)
     assert "gpushare: released 256.0 MiB to host memory in" in ex.stdout
+    # eager, the default: any next cell restores, and the magic says so
+    assert "; it comes back before the next cell runs, whatever it does" in ex.stdout
     shown = ex.text
     assert "state                   released" in shown
     assert "host memory (released)  256.0 MiB" in shown
+    assert "restore mode            eager: before the next cell runs" in shown
     assert "gpushare: resident again after" in ex.stdout
     progress = [d["data"]["text/plain"] for d in ex.displays if "gpushare-progress" in
                 d["data"].get("text/html", "")]

@@ -16,6 +16,7 @@ jnp = jax.numpy
 
 from jupyter_gpushare.kernel.offload.jax_adapter import JaxAdapter  # noqa: E402
 from jupyter_gpushare.kernel.offload.txn import UndoIncomplete  # noqa: E402
+from jupyter_gpushare.kernel.walk import names_reaching  # noqa: E402
 
 
 class AdamState(NamedTuple):
@@ -175,7 +176,7 @@ def test_no_ops_rebinding_and_failed_reload():
     assert adapter.reload().count == 0
 
 
-def test_gpu_names_follow_offloaded_state():
+def test_the_walk_names_what_reaches_a_device_array():
     ns = {
         "params": {"w": jnp.ones(2)},
         "holder": Holder(jnp.ones(2)),
@@ -184,11 +185,15 @@ def test_gpu_names_follow_offloaded_state():
         "n": 1,
     }
     adapter = make_adapter()
-    assert adapter.gpu_names(ns) == {"params", "holder"}
+
+    def named():
+        return names_reaching(ns, lambda o: isinstance(o, jax.Array) and adapter.is_device(o))
+
+    assert named() == {"params", "holder"}
     adapter.offload(ns)
-    assert adapter.gpu_names(ns) == {"params", "holder"}
+    assert named() == set()  # host copies while offloaded
     adapter.reload()
-    assert adapter.gpu_names(ns) == {"params", "holder"}
+    assert named() == {"params", "holder"}
 
 
 def test_defaults_on_a_cpu_only_machine_move_nothing():
@@ -196,7 +201,7 @@ def test_defaults_on_a_cpu_only_machine_move_nothing():
     ns = {"x": jnp.ones(3)}
     off = adapter.offload(ns)
     assert off.count == 0 and adapter.device_bytes() == 0 and adapter.trim() == 0
-    assert adapter.gpu_names(ns) == set()
+    assert names_reaching(ns, lambda o: isinstance(o, jax.Array) and adapter.is_device(o)) == set()
 
 
 # -- all or nothing: a failure in the middle of a move leaves every object as it was ------

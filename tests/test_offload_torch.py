@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter  # noqa: E402
-from jupyter_gpushare.kernel.offload.walk import walk_namespace  # noqa: E402
+from jupyter_gpushare.kernel.walk import names_reaching, walk_namespace  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -48,6 +48,10 @@ class FakeDevice:
 
     def is_device(self, tensor) -> bool:
         return tensor.untyped_storage()._cdata in self.storages
+
+    def on_device(self, obj) -> bool:
+        """The predicate that names what reaches a device tensor (see names_reaching)."""
+        return isinstance(obj, torch.Tensor) and self.is_device(obj)
 
     def to_host(self, storage):
         self.to_host_calls += 1
@@ -391,7 +395,7 @@ def test_output_history_is_moved_but_not_named(dev):
     t = dev.put(torch.ones(3))
     ns = {"Out": {4: t}, "_": t, "_4": t}
     adapter = dev.adapter()
-    assert adapter.gpu_names(ns) == set()
+    assert names_reaching(ns, dev.on_device) == set()  # none of them is a user's name
     off = adapter.offload(ns)
     assert off.count == 1 and not dev.is_device(t)
     adapter.reload()
@@ -446,7 +450,9 @@ def test_walk_budget_is_reported(dev):
     assert any(s.startswith("<walk>: stopped after 10 objects") for s in off.skipped)
 
 
-def test_gpu_names_before_and_while_offloaded(dev):
+def test_the_walk_names_what_reaches_a_device_tensor(dev):
+    from jupyter_gpushare.kernel.offload.torch_adapter import tensor_children
+
     model = dev.put_all({"m": torch.nn.Linear(2, 2)})["m"]
     secret = dev.put(torch.ones(2))
 
@@ -462,12 +468,16 @@ def test_gpu_names_before_and_while_offloaded(dev):
         "Out": {1: secret},
         "torch": torch,
     }
+
+    def named():
+        return names_reaching(ns, dev.on_device, target_children=tensor_children)
+
     adapter = dev.adapter()
-    assert adapter.gpu_names(ns) == {"model", "fn"}
+    assert named() == {"model", "fn"}
     adapter.offload(ns)
-    assert adapter.gpu_names(ns) == {"model", "fn"}  # held tensors count while released
+    assert named() == set()  # every tensor those names reach left the device
     adapter.reload()
-    assert adapter.gpu_names(ns) == {"model", "fn"}
+    assert named() == {"model", "fn"}
 
 
 def test_trim_and_device_bytes_without_cuda():

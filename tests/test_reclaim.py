@@ -1,4 +1,5 @@
-"""Issue 3: release idle kernels' GPU memory and restore it transparently on the next cell."""
+"""Releasing idle kernels' GPU memory and restoring it transparently before the next cell:
+policy, REST, the gate, events and metrics, with real kernels on the simulated node."""
 
 from __future__ import annotations
 
@@ -94,6 +95,10 @@ async def test_pinned_kernel_is_not_released(jp_fetch, kernels, gpushare_app):
     await idle_past_timeout(gpushare_app)
     await asyncio.sleep(0.1)
     assert gpushare_app.controller.states[k.id].state == "idle"
+    # pinning stops automatic releases only: a person may still release it by hand
+    r = await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    body = json.loads(r.body)
+    assert (body["state"], body["pinned"]) == ("released", True)
 
 
 @pytest.mark.parametrize("gpushare_config", [{"idle_timeout": IDLE, "min_release_bytes": 512 * MiB}])

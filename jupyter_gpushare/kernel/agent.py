@@ -3,7 +3,8 @@
 It says hello on the channel, moves simulated GPU accounting onto the server's node,
 serves the server's requests (the emulated checkpoint, framework offload, trim, progress
 lines in a cell), and before each cell makes sure the kernel's GPU state is resident
-(restore trigger 2 in DESIGN.md: clients that bypass the server's websocket).
+(restore trigger 2: clients that talk to the kernel directly and bypass the server's
+websocket, such as nbclient).
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import threading
 import time
 from typing import Any
 
+from .. import states
 from ..protocol import KERNEL_ID_ENV, LIST_CAP, SOCKET_ENV, RemoteError, cap_list
-from ..states import HELD as HELD_STATES
 from . import lazy
 from .client import AgentClient, RemoteBackend
 
@@ -184,7 +185,7 @@ class Agent:
     def note_state(self, state: str) -> None:
         """The server's word on this kernel's state (notifications, replies to the magics)."""
         with self._cell_lock:
-            self.released = state in HELD_STATES
+            self.released = state in states.HELD
         if self.released:
             self._note_gpu_names()
         else:
@@ -302,7 +303,7 @@ class Agent:
             # the state is still held; the cell runs and its GPU calls wait for a restore
             print(f"gpushare: restore failed: {e}", file=sys.stderr)
             return
-        self.note_state(str((reply.get("kernel") or {}).get("state", "active")))
+        self.note_state(str((reply.get("kernel") or {}).get("state", states.ACTIVE)))
         log.debug("gpushare: restored before the cell in %.2f s", time.monotonic() - started)
 
 

@@ -6,7 +6,8 @@ blocked until the server's watchdog restores the kernel (``restore_grace``), so 
 doubt resolves to "yes":
 
 - names that reached GPU objects, GPU framework modules or user code when the kernel
-  was released (:func:`gpu_names`, computed once per release);
+  was released (:func:`gpu_names`, computed once per release with the kernel's one
+  namespace walk, :mod:`.walk`, and a predicate of its own);
 - names bound since then to modules, functions, classes or objects from GPU frameworks,
   from packages built on them (transformers -> torch), from ``__main__`` or from user
   modules (anything not installed in the Python environment): user code can reach
@@ -30,6 +31,8 @@ import types
 from collections.abc import Iterable
 from typing import Any
 
+from . import walk
+
 #: module name prefixes whose objects live on (or drive) a GPU
 GPU_MODULES = ("torch", "cupy", "cupyx", "jax", "jaxlib", "tensorflow", "keras", "numba",
                "jupyter_gpushare.sim")
@@ -38,10 +41,8 @@ GPU_ROOTS = frozenset(m.split(".")[0] for m in GPU_MODULES if "." not in m)
 #: names whose call can reach any object by name: we cannot see what they touch
 DYNAMIC = frozenset({"exec", "eval", "compile", "globals", "locals", "vars", "__import__",
                      "get_ipython", "breakpoint"})
-_SKIP = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
-_ATOMS = (int, float, complex, bool, str, bytes, bytearray, type(None), range, slice)
-_BUDGET = 20_000  # objects visited per name before we give up and say "may touch the GPU"
-_MAX_DEPTH = 32  # levels of containers and attributes
+_BUDGET = 20_000  # objects looked into per name before we give up and say "may touch the GPU"
+_MAX_DEPTH = 32  # levels of containers and attributes, likewise
 _MAX_ITEMS = 100_000  # items of one container (numbers and strings cost next to nothing)
 
 #: line magics that run no Python code of this kernel (argument expansion aside)
@@ -155,69 +156,46 @@ def _module_may_touch(modname: str, packages: frozenset[str]) -> bool:
     return mod is not None and is_user_module(mod)
 
 
-def may_reach_gpu(value: Any, packages: frozenset[str] | None = None, deep: bool = True) -> bool:
-    """Whether ``value`` is or reaches (through containers and attributes) a GPU object, a GPU
-    module, or code that may touch the GPU. ``deep=False`` looks at the object itself only."""
-    packages = gpu_packages() if packages is None else packages
-    budget = [_BUDGET]
-    seen: set[int] = set()
-
-    def visit(obj: Any, depth: int) -> bool:
-        if isinstance(obj, _ATOMS):
-            return False
-        if id(obj) in seen:
-            return False
-        seen.add(id(obj))
-        budget[0] -= 1
-        if budget[0] < 0:
-            return True  # too big to rule out: assume the worst
+def _may_touch_itself(obj: Any, packages: frozenset[str]) -> bool:
+    """Whether ``obj`` itself (not what it refers to) is a GPU framework's module, function,
+    class or object, code of a package built on one, or user code. The walk's predicate."""
+    try:
         if isinstance(obj, types.ModuleType):
             return _module_may_touch(obj.__name__, packages) or is_user_module(obj)
+        if isinstance(obj, types.MethodType):
+            return _may_touch_itself(obj.__func__, packages) or _may_touch_itself(obj.__self__, packages)
         if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type,
-                            types.MethodType, types.BuiltinMethodType)):
-            modname = getattr(obj, "__module__", None) or ""
-            if isinstance(obj, types.MethodType):
-                return visit(obj.__func__, depth) or visit(obj.__self__, depth)
-            return _module_may_touch(modname, packages)
+                            types.BuiltinMethodType)):
+            return _module_may_touch(getattr(obj, "__module__", None) or "", packages)
         if _module_may_touch(type(obj).__module__ or "", packages):
             return True  # a GPU framework's object (even on the CPU: .cuda()), or user class
-        if not deep:
-            return False
-        if depth >= _MAX_DEPTH:
-            return True  # deeper than anything we look through: assume the worst
-        if type(obj).__module__ == "numpy":
-            return False  # host arrays and scalars: bytes, nothing to call
-        if isinstance(obj, (dict, list, tuple, set, frozenset)):
-            if len(obj) > _MAX_ITEMS:
-                return True  # too long to look through every item: assume the worst
-            items = obj.values() if isinstance(obj, dict) else obj
-            return any(visit(v, depth + 1) for v in list(items))
-        if isinstance(obj, functools.partial):
-            return visit(obj.func, depth + 1) or visit(obj.args, depth + 1)
-        try:  # never through __getattr__: a proxy's hook could run anything
-            attrs = object.__getattribute__(obj, "__dict__")
-        except AttributeError:
-            return False
-        if isinstance(attrs, dict):
-            return any(visit(v, depth + 1) for v in list(attrs.values()))
-        return False
-
-    try:
-        return visit(value, 0)
+        # too long to look through every item: assume the worst
+        return isinstance(obj, (dict, list, tuple, set, frozenset)) and len(obj) > _MAX_ITEMS
     except Exception:  # an exotic object: assume the worst
         return True
+
+
+def may_reach_gpu(value: Any, packages: frozenset[str] | None = None, deep: bool = True) -> bool:
+    """Whether ``value`` is or reaches (through containers and attributes) a GPU object, a GPU
+    module, or code that may touch the GPU. ``deep=False`` looks at the object itself only.
+
+    A walk that stops short (object budget, depth, an object it cannot read) counts as
+    "reaches": what was not looked at cannot be ruled out."""
+    packages = gpu_packages() if packages is None else packages
+    if not deep:
+        return _may_touch_itself(value, packages)
+    result = walk.walk([("", value, None)], functools.partial(_may_touch_itself, packages=packages),
+                       stop_at_first=True, max_objects=_BUDGET, max_depth=_MAX_DEPTH)
+    reaches = bool(result.found) or not result.complete
+    result.release()
+    return reaches
 
 
 def gpu_names(namespace: dict[str, Any], packages: frozenset[str] | None = None) -> set[str]:
     """Top-level names in the user namespace that may reach the GPU now (see module doc)."""
     packages = gpu_packages() if packages is None else packages
-    names = set()
-    for name, value in list(namespace.items()):
-        if name.startswith("_") or name in _SKIP:
-            continue
-        if may_reach_gpu(value, packages):
-            names.add(name)
-    return names
+    return walk.names_reaching(namespace, functools.partial(_may_touch_itself, packages=packages),
+                               conservative=True, max_objects=_BUDGET, max_depth=_MAX_DEPTH)
 
 
 # -- the decision ------------------------------------------------------------------------------

@@ -5,12 +5,15 @@ Usage::
     %gpushare                      this kernel's state, memory on GPU and host, utilization,
                                    idle time, method, next automatic release
     %gpushare release              release this kernel's GPU memory now (state kept on host)
-    %gpushare restore              bring it back now (cells also restore automatically)
+    %gpushare restore              bring it back now, without running a cell
     %gpushare pin | unpin          never / again release this kernel automatically
     %gpushare idle-timeout SECONDS this kernel's idle timeout (0 = never; "default" = server's)
     %gpushare allow-background [off]  release automatically even though threads other than
                                    the cells use the GPU (they wait while it is released)
     %%gpushare release-after       run the cell, then release at once
+
+When a released kernel comes back depends on the server's ``restore_mode``: ``eager`` (the
+default) restores before the next cell runs, whatever the cell (see :data:`RESTORE_MODES`).
 """
 
 from __future__ import annotations
@@ -24,9 +27,16 @@ from typing import Any
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
+from .. import states
 from ..protocol import RemoteError
 from ..sim.node import format_bytes
 from . import agent as agent_module
+
+#: what brings a released kernel back, per restore_mode, as the magics say it
+RESTORE_MODES = {
+    "eager": "before the next cell runs, whatever it does (`1 + 1` too)",
+    "lazy": "before the next cell that may use the GPU (others run at once)",
+}
 
 USAGE = ("usage: %gpushare [status | release | restore | pin | unpin | idle-timeout SECONDS | "
          "allow-background [off]]  or  %%gpushare release-after")
@@ -62,7 +72,7 @@ class StatusView:
         return f"<table class='gpushare-status'><caption>{html.escape(self.title)}</caption>{body}</table>"
 
 
-def status_rows(kernel: dict[str, Any]) -> list[tuple[str, str]]:
+def status_rows(kernel: dict[str, Any], restore_mode: str = "") -> list[tuple[str, str]]:
     util = kernel.get("sm_utilization")
     rows = [
         ("state", kernel.get("state", "?") + (" (pinned)" if kernel.get("pinned") else "")),
@@ -76,6 +86,8 @@ def status_rows(kernel: dict[str, Any]) -> list[tuple[str, str]]:
          else f"in {_fmt_seconds(kernel.get('release_in_seconds'))}"),
         ("releases / restores", f"{kernel.get('releases', 0)} / {kernel.get('restores', 0)}"),
     ]
+    if restore_mode in RESTORE_MODES:
+        rows.append(("restore mode", f"{restore_mode}: {RESTORE_MODES[restore_mode]}"))
     if kernel.get("last_restore_seconds") is not None:
         rows.append(("last restore", f"{kernel['last_restore_seconds']:.2f} s"))
     if kernel.get("waiting"):
@@ -99,9 +111,8 @@ class GPUShareMagics(Magics):
                                        JupyterLab, plain text elsewhere)
         %gpushare status               the same
         %gpushare release              release this kernel's GPU memory now; its GPU state is
-                                       kept in host memory and comes back on the next cell
-        %gpushare restore              bring the GPU state back now (any cell that needs it
-                                       restores it anyway)
+                                       kept in host memory until it is restored (below)
+        %gpushare restore              bring the GPU state back now, without running a cell
         %gpushare pin                  never release this kernel automatically
         %gpushare unpin                release it again when idle
         %gpushare idle-timeout SECONDS release this kernel after SECONDS idle (0 = never
@@ -110,6 +121,17 @@ class GPUShareMagics(Magics):
                                        other than the cells use the GPU (they wait while it
                                        is released); `allow-background off` undoes it
         %%gpushare release-after       run the cell, then release at once (not if it fails)
+
+        A released kernel is restored before a cell runs, as the server's restore_mode says:
+          eager (the default)  before the next cell, whatever it is: `1 + 1` waits for the
+                               restore too (a cell of only %gpushare magics does not).
+                               Always right, with every release method.
+          lazy                 before the next cell that may use the GPU, judged from its
+                               code; other cells run at once. A wrong guess makes the cell's
+                               GPU calls wait until the server's watchdog restores the kernel
+                               (restore_grace). Driver and simulated methods only.
+        Eager is the default because it never depends on reading the cell right.
+        `%gpushare` shows the mode in effect.
 
         In a kernel started by a Jupyter server with jupyter-gpushare enabled the magics are
         loaded already; elsewhere use `%load_ext jupyter_gpushare`, which reports the GPU
@@ -179,7 +201,9 @@ class GPUShareMagics(Magics):
             return None
         reply = self._ask("status")
         if reply is not None:
-            display(StatusView(status_rows(reply["kernel"]),
+            agent = agent_module.get_agent()
+            mode = agent.restore_mode if agent is not None else ""
+            display(StatusView(status_rows(reply["kernel"], mode),
                                f"gpushare: this kernel ({reply.get('backend')} backend)"))
         return None
 
@@ -188,14 +212,17 @@ class GPUShareMagics(Magics):
         reply = self._ask("release")
         if reply is not None:
             k = reply["kernel"]
+            agent = agent_module.get_agent()
+            when = RESTORE_MODES.get(agent.restore_mode if agent is not None else "eager",
+                                     RESTORE_MODES["eager"])
             print(f"gpushare: released {format_bytes(k.get('released_bytes') or 0)} to host memory "
-                  f"in {time.monotonic() - started:.2f} s; the next cell that needs it restores it")
+                  f"in {time.monotonic() - started:.2f} s; it comes back {when}")
 
     def _restore(self) -> None:
         before = self._ask("status")
         if before is None:
             return
-        if before["kernel"].get("state") not in agent_module.HELD_STATES:
+        if before["kernel"].get("state") not in states.HELD:
             print("gpushare: this kernel's GPU state is already resident")
             return
         parent = getattr(self.shell, "parent_header", None) or {}

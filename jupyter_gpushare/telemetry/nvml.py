@@ -36,8 +36,8 @@ def _text(value: Any) -> str:
 def foreign_pids(pids: Iterable[int]) -> set[int]:
     """Pids that do not exist in this pid namespace.
 
-    NVML reports host pids; inside a container they do not match the container's own pids
-    (FIELD-NOTES). The tracker uses a non-empty answer to tell it is in a container and to
+    NVML reports the host's pids (sometimes mixed across calls); inside a container with its
+    own pid namespace they do not match the container's pids. The tracker uses a non-empty answer to tell it is in a container and to
     fall back to the kernel agent's own report.
     """
     return {pid for pid in pids if not psutil.pid_exists(pid)}

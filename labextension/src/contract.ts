@@ -20,8 +20,25 @@ export interface IPinRequest {
 export type KernelState =
   'active' | 'idle' | 'releasing' | 'released' | 'restoring' | 'failed' | 'untracked';
 
-/** `eager` restores on any cell; `lazy` only when a cell needs the GPU. */
+/** Every `KernelState`, in the contract's order. */
+export const KernelStateValues: readonly KernelState[] = [
+  'active',
+  'idle',
+  'releasing',
+  'released',
+  'restoring',
+  'failed',
+  'untracked'
+];
+
+/**
+ * What brings a released kernel back: `eager` restores before any cell runs; `lazy` only before a
+ * cell that may use the GPU, judged from its code.
+ */
 export type RestoreMode = 'eager' | 'lazy';
+
+/** Every `RestoreMode`, in the contract's order. */
+export const RestoreModeValues: readonly RestoreMode[] = ['eager', 'lazy'];
 
 /**
  * A release method: `driver`, `framework`, `simulated`, or `off` (none). Methods are an open set (a
@@ -87,8 +104,16 @@ export interface IKernel {
   gpus: number[];
   /** Bytes on the GPU now, per GPU index ("-1" = GPU unknown). */
   gpu_bytes: { [key: string]: number };
-  /** SM % of the kernel's processes, last sample; null with no GPU memory. */
+  /**
+   * SM % of the kernel's processes, last sample, on the busiest of its GPUs (the highest value of
+   * gpu_utilization); null with no GPU memory.
+   */
   sm_utilization: number | null;
+  /**
+   * SM % of the kernel's processes on each GPU it holds memory on, last sample (the same keys as
+   * gpu_bytes); 0 where no per-process figure was sampled.
+   */
+  gpu_utilization: { [key: string]: number };
   /** Seconds since the last activity; 0 while busy; null when not tracked yet. */
   idle_seconds: number | null;
   /** Seconds until the automatic idle release; null = none scheduled. */
@@ -149,4 +174,9 @@ export interface IKernelHistory {
   sm_utilization: (number | null)[];
   /** Bytes held on each GPU index, aligned with `t`. */
   gpu: { [key: string]: (number | null)[] };
+  /**
+   * SM % of the kernel's processes on each GPU index, aligned with `t` (the same keys as `gpu`);
+   * null where the kernel held nothing on that GPU at that time.
+   */
+  gpu_utilization: { [key: string]: (number | null)[] };
 }

@@ -1,6 +1,7 @@
 /**
  * Pure formatting helpers (no DOM) shared by the panel, the status bar and notifications.
  */
+import type { IKernel } from './contract';
 
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;
@@ -32,25 +33,46 @@ export function formatPercent(value: number | null | undefined): string {
   return `${Math.round(value)} %`;
 }
 
-/** Seconds as a compact duration: "45 s", "2 min 10 s", "1 h 5 min", "—" when unknown. */
+/**
+ * A kernel's SM utilization: "SM 35 %", or per GPU when it holds memory on several, so a GPU
+ * it only keeps data on shows as such: "SM 93 % on GPU 0 · 0 % on GPU 1".
+ */
+export function formatUtilization(k: Pick<IKernel, 'sm_utilization' | 'gpu_utilization'>): string {
+  const perGPU = Object.entries(k.gpu_utilization ?? {}).filter(([index]) => index !== '-1');
+  if (perGPU.length < 2) {
+    return `SM ${formatPercent(k.sm_utilization)}`;
+  }
+  return (
+    'SM ' + perGPU.map(([index, util]) => `${formatPercent(util)} on GPU ${index}`).join(' · ')
+  );
+}
+
+/**
+ * Seconds as a compact duration: "4.2 s", "45 s", "2 min 10 s", "1 h 5 min", "—" when unknown.
+ *
+ * Rounded once, to the smallest unit shown, before splitting into units, so a carry moves
+ * into the larger unit: 119.6 s is "2 min", never "1 min 60 s".
+ */
 export function formatDuration(seconds: number | null | undefined): string {
   if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) {
     return '—';
   }
   const s = Math.max(0, seconds);
-  if (s < 10) {
-    return `${s.toFixed(1)} s`;
+  if (s < 9.95) {
+    return `${s.toFixed(1)} s`; // 9.95 and up would read "10.0 s"
   }
-  if (s < 60) {
-    return `${Math.round(s)} s`;
+  const wholeSeconds = Math.round(s);
+  if (wholeSeconds < 60) {
+    return `${wholeSeconds} s`;
   }
-  if (s < 3600) {
-    const m = Math.floor(s / 60);
-    const rest = Math.round(s - m * 60);
+  if (wholeSeconds < 3600) {
+    const m = Math.floor(wholeSeconds / 60);
+    const rest = wholeSeconds % 60;
     return rest > 0 ? `${m} min ${rest} s` : `${m} min`;
   }
-  const h = Math.floor(s / 3600);
-  const m = Math.round((s - h * 3600) / 60);
+  const wholeMinutes = Math.round(s / 60);
+  const h = Math.floor(wholeMinutes / 60);
+  const m = wholeMinutes % 60;
   return m > 0 ? `${h} h ${m} min` : `${h} h`;
 }
 
@@ -61,11 +83,30 @@ export function formatGiBHours(byteSeconds: number): string {
   return `${value.toFixed(digits)} GiB·h`;
 }
 
-/** The file name of a notebook path ("dir/a.ipynb" -> "a.ipynb"). */
-export function baseName(path: string | null | undefined): string {
-  if (!path) {
-    return '';
+/**
+ * Short names for notebook paths that still tell them apart: each path's file name, with as
+ * many of its parent folders as it takes to differ from every other path given
+ * ("a/x.ipynb" and "b/x.ipynb" stay whole; "c/y.ipynb" alone is "y.ipynb"). Equal paths get
+ * equal names (callers add what else differs, e.g. the kernel). Maps each path to its name.
+ */
+export function distinctNames(paths: Iterable<string>): Map<string, string> {
+  const unique = [...new Set(paths)];
+  const segments = new Map(unique.map(p => [p, p.split('/').filter(part => part !== '')]));
+  const names = new Map<string, string>();
+  for (const path of unique) {
+    const mine = segments.get(path)!;
+    let depth = 1;
+    const clashes = (d: number) =>
+      unique.some(other => other !== path && tail(segments.get(other)!, d) === tail(mine, d));
+    while (depth < mine.length && clashes(depth)) {
+      depth++;
+    }
+    const name = tail(mine, depth);
+    names.set(path, depth < mine.length ? name : path);
   }
-  const parts = path.split('/');
-  return parts[parts.length - 1] || path;
+  return names;
+}
+
+function tail(parts: string[], count: number): string {
+  return parts.slice(Math.max(0, parts.length - count)).join('/');
 }

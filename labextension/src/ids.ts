@@ -42,6 +42,8 @@ export namespace CSS {
   export const statusItem = 'jp-GPUShare-statusItem';
   export const spinner = 'jp-GPUShare-spinner';
   export const empty = 'jp-GPUShare-empty';
+  /** On <body> while the panel is open in the right sidebar: toasts move to its left. */
+  export const toastsAside = 'jp-GPUShare-toastsAside';
 }
 
 /** Data attribute names used on kernel rows and buttons. */

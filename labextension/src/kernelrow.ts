@@ -5,7 +5,7 @@ import { IKernel } from './api';
 import { allowedActions } from './rules';
 import { Attr, CSS } from './ids';
 import { el, setAttr, setDisabled, setHidden, setText, Sparkline } from './dom';
-import { baseName, formatBytes, formatDuration, formatPercent } from './format';
+import { formatBytes, formatDuration, formatUtilization } from './format';
 
 export interface IRowActions {
   open(path: string): void;
@@ -16,6 +16,8 @@ export interface IRowActions {
 
 export interface IRowView {
   kernel: IKernel;
+  /** The name shown: the notebook's file name, with as much of its path as tells it apart. */
+  label: string;
   /** The kernel's SM utilization history, oldest first. */
   utilization: (number | null)[];
   color: string;
@@ -81,8 +83,10 @@ export class KernelRow {
       this._color = view.color;
       this._swatch.style.background = view.color;
     }
-    setText(this._name, baseName(k.path) || k.name || k.id.slice(0, 8));
-    setAttr(this._name, 'title', k.path ? `Open ${k.path}` : `Kernel ${k.id}`);
+    setText(this._name, view.label);
+    // The whole path on hover (the name may be cut short by the panel's width).
+    setAttr(this._name, 'title', k.path ? `${k.path}\nkernel ${k.id}` : `kernel ${k.id}`);
+    setAttr(this.node, 'data-path', k.path);
     const busy = k.state === 'releasing' || k.state === 'restoring';
     setText(this._badge, busy ? `${k.state}…` : k.state);
     setAttr(this._badge, 'class', `${CSS.badge} ${CSS.badge}-${k.state}`);
@@ -94,7 +98,7 @@ export class KernelRow {
         ? `${formatBytes(k.released_bytes)} on host`
         : `${formatBytes(k.gpu_memory_bytes)}${gpus}`;
     setText(this._memory, memory);
-    setText(this._util, `SM ${formatPercent(k.sm_utilization)}`);
+    setText(this._util, formatUtilization(k));
     this._spark.update(view.utilization);
 
     const parts: string[] = [];
@@ -121,10 +125,17 @@ export class KernelRow {
     }
     setText(this._timing, parts.join(' · '));
 
-    const allowed = allowedActions(k.state, k.pinned);
+    const allowed = allowedActions(k.state);
     setDisabled(this._release, view.pending || !allowed.release);
     setDisabled(this._restore, view.pending || !allowed.restore);
     setDisabled(this._pin, view.pending || !allowed.pin);
+    setAttr(
+      this._release,
+      'title',
+      k.pinned
+        ? "Move this kernel's GPU memory to host memory now (pinned only stops automatic releases)"
+        : "Move this kernel's GPU memory to host memory now"
+    );
     setText(this._pin, k.pinned ? 'Unpin' : 'Pin');
     setAttr(this._pin, 'aria-pressed', k.pinned ? 'true' : 'false');
 

@@ -9,25 +9,29 @@ export interface IKernelSeries {
   t: number[];
   gpu_memory_bytes: (number | null)[];
   sm_utilization: (number | null)[];
+  /** Bytes on each GPU index, aligned with `t`. */
   gpu?: { [index: string]: (number | null)[] };
+  /** The kernel's SM % on each GPU index, aligned with `t`. */
+  gpu_utilization?: { [index: string]: (number | null)[] };
 }
 
 export interface IEfficiency {
   /** Integral of bytes held over time (byte-seconds). */
   heldByteSeconds: number;
-  /** The same integral counting only samples whose SM utilization was above 0. */
+  /** The same integral counting only the time the kernel computed on the GPU holding them. */
   usedByteSeconds: number;
   /** used / held in [0, 1], or null when nothing was held. */
   ratio: number | null;
 }
 
 /**
- * Memory-time held versus memory-time held while utilized, summed over kernels.
+ * Memory-time held versus memory-time held while utilized, summed over kernels and GPUs.
  *
- * Each sample holds until the next one (step integration); the last sample of a series
- * counts for `interval` seconds, bounded by the gap to `now`. When `gpuIndex` is given,
- * only the bytes a kernel holds on that GPU count (its per-GPU series), otherwise the
- * kernel's total.
+ * Bytes on a GPU count as used only while the kernel's SM utilization *on that GPU* was
+ * above 0: a kernel that computes on GPU 0 while it keeps data on GPU 1 uses GPU 0's bytes
+ * and holds GPU 1's idle. Each sample holds until the next one (step integration); the last
+ * sample of a series counts for `interval` seconds, bounded by the gap to `now`. When
+ * `gpuIndex` is given, only that GPU counts, otherwise every GPU.
  */
 export function efficiency(
   kernels: { [id: string]: IKernelSeries },
@@ -39,23 +43,26 @@ export function efficiency(
   let used = 0;
   for (const id of Object.keys(kernels)) {
     const series = kernels[id];
-    const bytes =
-      gpuIndex === undefined ? series.gpu_memory_bytes : (series.gpu?.[gpuIndex] ?? null);
-    if (!bytes) {
-      continue;
-    }
-    const t = series.t;
-    for (let i = 0; i < t.length; i++) {
-      const b = bytes[i];
-      if (b === null || b === undefined || b <= 0) {
+    const indices = gpuIndex === undefined ? Object.keys(series.gpu ?? {}) : [gpuIndex];
+    for (const index of indices) {
+      const bytes = series.gpu?.[index];
+      if (!bytes) {
         continue;
       }
-      const next = i + 1 < t.length ? t[i + 1] : Math.min(t[i] + interval, Math.max(now, t[i]));
-      const dt = Math.max(0, next - t[i]);
-      held += b * dt;
-      const util = series.sm_utilization[i];
-      if (util !== null && util !== undefined && util > 0) {
-        used += b * dt;
+      const utilization = series.gpu_utilization?.[index] ?? [];
+      const t = series.t;
+      for (let i = 0; i < t.length; i++) {
+        const b = bytes[i];
+        if (b === null || b === undefined || b <= 0) {
+          continue;
+        }
+        const next = i + 1 < t.length ? t[i + 1] : Math.min(t[i] + interval, Math.max(now, t[i]));
+        const dt = Math.max(0, next - t[i]);
+        held += b * dt;
+        const util = utilization[i];
+        if (util !== null && util !== undefined && util > 0) {
+          used += b * dt;
+        }
       }
     }
   }
@@ -131,8 +138,18 @@ export interface IHistoryLike {
   interval: number;
   gpus: { [index: string]: { t: number[]; [key: string]: any } };
   kernels: {
-    [id: string]: { t: number[]; gpu?: { [index: string]: (number | null)[] }; [key: string]: any };
+    [id: string]: {
+      t: number[];
+      gpu?: { [index: string]: (number | null)[] };
+      gpu_utilization?: { [index: string]: (number | null)[] };
+      [key: string]: any;
+    };
   };
+}
+
+/** A field of a series that maps GPU indices to arrays aligned with `t` (`gpu`, ...). */
+function isPerGPU(value: unknown): value is { [index: string]: (number | null)[] } {
+  return typeof value === 'object' && value !== null && !Array.isArray(value);
 }
 
 /**
@@ -140,8 +157,9 @@ export interface IHistoryLike {
  * and drop samples older than `windowSeconds` before `fresh.now`. Lets the panel ask the
  * server for the last few seconds each refresh instead of the whole window.
  *
- * Every array-valued field of a series other than `t` (and each array in a kernel's `gpu`
- * map) is aligned with `t`; a GPU index that first appears in `fresh` is padded with nulls.
+ * Every array-valued field of a series other than `t`, and each array in a per-GPU map
+ * (`gpu`, `gpu_utilization`), is aligned with `t`; a GPU index that first appears in
+ * `fresh` is padded with nulls, and one missing from it is continued with nulls.
  */
 export function mergeHistory<H extends IHistoryLike>(base: H, fresh: H, windowSeconds: number): H {
   const from = fresh.now - windowSeconds;
@@ -156,23 +174,27 @@ export function mergeHistory<H extends IHistoryLike>(base: H, fresh: H, windowSe
     }
     const oldLength = old.t.length;
     for (const key of Object.keys(add)) {
-      if (key === 'gpu') {
-        old.gpu = old.gpu ?? {};
-        for (const index of Object.keys(add.gpu)) {
-          if (!old.gpu[index]) {
-            old.gpu[index] = new Array(oldLength).fill(null);
+      if (isPerGPU(add[key])) {
+        const target = (old[key] = isPerGPU(old[key]) ? old[key] : {});
+        for (const index of Object.keys(add[key])) {
+          if (!target[index]) {
+            target[index] = new Array(oldLength).fill(null);
           }
-          old.gpu[index].push(...add.gpu[index].slice(start));
+          target[index].push(...add[key][index].slice(start));
         }
       } else if (Array.isArray(add[key]) && Array.isArray(old[key])) {
         old[key].push(...add[key].slice(start));
       }
     }
     // A GPU index the kernel no longer holds memory on keeps its length with nulls.
-    for (const index of Object.keys(old.gpu ?? {})) {
-      const series = old.gpu[index];
-      while (series.length < old.t.length) {
-        series.push(null);
+    for (const key of Object.keys(old)) {
+      if (isPerGPU(old[key])) {
+        for (const index of Object.keys(old[key])) {
+          const series = old[key][index];
+          while (series.length < old.t.length) {
+            series.push(null);
+          }
+        }
       }
     }
     return old;
@@ -184,9 +206,9 @@ export function mergeHistory<H extends IHistoryLike>(base: H, fresh: H, windowSe
     }
     if (drop > 0) {
       for (const key of Object.keys(series)) {
-        if (key === 'gpu') {
-          for (const index of Object.keys(series.gpu)) {
-            series.gpu[index].splice(0, drop);
+        if (isPerGPU(series[key])) {
+          for (const index of Object.keys(series[key])) {
+            series[key][index].splice(0, drop);
           }
         } else if (Array.isArray(series[key])) {
           series[key].splice(0, drop);

@@ -6,8 +6,10 @@ import { Notification } from '@jupyterlab/apputils';
 import { Event } from '@jupyterlab/services';
 import { IDisposable } from '@lumino/disposable';
 
-import { baseName, formatBytes, formatDuration } from './format';
+import type { RestoreMode } from './contract';
+import { formatBytes, formatDuration } from './format';
 import { GPUShareModel } from './model';
+import { kernelLabels } from './rules';
 
 export const EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpushare/kernel/v1';
 
@@ -28,10 +30,16 @@ export interface INotifierOptions {
   openPanel(): void;
 }
 
-/** The toast for an event, or null for events that need none (pin/unpin: the user did it). */
+/**
+ * The toast for an event, or null for events that need none (pin/unpin: the user did it).
+ * `name` is the kernel's name as its panel row shows it; `restoreMode` the server's (what
+ * brings a released kernel back: any cell in eager mode, a cell that may use the GPU in lazy
+ * mode). The lab cuts toasts at 140 characters, so what matters comes first.
+ */
 export function describeEvent(
   event: IKernelEvent,
-  name: string
+  name: string,
+  restoreMode: RestoreMode = 'eager'
 ): { type: 'info' | 'success' | 'warning' | 'error'; message: string } | null {
   const bytes = event.bytes ? formatBytes(event.bytes) : null;
   const took =
@@ -43,7 +51,10 @@ export function describeEvent(
     case 'released':
       return {
         type: 'info',
-        message: `Released ${bytes ?? 'the'} GPU memory of ${name} to host memory${why}. It comes back on the next cell.`
+        message:
+          `Released ${bytes ?? 'the'} GPU memory of ${name} to host memory; it comes back ` +
+          (restoreMode === 'lazy' ? 'before the next GPU cell' : 'before the next cell') +
+          `${why}.`
       };
     case 'restored':
       return {
@@ -76,10 +87,11 @@ export function connectNotifications(options: INotifierOptions): IDisposable {
     if (!options.enabled()) {
       return;
     }
-    const kernel = model.kernel(event.kernel_id);
+    // Named as in the panel: as much of the path as tells it from the other kernels.
+    const kernels = model.status?.kernels ?? [];
     const name =
-      baseName(kernel?.path) || kernel?.name || `kernel ${String(event.kernel_id).slice(0, 8)}`;
-    const toast = describeEvent(event, name);
+      kernelLabels(kernels).get(event.kernel_id) ?? `kernel ${String(event.kernel_id).slice(0, 8)}`;
+    const toast = describeEvent(event, name, model.status?.restore_mode);
     if (!toast) {
       return;
     }

@@ -16,7 +16,7 @@ import { formatDuration, formatGiBHours } from './format';
 import { GPUCard } from './gpucard';
 import { IRowActions, KernelRow } from './kernelrow';
 import { GPUShareModel } from './model';
-import { ColorMap } from './rules';
+import { ColorMap, kernelLabels } from './rules';
 
 export interface IPanelOptions {
   model: GPUShareModel;
@@ -48,8 +48,8 @@ export class GPUSharePanel extends Widget {
       el(
         'div',
         `${CSS.efficiency}-help`,
-        'held = integral of GPU bytes held by kernels over time; ' +
-          'used = the same integral counting only the time a kernel’s SM utilization was above 0.'
+        'held = integral of GPU bytes held by kernels over time; used = the same integral ' +
+          'counting only the time a kernel’s SM utilization on that GPU was above 0.'
       )
     );
     this._gpuList = el('div', CSS.gpuList);
@@ -86,6 +86,7 @@ export class GPUSharePanel extends Widget {
     if (this.isDisposed) {
       return;
     }
+    this._placeToasts(false);
     this._model.changed.disconnect(this._onChanged, this);
     if (this._wantsHistory) {
       this._model.wantHistory(false);
@@ -99,6 +100,7 @@ export class GPUSharePanel extends Widget {
       this._wantsHistory = true;
       this._model.wantHistory(true);
     }
+    this._placeToasts(true);
     this.update();
   }
 
@@ -107,10 +109,33 @@ export class GPUSharePanel extends Widget {
       this._wantsHistory = false;
       this._model.wantHistory(false);
     }
+    this._placeToasts(false);
   }
 
   protected onResize(msg: Widget.ResizeMessage): void {
+    this._placeToasts(this.isVisible);
     this.update();
+  }
+
+  /**
+   * The lab shows toasts at the bottom right, which is where this panel's kernel rows are
+   * when it sits in the right sidebar: a "Released ..." toast would cover the very row it is
+   * about. While the panel is open there, toasts move to its left (CSS in style/base.css).
+   */
+  private _placeToasts(visible: boolean): void {
+    const body = document.body;
+    const rect = this.node.getBoundingClientRect();
+    const atRightEdge = visible && rect.width > 0 && window.innerWidth - rect.right < 80;
+    if (atRightEdge) {
+      const offset = `${Math.ceil(window.innerWidth - rect.left)}px`;
+      if (body.style.getPropertyValue(TOAST_OFFSET) !== offset) {
+        body.style.setProperty(TOAST_OFFSET, offset);
+      }
+      body.classList.add(CSS.toastsAside);
+    } else {
+      body.classList.remove(CSS.toastsAside);
+      body.style.removeProperty(TOAST_OFFSET);
+    }
   }
 
   protected onUpdateRequest(msg: Message): void {
@@ -184,7 +209,8 @@ export class GPUSharePanel extends Widget {
       setHidden(this._efficiency, true);
     }
 
-    // Kernel rows, keyed by id, in `order`.
+    // Kernel rows, keyed by id, in `order`, named so that two notebooks never look alike.
+    const labels = kernelLabels(status.kernels);
     const seen = new Set<string>();
     order.forEach((id, i) => {
       const kernel = status.kernels.find(k => k.id === id)!;
@@ -199,6 +225,7 @@ export class GPUSharePanel extends Widget {
       }
       row.update({
         kernel,
+        label: labels.get(id)!,
         utilization: history?.kernels[id]?.sm_utilization ?? [],
         color: this._colors.color(id),
         pending: model.isPending(id),
@@ -268,6 +295,9 @@ function sortedKernelIds(status: IStatus): string[] {
     .sort((a, b) => (a.key < b.key ? -1 : a.key > b.key ? 1 : 0))
     .map(k => k.id);
 }
+
+/** How far from the window's right edge toasts sit while the panel is open on the right. */
+const TOAST_OFFSET = '--jp-gpushare-toast-offset';
 
 /** Exposed for tests: the attribute that identifies kernel rows. */
 export const KERNEL_ROW_SELECTOR = `.${CSS.kernel}[${Attr.kernelId}]`;

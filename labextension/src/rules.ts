@@ -1,8 +1,9 @@
 /**
  * Which actions a kernel's state allows (pure; mirrors the server's 409 rules so buttons are
- * disabled instead of failing).
+ * disabled instead of failing). The states are the contract's (`KernelState`).
  */
-import type { KernelState } from './api';
+import type { IKernel, KernelState } from './contract';
+import { distinctNames } from './format';
 
 export interface IAllowed {
   release: boolean;
@@ -10,10 +11,14 @@ export interface IAllowed {
   pin: boolean;
 }
 
-export function allowedActions(state: KernelState, pinned: boolean): IAllowed {
+/**
+ * Pinning is not part of it: a pinned kernel is never released *automatically*, and a person
+ * may still release it by hand, as over REST and with `%gpushare release`.
+ */
+export function allowedActions(state: KernelState): IAllowed {
   return {
-    // A pinned kernel is kept resident; unpin it first to release it.
-    release: !pinned && (state === 'active' || state === 'idle'),
+    // Only a resident kernel has GPU memory to release.
+    release: state === 'active' || state === 'idle',
     // `failed` keeps the held state, so a restore can be retried.
     restore: state === 'released' || state === 'failed',
     pin: state !== 'untracked'
@@ -48,4 +53,28 @@ export class ColorMap {
 
   private _colors = new Map<string, string>();
   private _next = 0;
+}
+
+/**
+ * The name of each kernel's row: its notebook's file name with as many parent folders as it
+ * takes to differ from the other kernels' notebooks; the kernelspec and the id's first
+ * characters for a kernel without a notebook, or for two kernels on one notebook.
+ */
+export function kernelLabels(
+  kernels: readonly Pick<IKernel, 'id' | 'name' | 'path'>[]
+): Map<string, string> {
+  const names = distinctNames(kernels.map(k => k.path).filter(p => p));
+  const perPath = new Map<string, number>();
+  kernels.forEach(k => perPath.set(k.path, (perPath.get(k.path) ?? 0) + 1));
+  const labels = new Map<string, string>();
+  for (const k of kernels) {
+    const short = k.id.slice(0, 8);
+    if (!k.path) {
+      labels.set(k.id, k.name ? `${k.name} ${short}` : `kernel ${short}`);
+    } else {
+      const name = names.get(k.path) ?? k.path;
+      labels.set(k.id, perPath.get(k.path)! > 1 ? `${name} (${short})` : name);
+    }
+  }
+  return labels;
 }

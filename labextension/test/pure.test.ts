@@ -1,19 +1,21 @@
 /**
- * Unit tests of the pure modules (formatting, efficiency, stacking, button rules).
+ * Unit tests of the pure modules (formatting, efficiency, stacking, button rules, row names).
  * Run with `jlpm test` (compiled to CommonJS, executed by `node --test`).
  */
 import { strict as assert } from 'node:assert';
 import { test } from 'node:test';
 
 import {
-  baseName,
+  distinctNames,
   formatBytes,
   formatDuration,
   formatGiBHours,
-  formatPercent
+  formatPercent,
+  formatUtilization
 } from '../src/format';
 import { efficiency, IHistoryLike, mergeHistory, sampleAndHold, stackOnGPU } from '../src/metrics';
-import { allowedActions, ColorMap, PALETTE } from '../src/rules';
+import { KernelState, KernelStateValues } from '../src/contract';
+import { allowedActions, ColorMap, kernelLabels, PALETTE } from '../src/rules';
 
 const GiB = 1024 ** 3;
 
@@ -38,11 +40,60 @@ test('formatPercent and formatDuration', () => {
   assert.equal(formatDuration(null), '—');
 });
 
-test('formatGiBHours and baseName', () => {
+test('formatUtilization shows each GPU when the kernel holds memory on several', () => {
+  assert.equal(formatUtilization({ sm_utilization: 35, gpu_utilization: { '0': 35 } }), 'SM 35 %');
+  assert.equal(formatUtilization({ sm_utilization: null, gpu_utilization: {} }), 'SM —');
+  assert.equal(
+    formatUtilization({ sm_utilization: 93, gpu_utilization: { '0': 93, '1': 0 } }),
+    'SM 93 % on GPU 0 · 0 % on GPU 1'
+  );
+});
+
+test('formatDuration carries rounding into the larger unit', () => {
+  // Each was shown as "60 s", "1 min 60 s", "1 h 60 min" or "10.0 s".
+  assert.equal(formatDuration(59.6), '1 min');
+  assert.equal(formatDuration(119.6), '2 min');
+  assert.equal(formatDuration(179.5), '3 min');
+  assert.equal(formatDuration(7199), '2 h');
+  assert.equal(formatDuration(3599.6), '1 h');
+  assert.equal(formatDuration(9.97), '10 s');
+  assert.equal(formatDuration(9.94), '9.9 s');
+  assert.equal(formatDuration(89.4), '1 min 29 s');
+  assert.equal(formatDuration(3630), '1 h 1 min');
+  for (let s = 0; s < 4 * 3600; s += 0.7) {
+    const text = formatDuration(s);
+    assert.ok(!/\b60 (s|min)/.test(text), `${s} -> ${text}`);
+    assert.ok(!/^10\.0 s/.test(text), `${s} -> ${text}`);
+  }
+});
+
+test('formatGiBHours', () => {
   assert.equal(formatGiBHours(GiB * 3600), '1.00 GiB·h');
   assert.equal(formatGiBHours(GiB * 36), '0.010 GiB·h');
-  assert.equal(baseName('a/b/c.ipynb'), 'c.ipynb');
-  assert.equal(baseName(null), '');
+});
+
+test('distinctNames keeps as much of a path as it takes to tell notebooks apart', () => {
+  const names = distinctNames([
+    'proj/a/train.ipynb',
+    'proj/b/train.ipynb',
+    'eval.ipynb',
+    'x/y/eval2.ipynb',
+    'one/two/same.ipynb',
+    'three/two/same.ipynb',
+    'train.ipynb',
+    'proj/a/train.ipynb'
+  ]);
+  assert.equal(names.get('proj/a/train.ipynb'), 'a/train.ipynb');
+  assert.equal(names.get('proj/b/train.ipynb'), 'b/train.ipynb');
+  assert.equal(names.get('train.ipynb'), 'train.ipynb');
+  assert.equal(names.get('eval.ipynb'), 'eval.ipynb');
+  assert.equal(names.get('x/y/eval2.ipynb'), 'eval2.ipynb');
+  assert.equal(names.get('one/two/same.ipynb'), 'one/two/same.ipynb');
+  assert.equal(names.get('three/two/same.ipynb'), 'three/two/same.ipynb');
+  const shown = [...names.values()];
+  assert.equal(new Set(shown).size, shown.length); // every distinct path, a distinct name
+  assert.deepEqual([...distinctNames(['a/n.ipynb']).values()], ['n.ipynb']);
+  assert.deepEqual([...distinctNames([]).values()], []);
 });
 
 test('efficiency counts bytes held and bytes held while utilized', () => {
@@ -51,13 +102,15 @@ test('efficiency counts bytes held and bytes held while utilized', () => {
       t: [0, 10, 20, 30],
       gpu_memory_bytes: [GiB, GiB, GiB, GiB],
       sm_utilization: [0, 50, 0, null],
-      gpu: { '0': [GiB, GiB, GiB, GiB] }
+      gpu: { '0': [GiB, GiB, GiB, GiB] },
+      gpu_utilization: { '0': [0, 50, 0, null] }
     },
     b: {
       t: [20, 30],
       gpu_memory_bytes: [2 * GiB, 0],
       sm_utilization: [100, 100],
-      gpu: { '1': [2 * GiB, 0] }
+      gpu: { '1': [2 * GiB, 0] },
+      gpu_utilization: { '1': [100, 100] }
     }
   };
   // a: 4 samples of 10 s (last bounded by interval 10, now 40) = 40 GiB·s held, 10 used.
@@ -72,6 +125,29 @@ test('efficiency counts bytes held and bytes held while utilized', () => {
   // The last sample counts only up to `now`.
   assert.equal(efficiency(kernels, 10, 33, '0').heldByteSeconds, 33 * GiB);
   assert.equal(efficiency({}, 1, 0).ratio, null);
+});
+
+test('efficiency counts a GPU as used only while the kernel computed on that GPU', () => {
+  // One kernel, 1 GiB on each of two GPUs for 30 s, computing on GPU 0 the whole time and
+  // never on GPU 1: its overall utilization (93 %) says nothing about GPU 1.
+  const kernels = {
+    k: {
+      t: [0, 10, 20],
+      gpu_memory_bytes: [2 * GiB, 2 * GiB, 2 * GiB],
+      sm_utilization: [93, 93, 93],
+      gpu: { '0': [GiB, GiB, GiB], '1': [GiB, GiB, GiB] },
+      gpu_utilization: { '0': [93, 93, 93], '1': [0, 0, 0] }
+    }
+  };
+  assert.equal(efficiency(kernels, 10, 30, '0').ratio, 1);
+  assert.equal(efficiency(kernels, 10, 30, '1').ratio, 0);
+  assert.equal(efficiency(kernels, 10, 30, '1').heldByteSeconds, 30 * GiB);
+  const all = efficiency(kernels, 10, 30);
+  assert.equal(all.heldByteSeconds, 60 * GiB);
+  assert.equal(all.ratio, 0.5);
+  // A series without per-GPU utilization counts as not computing, never as the overall figure.
+  const { gpu_utilization: _, ...bare } = kernels.k;
+  assert.equal(efficiency({ k: bare }, 10, 30, '1').ratio, 0);
 });
 
 test('sampleAndHold holds the latest sample for at most maxGap seconds', () => {
@@ -95,20 +171,38 @@ test('stackOnGPU stacks in order and leaves out kernels holding nothing there', 
   ]);
 });
 
-test('allowedActions follows the state machine and the pin flag', () => {
-  assert.deepEqual(allowedActions('idle', false), { release: true, restore: false, pin: true });
-  assert.deepEqual(allowedActions('idle', true), { release: false, restore: false, pin: true });
-  assert.deepEqual(allowedActions('released', false), { release: false, restore: true, pin: true });
-  assert.deepEqual(allowedActions('failed', false), { release: false, restore: true, pin: true });
-  assert.deepEqual(allowedActions('restoring', false), {
-    release: false,
-    restore: false,
-    pin: true
-  });
-  assert.deepEqual(allowedActions('untracked', false), {
-    release: false,
-    restore: false,
-    pin: false
+test('allowedActions follows the state machine; pinning never blocks a release by hand', () => {
+  const resident = new Set<KernelState>(['active', 'idle']);
+  const held = new Set<KernelState>(['released', 'failed']);
+  for (const state of KernelStateValues) {
+    assert.deepEqual(
+      allowedActions(state),
+      { release: resident.has(state), restore: held.has(state), pin: state !== 'untracked' },
+      state
+    );
+  }
+  assert.deepEqual(allowedActions('idle'), { release: true, restore: false, pin: true });
+  assert.deepEqual(allowedActions('restoring'), { release: false, restore: false, pin: true });
+});
+
+test('kernelLabels tells every kernel row apart', () => {
+  const labels = kernelLabels([
+    { id: 'aaaaaaaa-1', name: 'python3', path: 'proj/a/train.ipynb' },
+    { id: 'bbbbbbbb-2', name: 'python3', path: 'proj/b/train.ipynb' },
+    { id: 'cccccccc-3', name: 'python3', path: 'solo.ipynb' },
+    { id: 'dddddddd-4', name: 'python3', path: 'dup.ipynb' },
+    { id: 'eeeeeeee-5', name: 'python3', path: 'dup.ipynb' },
+    { id: 'ffffffff-6', name: 'python3', path: '' },
+    { id: 'gggggggg-7', name: '', path: '' }
+  ]);
+  assert.deepEqual(Object.fromEntries(labels), {
+    'aaaaaaaa-1': 'a/train.ipynb',
+    'bbbbbbbb-2': 'b/train.ipynb',
+    'cccccccc-3': 'solo.ipynb',
+    'dddddddd-4': 'dup.ipynb (dddddddd)',
+    'eeeeeeee-5': 'dup.ipynb (eeeeeeee)',
+    'ffffffff-6': 'python3 ffffffff',
+    'gggggggg-7': 'kernel gggggggg'
   });
 });
 
@@ -129,7 +223,8 @@ test('mergeHistory appends new samples, pads new GPU series and trims the window
         t: [1, 2, 3],
         gpu_memory_bytes: [1, 1, 1],
         sm_utilization: [0, 0, 0],
-        gpu: { '0': [1, 1, 1] }
+        gpu: { '0': [1, 1, 1] },
+        gpu_utilization: { '0': [0, 0, 0] }
       },
       gone: { t: [1], gpu_memory_bytes: [5], sm_utilization: [0], gpu: { '0': [5] } }
     }
@@ -146,7 +241,8 @@ test('mergeHistory appends new samples, pads new GPU series and trims the window
         t: [3, 4, 5],
         gpu_memory_bytes: [1, 2, 2],
         sm_utilization: [0, 9, 9],
-        gpu: { '0': [1, 1, 1], '1': [0, 1, 1] }
+        gpu: { '0': [1, 1, 1], '1': [0, 1, 1] },
+        gpu_utilization: { '1': [0, 9, 9] }
       }
     }
   };
@@ -163,6 +259,11 @@ test('mergeHistory appends new samples, pads new GPU series and trims the window
   assert.deepEqual(merged.kernels.k.t, [2, 3, 4, 5]);
   assert.deepEqual(merged.kernels.k.gpu_memory_bytes, [1, 1, 2, 2]);
   assert.deepEqual(merged.kernels.k.gpu, { '0': [1, 1, 1, 1], '1': [null, null, 1, 1] });
+  // Per-GPU utilization merges the same way: a new index is padded, a missing one continued.
+  assert.deepEqual(merged.kernels.k.gpu_utilization, {
+    '0': [0, 0, null, null],
+    '1': [null, null, 9, 9]
+  });
   // A kernel whose samples all left the window is dropped.
   assert.equal('gone' in merged.kernels, false);
 });

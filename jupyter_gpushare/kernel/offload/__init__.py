@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
 
 from .base import OffloadAdapter, OffloadReport
 
@@ -37,21 +36,10 @@ def present_adapters() -> list[OffloadAdapter]:
     return [adapter_class(spec)() for module, spec in ADAPTERS if module in sys.modules]
 
 
-def gpu_names(namespace: dict[str, Any], adapters: list[OffloadAdapter] | None = None) -> set[str]:
-    """Top-level user names that refer (directly or through containers, attributes and
-    closures) to device objects of any present framework, including objects the given
-    adapters hold offloaded right now."""
-    names: set[str] = set()
-    for adapter in present_adapters() if adapters is None else adapters:
-        names |= adapter.gpu_names(namespace)  # type: ignore[attr-defined]
-    return names
-
-
 __all__ = [
     "ADAPTERS",
     "OffloadAdapter",
     "OffloadReport",
     "adapter_class",
-    "gpu_names",
     "present_adapters",
 ]

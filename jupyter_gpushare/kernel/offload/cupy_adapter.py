@@ -29,9 +29,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..walk import Child, Ref, walk_namespace
 from .base import OffloadAdapter, OffloadReport
 from .txn import Change, UndoIncomplete, apply_all
-from .walk import Child, Ref, names_reaching, walk_namespace
 
 _probe_result: str | None = None  # "" when re-pointing works, else why not
 
@@ -237,15 +237,6 @@ class CupyAdapter(OffloadAdapter):
         for group in groups:
             group.host = None
         _cupy().get_default_pinned_memory_pool().free_all_blocks()
-
-    def gpu_names(self, namespace: dict[str, Any]) -> set[str]:
-        cupy = _cupy()
-        return names_reaching(
-            namespace,
-            lambda obj: isinstance(obj, cupy.ndarray),
-            target_children=array_children,
-            **self.walk_options,
-        )
 
     def _find_groups(self, namespace: dict[str, Any], report: OffloadReport) -> list[_Group]:
         cupy = _cupy()

@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..walk import Ref, namespace_roots, walk
 from .base import OffloadAdapter, OffloadReport
 from .txn import Change, apply_all
-from .walk import Ref, is_user_name, names_reaching, namespace_roots, walk
 
 
 def _jax() -> Any:
@@ -332,16 +332,3 @@ class JaxAdapter(OffloadAdapter):
                 undo=lambda b=binding: b.ref.rebind(b.host_value),
                 what=binding.path,
             )
-
-    # -- names ------------------------------------------------------------------------------
-
-    def gpu_names(self, namespace: dict[str, Any]) -> set[str]:
-        """Top-level user names bound to device arrays, or to what this adapter offloaded."""
-        names = {b.root for b in self._bindings if is_user_name(b.root) and b.root in namespace}
-        jax = _jax()
-        names |= names_reaching(
-            namespace,
-            lambda obj: isinstance(obj, jax.Array) and self.is_device(obj),
-            **self.walk_options,
-        )
-        return names

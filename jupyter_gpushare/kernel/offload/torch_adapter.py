@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..walk import Child, Ref, walk_namespace
 from .base import OffloadAdapter, OffloadReport
 from .txn import Change, UndoIncomplete, apply_all
-from .walk import Child, Ref, names_reaching, walk_namespace
 
 if TYPE_CHECKING:  # torch is imported only when the adapter is used (it is then loaded already)
     import torch
@@ -229,20 +229,6 @@ class TorchAdapter(OffloadAdapter):
         _release_pinned_cache()
         report.seconds = time.perf_counter() - start
         return report
-
-    # -- names, for lazy restore ----------------------------------------------------------
-
-    def gpu_names(self, namespace: dict[str, Any]) -> set[str]:
-        """Top-level user names that reach a device tensor (or one this adapter offloaded)."""
-        torch = _torch()
-        held = {id(t) for group in self._groups for t in group.tensors}
-
-        def on_device(obj: Any) -> bool:
-            return isinstance(obj, torch.Tensor) and (id(obj) in held or self.is_device(obj))
-
-        return names_reaching(
-            namespace, on_device, target_children=tensor_children, **self.walk_options
-        )
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 /**
  * jupyter-gpushare panel against the real server extension on the simulated GPU node:
  * two notebooks allocate 1 GiB each; release one from the panel, restore it by running a
- * cell, pin the other. Screenshots go to artifacts/ for people to look at.
+ * cell, pin the other and release it by hand all the same; toasts stay clear of the panel.
+ * Then two notebooks of one name in two folders, one keeping data on a GPU it never
+ * computes on: rows that tell them apart, per-GPU utilization. Screenshots go to artifacts/.
  */
 import { expect, galata, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
 import { Locator } from '@playwright/test';
@@ -34,6 +36,13 @@ async function openPanel(page: IJupyterLabPageFixture): Promise<void> {
   await expect(panel(page)).toBeVisible();
 }
 
+/** Whether `locator` lies wholly left of the panel (does not cover any of its rows). */
+async function leftOfPanel(page: IJupyterLabPageFixture, locator: Locator): Promise<boolean> {
+  const box = await locator.boundingBox();
+  const area = await panel(page).boundingBox();
+  return box !== null && area !== null && box.x + box.width <= area.x;
+}
+
 async function gpuUsed(page: IJupyterLabPageFixture, index: number): Promise<number> {
   const value = await panel(page)
     .locator(`.jp-GPUShare-gpu[data-gpu-index="${index}"]`)
@@ -64,7 +73,11 @@ async function allocatingNotebook(
   };
   await page.contents.uploadContent(JSON.stringify(notebook), 'text', `${dir}/${name}`);
   await page.notebook.openByPath(`${dir}/${name}`);
-  await page.notebook.activate(name);
+  // The notebook just opened is the current one; its tab label (the file name) may be
+  // another notebook's too, so wait for its session rather than activate a tab by name.
+  await page.evaluate(async () => {
+    await (window as any).galata.app.shell.currentWidget.sessionContext.ready;
+  });
   await page.notebook.runCell(0);
   await expect(
     page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output').first()
@@ -128,10 +141,15 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await expect(a.locator('button[data-action="restore"]')).toBeEnabled();
   await expect.poll(() => gpuUsed(page, 0)).toBeLessThanOrEqual(usedBefore - GiB);
   await expect(gpu0).toHaveAttribute('data-released-bytes', String(GiB));
-  // The server's event turns into a notification.
-  await expect(
-    page.locator('.Toastify__toast').filter({ hasText: 'Released 1.0 GiB' })
-  ).toBeVisible();
+  // The server's event turns into a notification, beside the panel rather than over its rows.
+  const toast = page.locator('.Toastify__toast').filter({ hasText: 'Released 1.0 GiB' });
+  await expect(toast).toBeVisible();
+  // named as its row is; eager mode: any next cell brings it back
+  await expect(toast).toContainText(
+    'of alloc-a.ipynb to host memory; it comes back before the next cell'
+  );
+  await expect.poll(() => leftOfPanel(page, toast)).toBe(true); // once it has slid in
+  await page.screenshot({ path: path.join(ARTIFACTS, 'toast-beside-panel.png') });
   await shot(page, 'panel-released');
 
   // The status bar follows the current notebook; switch to A and see it released.
@@ -152,15 +170,25 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await expect(a.locator('.jp-GPUShare-kernelStats-timing')).toContainText('last restore');
   await expect(page.locator('.jp-GPUShare-statusItem')).toContainText('GPU 1.0 GiB');
 
-  // Pin B: release is no longer offered for it.
+  // Pin B: never released automatically, and still releasable by hand (as over REST).
   await b.locator('button[data-action="pin"]').click();
   await expect(b).toHaveAttribute('data-pinned', 'true');
   await expect(b.locator('.jp-GPUShare-badge-pinned')).toBeVisible();
   await expect(b.locator('button[data-action="pin"]')).toHaveText('Unpin');
-  await expect(b.locator('button[data-action="release"]')).toBeDisabled();
+  await expect(b.locator('.jp-GPUShare-kernelStats-timing')).toContainText(
+    'never released automatically'
+  );
+  await expect(b.locator('button[data-action="release"]')).toBeEnabled();
   await expect(a.locator('button[data-action="release"]')).toBeEnabled();
   await shot(page, 'panel-restored-pinned');
   await page.screenshot({ path: path.join(ARTIFACTS, 'lab-with-panel.png') });
+  await b.locator('button[data-action="release"]').click();
+  await expect(b).toHaveAttribute('data-state', 'released');
+  await expect(b).toHaveAttribute('data-pinned', 'true');
+  await expect(b.locator('.jp-GPUShare-kernelError')).toBeHidden();
+  await b.locator('button[data-action="restore"]').click();
+  await expect(b).not.toHaveAttribute('data-state', /released|restoring/);
+  await expect(b).toHaveAttribute('data-gpu-memory-bytes', String(GiB));
 
   // Clicking a kernel's name brings its notebook to the front.
   await page.notebook.activate('alloc-a.ipynb');
@@ -168,10 +196,51 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await expect.poll(() => page.activity.isTabActive('alloc-b.ipynb')).toBe(true);
 });
 
+test('rows tell two notebooks of one name apart; utilization is per GPU', async ({
+  page,
+  tmpPath
+}) => {
+  // "one/same.ipynb" keeps 256 MiB on GPU 1 but computes only on GPU 0.
+  await allocatingNotebook(
+    page,
+    tmpPath,
+    'one/same.ipynb',
+    '\ny = simgpu.zeros((64, 1024, 1024), dtype=np.float32, device=1)\nsimgpu.burn(1.5, device=0)'
+  );
+  await allocatingNotebook(page, tmpPath, 'two/same.ipynb');
+  await openPanel(page);
+
+  const one = panel(page).locator(`.jp-GPUShare-kernel[data-path="${tmpPath}/one/same.ipynb"]`);
+  const two = panel(page).locator(`.jp-GPUShare-kernel[data-path="${tmpPath}/two/same.ipynb"]`);
+  // Enough of the path to differ; the whole path on hover.
+  await expect(one.locator('.jp-GPUShare-kernelName')).toHaveText('one/same.ipynb');
+  await expect(two.locator('.jp-GPUShare-kernelName')).toHaveText('two/same.ipynb');
+  await expect(one.locator('.jp-GPUShare-kernelName')).toHaveAttribute(
+    'title',
+    new RegExp(`^${tmpPath}/one/same\\.ipynb\\nkernel [0-9a-f-]+$`)
+  );
+  await one.locator('.jp-GPUShare-kernelName').hover();
+
+  // The row shows utilization per GPU; GPU 1, where nothing computed, held its bytes idle.
+  await expect(one.locator('.jp-GPUShare-kernelStats-util')).toHaveText(
+    /^SM \d+ % on GPU 0 · 0 % on GPU 1$/
+  );
+  const released = (index: number) =>
+    panel(page).locator(
+      `.jp-GPUShare-gpu[data-gpu-index="${index}"] .jp-GPUShare-gpuStats-released`
+    );
+  await expect(released(1)).toContainText('held while computing 0 %');
+  await expect(released(0)).toContainText(/held while computing [1-9]\d* %/);
+  await shot(page, 'panel-same-names-per-gpu');
+});
+
 test.describe('with the notifications setting off', () => {
   // galata serves the lab's settings from the page (mockSettings); set ours there
   test.use({
-    mockSettings: { ...galata.DEFAULT_SETTINGS, 'jupyter-gpushare:plugin': { notifications: false } }
+    mockSettings: {
+      ...galata.DEFAULT_SETTINGS,
+      'jupyter-gpushare:plugin': { notifications: false }
+    }
   });
 
   test('a release shows no toast', async ({ page, tmpPath }) => {

@@ -1,10 +1,15 @@
-"""Find objects of interest reachable from a notebook namespace, bounded and cycle-safe.
+"""The one walk over a notebook's objects: what is reachable from the user's names.
 
-Framework adapters need every tensor/array the user can still reach: through globals,
-containers, object attributes (``__dict__`` and ``__slots__``), closures, partials and bound
-methods. The walk is breadth-first (so reported paths are the shortest ones), remembers
-visited ids (cycles end), and stops at a depth and an object budget (a huge dataset in a
-global never stalls a release). It imports no framework: callers pass ``is_target``.
+Two questions are answered with it, each by its own predicate: the framework adapters ask
+which tensors and arrays the user can still reach (to move them to host memory and back;
+``offload/``), and lazy restore asks which names may reach the GPU at all (``lazy.py``).
+
+The walk follows globals, containers (dict keys and values), object attributes
+(``__dict__`` and ``__slots__``), closures, defaults, partials and bound methods. It is
+breadth-first (so reported paths are the shortest ones), remembers visited ids (cycles
+end), and stops at a depth and an object budget (a huge dataset in a global never stalls a
+release); the result says when it stopped short, so a caller that must be conservative can
+treat "not looked at" as "found". It imports no framework: callers pass ``is_target``.
 
 Each found object carries every place it was seen (:class:`Ref`), so an adapter for immutable
 arrays (JAX) can rebind them, and knows which references it cannot rebind (tuples, sets,
@@ -110,7 +115,14 @@ class WalkResult:
     found: dict[int, Found] = field(default_factory=dict)  # id(obj) -> Found, in BFS order
     visited: int = 0
     truncated: bool = False  # the object budget ran out: some objects were not looked at
+    too_deep: bool = False  # objects at max_depth were not looked into
+    unreadable: int = 0  # objects whose references could not be read (a broken proxy)
     keepalive: list[Any] = field(default_factory=list, repr=False)
+
+    @property
+    def complete(self) -> bool:
+        """Every reachable object was looked at (no budget, depth or read stopped it)."""
+        return not (self.truncated or self.too_deep or self.unreadable)
 
     def release(self) -> None:
         """Drop the strong references that kept visited ids unique during the walk."""
@@ -210,6 +222,7 @@ def children(obj: Any) -> Iterator[Child]:
 
 
 def _is_opaque(obj: Any) -> bool:
+    """Objects the walk never looks into (it may still report them as targets)."""
     kind = type(obj)
     if kind in _ATOMIC or isinstance(obj, _OPAQUE):
         return True
@@ -226,18 +239,24 @@ def walk(
     target_children: Callable[[Any], Iterable[Child]] | None = None,
     max_depth: int = 100,
     max_objects: int = 1_000_000,
+    stop_at_first: bool = False,
 ) -> WalkResult:
     """Breadth-first search from ``roots`` (``(path, object, ref)``) for ``is_target`` objects.
 
     Targets are not descended into the generic way (a tensor's ``__dict__`` is rarely what
     matters); ``target_children`` says what they lead to (a tensor's ``.grad`` and ``._base``).
+    ``stop_at_first`` ends the walk at the first target (a yes/no question). An exception in
+    ``is_target`` counts as "not a target"; a predicate that must err the other way catches
+    its own exceptions.
     """
     result = WalkResult()
     seen: set[int] = set()
     queue: collections.deque[tuple[str, Any, int]] = collections.deque()
+    done = False
 
     def visit(path: str, obj: Any, ref: Ref | None, depth: int) -> None:
-        if _is_opaque(obj):
+        nonlocal done
+        if type(obj) in _ATOMIC:
             return
         key = id(obj)
         try:
@@ -250,15 +269,20 @@ def walk(
                 entry = result.found[key] = Found(obj, path)
             if ref is not None:
                 entry.refs.append(ref)
-        if key in seen:
+            done = stop_at_first
+        if key in seen or _is_opaque(obj):
             return
         seen.add(key)
         result.keepalive.append(obj)  # ids stay unique while the walk runs
         if depth < max_depth:
             queue.append((path, obj, depth))
+        else:
+            result.too_deep = True
 
     for path, obj, ref in roots:
         visit(path, obj, ref, 0)
+        if done:
+            return result
     while queue:
         if result.visited >= max_objects:
             result.truncated = True
@@ -271,9 +295,12 @@ def walk(
             else:
                 kids = list(children(obj))
         except Exception:
+            result.unreadable += 1
             continue  # a proxy or a broken object: nothing we can safely follow
         for suffix, child, ref in kids:
             visit(path + suffix, child, ref, depth + 1)
+            if done:
+                return result
     return result
 
 
@@ -324,15 +351,21 @@ def walk_namespace(
 def names_reaching(
     namespace: dict[str, Any],
     is_target: Callable[[Any], bool],
+    *,
+    conservative: bool = False,
     **options: Any,
 ) -> set[str]:
-    """Top-level user names from which at least one ``is_target`` object is reachable."""
+    """Top-level user names from which at least one ``is_target`` object is reachable.
+
+    Each name is walked on its own, so the budget is per name. ``conservative``: a name whose
+    walk stopped short (budget, depth, an unreadable object) counts as reaching a target.
+    """
     names = set()
     for name, value in list(namespace.items()):
-        if not is_user_name(name) or _is_opaque(value):
+        if not is_user_name(name) or type(value) in _ATOMIC:
             continue
-        result = walk([(name, value, None)], is_target, **options)
-        if result.found:
+        result = walk([(name, value, None)], is_target, stop_at_first=True, **options)
+        if result.found or (conservative and not result.complete):
             names.add(name)
         result.release()
     return names
