@@ -1,4 +1,4 @@
-"""Load: 50 kernels cycling release/restore while the status is polled at 10 Hz (issue 8).
+"""Load: 50 kernels cycling release/restore while the status is polled at 10 Hz.
 
 One real server (simulated backend, four 16 GiB simulated GPUs, poll_interval 1 s,
 idle_timeout 1 h so that only the benchmark releases, history_seconds 30 so that the ring

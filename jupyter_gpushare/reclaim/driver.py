@@ -12,7 +12,8 @@ Order of operations and why:
   processes at one moment, and the likeliest failure (a lock timeout: the kernel is busy on the
   GPU) is found before any memory has moved, so undoing it is only unlocks.
 - restore: check free memory on every GPU first; then per pid restore and unlock. A restore
-  that fails for lack of memory wedges the process for good (NVIDIA/cuda-checkpoint#44), so
+  that fails for lack of memory wedges the process for good (a known limit of the CUDA
+  checkpoint API: https://github.com/NVIDIA/cuda-checkpoint/issues/44), so
   the method refuses when free memory is short *or unknown* and never calls restore blind.
 - Each step reads the driver's state of the pid first, so repeating an operation after a
   partial failure finishes the job instead of failing on an illegal state: ``restore`` is
