@@ -90,9 +90,16 @@ class Outcome:
 class Operation:
     kind: str  # "release" | "restore"
     trigger: str
-    task: asyncio.Task[Outcome] = field(init=False, repr=False)
+    task: asyncio.Task[Outcome] = field(init=False, repr=False)  # ends with the operation; never cancelled
+    body: asyncio.Task[Outcome] = field(init=False, repr=False)  # the work; only its waiting is stopped
     phase: str = "waiting"  # "waiting" (may be stopped) | "moving" (runs to its end)
     stop_reason: str = ""
+
+    def stop(self, why: str) -> None:
+        """Stop the work, not the task waiters await: that one still ends in an Outcome,
+        even when the work is stopped before it began."""
+        self.stop_reason = why
+        self.body.cancel()
 
 
 @dataclass
@@ -357,14 +364,15 @@ class Controller:
 
     # -- operations: start, wait ------------------------------------------------------------
     def _start(self, st: KernelState, op: Operation, body: Awaitable[Outcome]) -> Operation:
-        op.task = asyncio.ensure_future(self._run(st, op, body))
+        op.body = asyncio.ensure_future(body)
+        op.task = asyncio.ensure_future(self._run(st, op))
         st.op = op
         return op
 
-    async def _run(self, st: KernelState, op: Operation, body: Awaitable[Outcome]) -> Outcome:
+    async def _run(self, st: KernelState, op: Operation) -> Outcome:
         """Every operation ends here: whatever happened, ``op`` is cleared and waiters wake."""
         try:
-            return await body
+            return await op.body
         except asyncio.CancelledError:  # only a waiting phase can be stopped
             return Outcome(False, op.stop_reason or "stopped while waiting for GPU memory")
         except Exception as e:  # a bug: never leave the state or the waiters stuck on it
@@ -411,8 +419,7 @@ class Controller:
         op = st.op if st is not None else None
         if op is None or op.kind != "restore" or op.phase != "waiting":
             return False
-        op.stop_reason = why
-        op.task.cancel()
+        op.stop(why)
         return True
 
     # -- release -----------------------------------------------------------------------------
@@ -769,8 +776,7 @@ class Controller:
         st.error, st.retryable = f"{why}: its released GPU state is gone", False
         st.drops += 1
         if op is not None:
-            op.stop_reason = st.error
-            op.task.cancel()
+            op.stop(st.error)
         metrics.forget_kernel(kernel_id)
         self._signal_freed()
 
@@ -778,8 +784,7 @@ class Controller:
         self.drop_held(kernel_id, why)
         st = self.states.get(kernel_id)
         if st is not None and st.op is not None and st.op.phase == "waiting":
-            st.op.stop_reason = why
-            st.op.task.cancel()
+            st.op.stop(why)
         self.states.pop(kernel_id, None)
         self._busy_since.pop(kernel_id, None)
         metrics.forget_kernel(kernel_id)
