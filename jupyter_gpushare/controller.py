@@ -688,6 +688,9 @@ class Controller:
             grant = await self.reservations.acquire(list(need))
             try:
                 free = await self.read_free(list(need))
+            except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
+                grant.release()
+                raise
             except Exception as e:
                 log.warning("gpushare: cannot read free GPU memory: %s", e)
                 free = {g: None for g in need}
