@@ -617,11 +617,13 @@ class Controller:
             return grant
         try:
             op.phase = "moving"
-            return await self._to_the_end(self._move_back(st, op, held, shown))
+            return await self._to_the_end(self._move_back(st, op, held, shown, grant))
         finally:
             grant.release()
 
-    async def _move_back(self, st: KernelState, op: Operation, held: Held, shown: _Shower) -> Outcome:
+    async def _move_back(
+        self, st: KernelState, op: Operation, held: Held, shown: _Shower, grant: Grant
+    ) -> Outcome:
         kid = st.kernel_id
         method = self.methods[held.method]
         st.error = None
@@ -642,6 +644,7 @@ class Controller:
         try:
             result = await method.restore(target, progress)
         except Exception as e:
+            grant.release()  # nothing landed: the room is free again
             retryable = e.retryable if isinstance(e, ReclaimError) else True
             why = str(e) or type(e).__name__
             st.failed, st.retryable = True, retryable
@@ -653,6 +656,7 @@ class Controller:
             log.warning("gpushare: restore of kernel %s failed: %s", kid, why)
             await self._refresh()
             return Outcome(False, st.error, retryable)
+        grant.release()  # landed bytes count as used from here: not twice, as reserved too
         seconds = time.monotonic() - started
         moved = result.bytes or held.bytes
         if st.held is held:
