@@ -479,41 +479,42 @@ class Controller:
         if why:
             st.host_refusal = why
             return await self._refuse(st, op, f"not released: {why}")
-        agent = self.agent(kid)
-        if agent is not None:  # the agent knows whether a cell runs now: it decides
-            try:
-                await agent.request("begin_release", timeout=10, by_kernel=by_kernel,
-                                    automatic=automatic)
-            except (ConnectionError, TimeoutError) as e:
-                return await self._refuse(st, op, f"the kernel's agent did not answer ({e or 'timeout'})")
-            except Exception as e:
-                if getattr(e, "kind", "") == "BackgroundGPUWork":
-                    st.background = str(e)  # sticky: shown until the user allows it
-                return await self._refuse(st, op, str(e) or type(e).__name__)
-        elif self.live_state(kid) == "busy" and not by_kernel:
-            return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
-
-        op.phase = "moving"
         scope = room.scope if room is not None else "machine"
-        held = Held(method=method_name, bytes=need, gpus=self._gpus_of(rec), pids=list(target.pids),
-                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=rec.pids[0] if rec.pids else None,
-                    attributed=rec.attributed, since=clock.now())
-        st.held, st.method, st.failed, st.error = held, method_name, False, None
-        self.host_inflight[scope] = self.host_inflight.get(scope, 0) + need
-        self._notify_agent(kid, RELEASING)
-        started = time.monotonic()
+        # claimed at the check, before the agent is asked (that yields): releases checked
+        # meanwhile must count these bytes, or two that fit alone both move and OOM the host
+        give_back = self._host_claim(scope, need)
         try:
-            result = await self._to_the_end(method.release(target, self._progress_log(kid)))
-        except ReclaimError as e:
-            return await self._release_failed(st, held, method_name, str(e), e.resident,
-                                              e.retryable, started)
-        except Exception as e:  # a timeout, a lost channel, a bug: the undo is not confirmed
-            return await self._release_failed(st, held, method_name, str(e) or type(e).__name__,
-                                              False, True, started)
+            agent = self.agent(kid)
+            if agent is not None:  # the agent knows whether a cell runs now: it decides
+                try:
+                    await agent.request("begin_release", timeout=10, by_kernel=by_kernel,
+                                        automatic=automatic)
+                except (ConnectionError, TimeoutError) as e:
+                    return await self._refuse(st, op, f"the kernel's agent did not answer ({e or 'timeout'})")
+                except Exception as e:
+                    if getattr(e, "kind", "") == "BackgroundGPUWork":
+                        st.background = str(e)  # sticky: shown until the user allows it
+                    return await self._refuse(st, op, str(e) or type(e).__name__)
+            elif self.live_state(kid) == "busy" and not by_kernel:
+                return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
+
+            op.phase = "moving"
+            held = Held(method=method_name, bytes=need, gpus=self._gpus_of(rec), pids=list(target.pids),
+                        pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=rec.pids[0] if rec.pids else None,
+                        attributed=rec.attributed, since=clock.now())
+            st.held, st.method, st.failed, st.error = held, method_name, False, None
+            self._notify_agent(kid, RELEASING)
+            started = time.monotonic()
+            try:
+                result = await self._to_the_end(method.release(target, self._progress_log(kid)))
+            except ReclaimError as e:
+                return await self._release_failed(st, held, method_name, str(e), e.resident,
+                                                  e.retryable, started)
+            except Exception as e:  # a timeout, a lost channel, a bug: the undo is not confirmed
+                return await self._release_failed(st, held, method_name, str(e) or type(e).__name__,
+                                                  False, True, started)
         finally:
-            self.host_inflight[scope] -= need
-            if not self.host_inflight[scope]:
-                del self.host_inflight[scope]
+            give_back()  # moved (the host's own numbers count them now), failed or refused
         seconds = time.monotonic() - started
         if st.held is not held:  # dropped meanwhile (a restart): nothing left to show
             return Outcome(False, st.error or "the held state was dropped", dropped=True)
@@ -549,6 +550,20 @@ class Controller:
         log.warning("gpushare: release of kernel %s failed: %s", kid, st.error)
         await self._refresh()
         return Outcome(False, st.error or why, retryable)
+
+    def _host_claim(self, scope: str, n: int) -> Callable[[], None]:
+        """Count ``n`` bytes as on their way into host memory; returns the (idempotent) undo."""
+        self.host_inflight[scope] = self.host_inflight.get(scope, 0) + n
+        claimed = [n]
+
+        def give_back() -> None:
+            if claimed:
+                claimed.clear()
+                self.host_inflight[scope] -= n
+                if not self.host_inflight[scope]:
+                    del self.host_inflight[scope]
+
+        return give_back
 
     def _gpus_of(self, rec: KernelRecord) -> dict[int, int]:
         return {g: b for g, b in rec.gpu_bytes.items() if b}
