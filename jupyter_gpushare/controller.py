@@ -705,7 +705,9 @@ class Controller:
             if busy:
                 st.waiting = f"waiting for another kernel's restore on GPU {', '.join(map(str, busy))}"
             grant = await self.reservations.acquire(list(need))
+            want = need
             try:
+                want = await self._still_to_land(st, held, need)
                 free = await self.read_free(list(need))
             except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
                 grant.release()
@@ -713,9 +715,9 @@ class Controller:
             except Exception as e:
                 log.warning("gpushare: cannot read free GPU memory: %s", e)
                 free = {g: None for g in need}
-            short = {g: n for g, n in need.items() if free.get(g) is None or (free[g] or 0) < n}
+            short = {g: n for g, n in want.items() if free.get(g) is None or (free[g] or 0) < n}
             if not short and st.held is held:
-                grant.reserve(need)
+                grant.reserve(want)
                 st.waiting = None
                 return grant
             grant.release()
@@ -729,16 +731,30 @@ class Controller:
                 return Outcome(False, st.waiting)
             if not announced:
                 announced = True
-                self._emit(st, "restore_waiting", bytes=sum(need.values()), reason=st.waiting)
+                self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=st.waiting)
                 await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
                             "(interrupt to stop waiting)")
-            await self._make_room(st, need, free)
+            await self._make_room(st, want, free)
             freed = self._freed
             try:
                 await asyncio.wait_for(freed.wait(), delay)
                 delay = WAIT_BACKOFF[0]
             except asyncio.TimeoutError:
                 delay = min(delay * 2, WAIT_BACKOFF[1])
+
+    async def _still_to_land(self, st: KernelState, held: Held, need: dict[int, int]) -> dict[int, int]:
+        """``need`` less what the kernel's process still holds on each GPU. A release that
+        failed part-way (or before moving anything) left those bytes in place, and they count
+        as used already: charging them again left such a kernel waiting for memory it does not
+        need, for good on a busy GPU. Measured now, per process, never from an older poll: a
+        count that lags behind bytes that did leave would make room that is not there."""
+        if held.complete or not held.attributed:
+            return need  # every byte left (the method said so), or not measured per process
+        await self._refresh()
+        rec = self.tracker.kernels.get(st.kernel_id)
+        if rec is None or not rec.attributed or not rec.pids or rec.pids[0] != held.kernel_pid:
+            return need  # not measured per process, or another process now: charge it all
+        return {g: max(0, n - rec.gpu_bytes.get(g, 0)) for g, n in need.items()}
 
     async def _make_room(self, st: KernelState, need: dict[int, int], free: dict[int, int | None]) -> None:
         """Release idle kernels per policy; a victim whose release failed recently is skipped."""
