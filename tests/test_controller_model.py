@@ -25,36 +25,54 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jupyter_gpushare import clock, policy
-from jupyter_gpushare.controller import Controller, ControllerError
+from jupyter_gpushare.controller import (
+    RETRY_AFTER_FAILED_RELEASE,
+    Controller,
+    ControllerError,
+    Held,
+)
 from jupyter_gpushare.hostmem import HostRoom
 from jupyter_gpushare.protocol import RemoteError
-from jupyter_gpushare.reclaim import KernelTarget, ReclaimError, ReclaimMethod, ReclaimResult, Support
+from jupyter_gpushare.reclaim import (
+    KernelTarget,
+    ReclaimError,
+    ReclaimMethod,
+    ReclaimResult,
+    Support,
+)
 from jupyter_gpushare.states import FAILED, RELEASED, RELEASING, RESIDENT, RESTORING
 from jupyter_gpushare.telemetry import GPUInfo
 from jupyter_gpushare.tracker import GPURecord, KernelRecord
 
 MiB = 1 << 20
 GiB = 1 << 30
-CAPACITY = {0: 4 * GiB, 1: 4 * GiB}
-#: each kernel's GPU state, per GPU; together they fit on the node with room to spare
+CAPACITY = {0: 3584 * MiB, 1: 3584 * MiB}
+#: each kernel's GPU state, per GPU; together they fit on the node with room to spare, also
+#: for k3's restore, which reserves its bytes and a context on every GPU (see UNATTRIBUTED)
 FOOTPRINTS = {
     "k0": {0: 1536 * MiB},
     "k1": {0: 1 * GiB, 1: 1 * GiB},
-    "k2": {1: 2 * GiB},
+    "k2": {1: 1536 * MiB},
+    "k3": {0: 512 * MiB},
 }
 KERNELS = sorted(FOOTPRINTS)
 NO_AGENT = {"k2"}  # a kernel without the agent (an R kernel): the live execution state says "busy"
+#: in a container NVML cannot see this kernel's pid: its bytes are the agent's own count, on a
+#: GPU the server cannot tell (-1), so a restore reserves them, plus a CUDA context, on every GPU
+UNATTRIBUTED = {"k3"}
+CONTEXT_BYTES = 128 * MiB
 HOST_TOTAL = 6 * GiB
 HOST_RESERVE = 256 * MiB
 CONFIG = policy.PolicyConfig(idle_timeout=60, idle_utilization=5, min_release_bytes=0,
                              pressure_free_fraction=0.1, pressure_idle_timeout=30)
-RELEASE_OUTCOMES = ("ok", "refused", "undone", "unconfirmed", "timeout", "lost")
-RESTORE_OUTCOMES = ("ok", "fail")
+#: what a method call does, drawn per call ("ok" more often, so kernels do get released)
+RELEASE_OUTCOMES = ("ok", "ok", "ok", "refused", "undone", "unconfirmed", "timeout", "lost")
+RESTORE_OUTCOMES = ("ok", "ok", "ok", "fail")
 
 EXAMPLES = int(os.environ.get("GPUSHARE_HYPOTHESIS_EXAMPLES", "120"))
 STEPS = int(os.environ.get("GPUSHARE_HYPOTHESIS_STEPS", "40"))
@@ -107,8 +125,10 @@ class FakeNode:
     def __init__(self) -> None:
         self.other = {g: 0 for g in CAPACITY}  # other processes' allocations per GPU
         self.host_other = 0  # other processes' host memory
+        #: the live kernels' processes (a kernel shut down is gone from here, memory and all)
         self.procs = {kid: Proc(1000 + i, dict(fp), dict(fp)) for i, (kid, fp) in enumerate(FOOTPRINTS.items())}
         self.next_pid = 2000
+        self.nvml_broken = False  # free memory cannot be read
 
     def used(self, gpu: int) -> int:
         return self.other[gpu] + sum(p.on_gpu.get(gpu, 0) for p in self.procs.values())
@@ -124,6 +144,11 @@ class FakeNode:
         self.procs[kid] = Proc(self.next_pid, {}, {})
         self.next_pid += 1
 
+    def proc_of(self, kid: str, pids: list[int]) -> Proc | None:
+        """The kernel's process if it is one of ``pids`` (None: it exited or was replaced)."""
+        proc = self.procs.get(kid)
+        return proc if proc is not None and proc.pid in pids else None
+
 
 class FakeTracker:
     """What the controller reads of the tracker; ``poll`` re-reads the node, as NVML would."""
@@ -138,23 +163,33 @@ class FakeTracker:
 
     def poll(self) -> None:
         now = clock.now()
+        for kid in set(self.kernels) - self.km:
+            del self.kernels[kid]  # shut down: no record kept
         for kid, rec in self.kernels.items():
             proc = self.node.procs[kid]
             rec.pids = [proc.pid]
-            rec.gpu_bytes = {g: b for g, b in proc.on_gpu.items() if b}
-            rec.pid_gpu_bytes = {proc.pid: dict(rec.gpu_bytes)} if rec.gpu_bytes else {}
+            on_gpu = {g: b for g, b in proc.on_gpu.items() if b}
+            if kid in UNATTRIBUTED:  # NVML cannot see the pid: the agent's own count, GPU unknown
+                rec.gpu_bytes = {-1: sum(on_gpu.values())} if on_gpu else {}
+                rec.pid_gpu_bytes, rec.attributed = {}, False
+            else:
+                rec.gpu_bytes = on_gpu
+                rec.pid_gpu_bytes = {proc.pid: dict(on_gpu)} if on_gpu else {}
             rec.execution_state = "busy" if proc.busy else "idle"
             rec.sm_utilization = 0.0 if rec.gpu_bytes else None
             if proc.busy:
                 rec.last_activity = now
             rec.history.append((now, rec.gpu_memory_bytes, rec.sm_utilization, dict(rec.gpu_bytes)))
         for g, total in CAPACITY.items():
+            used = None if self.node.nvml_broken else self.node.used(g)
             info = GPUInfo(index=g, uuid=f"GPU-fake-{g}", name="fake", memory_total=total,
-                           memory_used=self.node.used(g), utilization=0.0)
+                           memory_used=used, utilization=0.0)
             self.gpus[g] = GPURecord(info)
 
     def touch(self, kid: str) -> None:
-        self.kernels[kid].last_activity = clock.now()
+        rec = self.kernels.get(kid)
+        if rec is not None:
+            rec.last_activity = clock.now()
 
 
 class FakeAgent:
@@ -165,8 +200,11 @@ class FakeAgent:
 
     async def request(self, op: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
         await asyncio.sleep(0)  # a round trip over the socket
+        proc = self.node.procs.get(self.kid)
+        if proc is None:
+            raise ConnectionError("the agent's channel closed")
         if op == "begin_release":
-            if self.node.procs[self.kid].busy and not args.get("by_kernel"):
+            if proc.busy and not args.get("by_kernel"):
                 raise RemoteError("a cell is running; release it when idle", kind="Busy")
             return {}
         if op == "show":
@@ -247,11 +285,22 @@ class ScriptedMethod(ReclaimMethod):
         proc.host = {g: n for g, n in proc.host.items() if proc.off(g) and n}
 
     async def release(self, target: KernelTarget, progress: Any = None) -> ReclaimResult:
+        try:
+            result = await self._release(target)
+        except BaseException:
+            self.model.release_ended(target.kernel_id, ok=False)
+            raise
+        self.model.release_ended(target.kernel_id, ok=True)
+        return result
+
+    async def _release(self, target: KernelTarget) -> ReclaimResult:
         kid = target.kernel_id
         with self._alone(kid, "release"):
-            plan = self.model.next_plan(kid, "release")
-            proc = self.node.procs[kid]
-            if proc.pid not in target.pids:
+            plan = self.model.next_plan(kid, "release", RELEASE_OUTCOMES)
+            self.model.check_not_hot(kid)
+            event(f"release: {plan.outcome}" + (", stalled" if plan.stall else ""))
+            proc = self.node.proc_of(kid, target.pids)
+            if proc is None:
                 raise ConnectionError("the kernel's process is gone")
             if plan.outcome == "refused":
                 raise ReclaimError("lock timed out: GPU work still running", resident=True)
@@ -259,7 +308,7 @@ class ScriptedMethod(ReclaimMethod):
             self._move_off(proc, half=True)
             if plan.stall:
                 await self._stall(kid)
-            if self.node.procs[kid] is not proc:
+            if self.node.procs.get(kid) is not proc:
                 raise ConnectionError("the kernel's process exited during the release")
             if plan.outcome == "ok":
                 self._move_off(proc)
@@ -279,11 +328,12 @@ class ScriptedMethod(ReclaimMethod):
     async def restore(self, target: KernelTarget, progress: Any = None) -> ReclaimResult:
         kid = target.kernel_id
         with self._alone(kid, "restore"):
-            proc = self.node.procs[kid]
-            self.model.check_room_for_restore(kid, proc)
-            plan = self.model.next_plan(kid, "restore")
-            if proc.pid not in target.pids:
+            plan = self.model.next_plan(kid, "restore", RESTORE_OUTCOMES)
+            event(f"restore: {plan.outcome}" + (", stalled" if plan.stall else ""))
+            proc = self.node.proc_of(kid, target.pids)
+            if proc is None:
                 raise ReclaimError("the process that held the state is gone", retryable=False)
+            self.model.check_room_for_restore(kid, proc)
             if proc.wedged:
                 raise ReclaimError("the process is wedged", retryable=False)
             before = dict(proc.on_gpu)
@@ -292,7 +342,7 @@ class ScriptedMethod(ReclaimMethod):
                     proc.wedged = True
                     raise ReclaimError("out of memory during the restore", retryable=False)
                 await self._stall(kid)
-                if self.node.procs[kid] is not proc:
+                if self.node.procs.get(kid) is not proc:
                     raise ReclaimError("the process exited during the restore", retryable=False)
             if plan.outcome == "fail":
                 proc.on_gpu = before  # all or nothing: the host copy stays, nothing else changed
@@ -330,7 +380,9 @@ class _Bugs(logging.Handler):
 
 
 kernel_ids = st.sampled_from(KERNELS)
+gpus = st.sampled_from(sorted(CAPACITY))
 spins = st.integers(0, 8)
+MANUAL = "requested"  # the reason this test's callers give; every other release is automatic
 
 
 class ControllerModel(RuleBasedStateMachine):
@@ -339,10 +391,13 @@ class ControllerModel(RuleBasedStateMachine):
         clock.reset()
         self.loop = VirtualTimeLoop()
         self.node = FakeNode()
-        self.plans: dict[tuple[str, str], deque[Plan]] = {}
+        self.data: st.DataObject | None = None  # draws each method call's outcome
+        self.calm = False  # the end: every call succeeds at once
+        self.draw_error: BaseException | None = None  # raised inside a task: re-raised by run()
         self.stalls: dict[str, asyncio.Event] = {}
         self.violations: list[str] = []
         self.waiters: list[Waiter] = []
+        self.failed_release_at: dict[str, float] = {}  # kernel -> clock of its last failed release
         self.steps = 0
         self.shutdown_task: asyncio.Task[None] | None = None
         self.bugs = _Bugs(self)
@@ -366,19 +421,24 @@ class ControllerModel(RuleBasedStateMachine):
             refresh=self._poll,
             host_room=self._host_room,
             host_memory_reserve=HOST_RESERVE,
-            live_state=lambda kid: "busy" if self.node.procs[kid].busy else "idle",
+            context_bytes=CONTEXT_BYTES,
+            live_state=self._live_state,
         )
         await self._poll()
 
     # -- the fakes' plumbing ---------------------------------------------------------------
     async def _read_free(self, gpus: list[int]) -> dict[int, int | None]:
         await asyncio.sleep(0)  # read on the sampling thread
-        return {g: self.node.free(g) for g in gpus}
+        return {g: None if self.node.nvml_broken else self.node.free(g) for g in gpus}
 
     async def _host_room(self, pid: int | None) -> HostRoom:
         await asyncio.sleep(0)
         available = HOST_TOTAL - self.node.host_used()
         return HostRoom(available, "machine", f"the machine has {available} bytes available")
+
+    def _live_state(self, kid: str) -> str:
+        proc = self.node.procs.get(kid)
+        return "unknown" if proc is None else "busy" if proc.busy else "idle"
 
     async def _poll(self) -> None:
         """The app's poll_once: one sample, then the controller's tick; polls never overlap."""
@@ -390,9 +450,32 @@ class ControllerModel(RuleBasedStateMachine):
     def violation(self, text: str) -> None:
         self.violations.append(text)
 
-    def next_plan(self, kid: str, kind: str) -> Plan:
-        queue = self.plans.get((kid, kind))
-        return queue.popleft() if queue else Plan()
+    def next_plan(self, kid: str, kind: str, outcomes: tuple[str, ...]) -> Plan:
+        """What this call does: drawn now, so a method can fail or stall at every step."""
+        if self.calm or self.data is None or self.draw_error is not None:
+            return Plan()
+        try:
+            return self.data.draw(st.builds(Plan, st.sampled_from(outcomes), st.booleans()),
+                                  label=f"{kind} of {kid}")
+        except BaseException as e:  # hypothesis stops the example: say so outside the loop
+            self.draw_error = e
+            return Plan()
+
+    def release_ended(self, kid: str, ok: bool) -> None:
+        if ok:
+            self.failed_release_at.pop(kid, None)
+        else:
+            self.failed_release_at[kid] = clock.now()
+
+    def check_not_hot(self, kid: str) -> None:
+        """An automatic release (policy, pressure, make-room) never retries a kernel whose
+        release failed within RETRY_AFTER_FAILED_RELEASE: no hot loop of failing releases."""
+        op = self.controller.states[kid].op
+        failed_at = self.failed_release_at.get(kid)
+        if op is not None and op.trigger != MANUAL and failed_at is not None \
+                and clock.now() - failed_at < RETRY_AFTER_FAILED_RELEASE:
+            self.violation(f"{kid} released again automatically ({op.trigger}) "
+                           f"{clock.now() - failed_at:.0f} s after its release failed")
 
     def check_room_for_restore(self, kid: str, proc: Proc) -> None:
         """At the moment a restore is called: room reserved for every byte it brings back,
@@ -409,20 +492,37 @@ class ControllerModel(RuleBasedStateMachine):
                 self.violation(f"restore of {kid} called with {self.node.free(g)} bytes free on GPU {g}, "
                                f"less than the {ledger.reserved(g)} reserved")
 
+    @staticmethod
+    def expected_held(kid: str, proc: Proc) -> dict[int, int]:
+        """What a complete release must hold: the bytes per GPU, or (GPU unknown) in all."""
+        on = {g: b for g, b in proc.footprint.items() if b}
+        return {-1: sum(on.values())} if kid in UNATTRIBUTED and on else on
+
+    @staticmethod
+    def held_on(held: Held, gpu: int) -> int:
+        return held.gpus.get(gpu, 0) + held.gpus.get(-1, 0)
+
     # -- driving the loop ----------------------------------------------------------------------
+    def run(self, aw: Awaitable[Any]) -> Any:
+        """Run the loop until ``aw`` is done (its own steps and everyone else's)."""
+        result = self.loop.run_until_complete(aw)
+        if self.draw_error is not None:
+            raise self.draw_error
+        return result
+
     def spin(self, n: int) -> None:
         async def steps() -> None:
             for _ in range(n):
                 await asyncio.sleep(0)
 
-        self.loop.run_until_complete(steps())
+        self.run(steps())
 
     def now(self, fn: Callable[[], Any]) -> Any:
         """Call a synchronous controller API from inside the loop, as the server does."""
         async def call() -> Any:
             return fn()
 
-        return self.loop.run_until_complete(call())
+        return self.run(call())
 
     def wait(self, what: str, kid: str, aw: Callable[[], Awaitable[Any]], n: int) -> None:
         self.waiters.append(Waiter(what, kid, self.loop.create_task(aw())))
@@ -443,10 +543,13 @@ class ControllerModel(RuleBasedStateMachine):
     async def _release(self, kid: str, by_kernel: bool) -> None:
         st_ = self.controller.get(kid)
         drops = st_.drops
-        await self.controller.release(kid, reason="requested", by_kernel=by_kernel)
-        if st_.drops == drops and (st_.held is None or not self.node.procs[kid].all_off_gpu):
-            self.violation(f"release({kid}) returned but the state is {st_.state} and the node has "
-                           f"{self.node.procs[kid].on_gpu} on the GPU")
+        await self.controller.release(kid, reason=MANUAL, by_kernel=by_kernel)
+        proc = self.node.procs.get(kid)
+        if proc is None:
+            return  # shut down meanwhile
+        if st_.drops == drops and (st_.held is None or not proc.all_off_gpu):
+            self.violation(f"release({kid}) returned but the state is {st_.state} and the node "
+                           f"has {proc} on the GPU")
 
     async def _restore_202(self, kid: str) -> None:
         """REST restore's background path: start (or join) the restore, then wait for it."""
@@ -454,20 +557,22 @@ class ControllerModel(RuleBasedStateMachine):
         await asyncio.shield(op.task)
 
     def expect_resident(self, kid: str, when: str, drops: int) -> None:
-        st_ = self.controller.states[kid]
-        proc = self.node.procs[kid]
+        st_ = self.controller.states.get(kid)
+        proc = self.node.procs.get(kid)
+        if st_ is None or proc is None:
+            return  # shut down meanwhile
         if st_.drops == drops and (st_.held is not None or not proc.all_on_gpu):
             self.violation(f"{when}, but the node has {proc.on_gpu} of {proc.footprint} on the GPU "
                            f"(running={proc.running}): the cell would run without its state")
 
-    @rule(k=kernel_ids, n=spins)
-    def rest_release(self, k: str, n: int) -> None:
-        self.wait("release", k, lambda: self._release(k, by_kernel=False), n)
+    @initialize(data=st.data())
+    def draw_outcomes_from(self, data: st.DataObject) -> None:
+        self.data = data
 
-    @rule(k=kernel_ids, n=spins)
-    def magic_release(self, k: str, n: int) -> None:
-        """%gpushare release: asked by the cell that runs now."""
-        self.wait("release", k, lambda: self._release(k, by_kernel=True), n)
+    @rule(k=kernel_ids, by_kernel=st.booleans(), n=spins)
+    def release(self, k: str, by_kernel: bool, n: int) -> None:
+        """REST or the panel; by_kernel: %gpushare release, asked by the cell that runs now."""
+        self.wait("release", k, lambda: self._release(k, by_kernel=by_kernel), n)
 
     @rule(k=kernel_ids, cells=st.integers(1, 3), progress=st.booleans(), n=spins)
     def cells_wait(self, k: str, cells: int, progress: bool, n: int) -> None:
@@ -477,17 +582,17 @@ class ControllerModel(RuleBasedStateMachine):
             self.wait("ensure", k, lambda: self._ensure(k, "gate", parent), 0)
         self.spin(n)
 
-    @rule(k=kernel_ids, n=spins)
-    def rest_restore(self, k: str, n: int) -> None:
-        self.wait("restore", k, lambda: self.controller.restore(k, trigger="rest"), n)
-
-    @rule(k=kernel_ids, n=spins)
-    def rest_restore_background(self, k: str, n: int) -> None:
-        self.wait("restore", k, lambda: self._restore_202(k), n)
-
-    @rule(k=kernel_ids, n=spins)
-    def lazy_gate_settles(self, k: str, n: int) -> None:
-        self.wait("settle", k, lambda: self.controller.settle(k), n)
+    @rule(k=kernel_ids, how=st.sampled_from(["rest", "background", "agent", "settle"]), n=spins)
+    def restore(self, k: str, how: str, n: int) -> None:
+        """REST (waiting, or the 202 path that returns and leaves it running), the agent's
+        pre_run_cell, or the lazy gate that only waits for an operation to settle."""
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "rest": lambda: self.controller.restore(k, trigger="rest"),
+            "background": lambda: self._restore_202(k),
+            "agent": lambda: self._ensure(k, "agent", None),
+            "settle": lambda: self.controller.settle(k),
+        }
+        self.wait(how, k, calls[how], n)
 
     @precondition(lambda self: self.pending())
     @rule(i=st.integers(0, 50), n=spins)
@@ -501,16 +606,9 @@ class ControllerModel(RuleBasedStateMachine):
 
     @rule(k=kernel_ids, n=spins)
     def interrupt(self, k: str, n: int) -> None:
-        self.now(lambda: self.controller.stop_waiting(k, "interrupted while waiting"))
+        if self.now(lambda: self.controller.stop_waiting(k, "interrupted while waiting")):
+            event("an interrupt stopped a waiting restore")
         self.spin(n)
-
-    @rule(k=kernel_ids, outcome=st.sampled_from(RELEASE_OUTCOMES), stall=st.booleans())
-    def script_release(self, k: str, outcome: str, stall: bool) -> None:
-        self.plans.setdefault((k, "release"), deque()).append(Plan(outcome, stall))
-
-    @rule(k=kernel_ids, outcome=st.sampled_from(RESTORE_OUTCOMES), stall=st.booleans())
-    def script_restore(self, k: str, outcome: str, stall: bool) -> None:
-        self.plans.setdefault((k, "restore"), deque()).append(Plan(outcome, stall))
 
     @precondition(lambda self: self.stalls)
     @rule(i=st.integers(0, 10), n=spins)
@@ -519,16 +617,21 @@ class ControllerModel(RuleBasedStateMachine):
         self.stalls[kid].set()
         self.spin(n)
 
-    @rule(g=st.sampled_from(sorted(CAPACITY)), share=st.sampled_from([0.5, 1.0]))
-    def another_process_allocates(self, g: int, share: float) -> None:
-        """Another process takes GPU memory that no restore has reserved (it cannot take
-        memory a restore is about to use: that race belongs to the hardware, not to us)."""
+    @rule(g=gpus, share=st.sampled_from([0.0, 0.5, 1.0, 1.0]))
+    def another_process(self, g: int, share: float) -> None:
+        """Another process frees its GPU memory (share 0) or takes some that no restore has
+        reserved (it cannot take memory a restore is about to use: that race belongs to the
+        hardware, not to the controller)."""
+        if not share:
+            self.node.other[g] = 0
+            return
         room = self.node.free(g) - self.controller.reservations.reserved(g)
         self.node.other[g] += max(0, int(room * share))
 
-    @rule(g=st.sampled_from(sorted(CAPACITY)))
-    def another_process_frees(self, g: int) -> None:
-        self.node.other[g] = 0
+    @rule(broken=st.booleans())
+    def nvml_fails(self, broken: bool) -> None:
+        """Free GPU memory cannot be read (NVML errors): that counts as no room."""
+        self.node.nvml_broken = broken
 
     @precondition(lambda self: not any(s.op is not None and s.op.kind == "release"
                                        for s in self.controller.states.values()))
@@ -541,14 +644,24 @@ class ControllerModel(RuleBasedStateMachine):
 
     @rule(k=kernel_ids, busy=st.booleans())
     def cell_runs(self, k: str, busy: bool) -> None:
-        self.node.procs[k].busy = busy
-        if not busy:
-            self.tracker.touch(k)
+        proc = self.node.procs.get(k)
+        if proc is not None:
+            proc.busy = busy
+            if not busy:
+                self.tracker.touch(k)
+
+    @rule(k=kernel_ids, pinned=st.booleans())
+    def pin(self, k: str, pinned: bool) -> None:
+        if k in self.node.procs:
+            self.now(lambda: self.controller.set_pinned(k, pinned))
 
     @rule(k=kernel_ids, n=spins)
     def restart(self, k: str, n: int) -> None:
         """The kernel restarts: the old process and its state are gone (the agent reconnects
         with a new pid, which drops the held state)."""
+        if k not in self.node.procs:
+            return
+
         def restart() -> None:  # the agent reconnects with the new pid at once
             self.node.restart(k)
             self.controller.drop_held(k, "the kernel restarted")
@@ -556,11 +669,11 @@ class ControllerModel(RuleBasedStateMachine):
         self.now(restart)
         self.spin(n)
 
-    @precondition(lambda self: any(not self.node.procs[k].footprint for k in KERNELS))
+    @precondition(lambda self: any(not p.footprint for p in self.node.procs.values()))
     @rule(i=st.integers(0, 10))
     def restarted_kernel_allocates(self, i: int) -> None:
         """A cell in a restarted kernel allocates its GPU state again, where there is room."""
-        empty = [k for k in KERNELS if not self.node.procs[k].footprint]
+        empty = sorted(k for k, p in self.node.procs.items() if not p.footprint)
         kid = empty[i % len(empty)]
         st_ = self.controller.states.get(kid)
         if st_ is not None and st_.is_held:
@@ -571,6 +684,15 @@ class ControllerModel(RuleBasedStateMachine):
             proc.footprint, proc.on_gpu = dict(fp), dict(fp)
             self.tracker.touch(kid)
 
+    @precondition(lambda self: len(self.node.procs) == len(KERNELS))  # one per example
+    @rule(k=kernel_ids, n=spins)
+    def kernel_shuts_down(self, k: str, n: int) -> None:
+        """The kernel is shut down: its process exits and its memory (GPU and host) with it."""
+        if k in self.node.procs:
+            del self.node.procs[k]
+            self.tracker.km.discard(k)
+        self.spin(n)
+
     @rule(seconds=st.sampled_from([1.0, 31.0, 61.0]), n=spins)
     def time_passes(self, seconds: float, n: int) -> None:
         clock.advance(seconds)
@@ -580,14 +702,14 @@ class ControllerModel(RuleBasedStateMachine):
     @rule(n=spins)
     def poll(self, n: int) -> None:
         """The poll loop: one sample, then tick (automatic releases, watchdog, wake-ups)."""
-        self.loop.run_until_complete(self._poll())
+        self.run(self._poll())
         self.spin(n)
 
     @rule(n=st.integers(1, 30))
     def run_loop(self, n: int) -> None:
         self.spin(n)
 
-    @precondition(lambda self: self.steps >= 10 and self.shutdown_task is None)
+    @precondition(lambda self: self.steps >= STEPS * 2 // 3 and self.shutdown_task is None)
     @rule(n=spins)
     def shutdown(self, n: int) -> None:
         self.shutdown_task = self.loop.create_task(self.controller.shutdown(timeout=30))
@@ -597,6 +719,11 @@ class ControllerModel(RuleBasedStateMachine):
     @invariant()
     def count_steps(self) -> None:
         self.steps += 1
+        for st_ in self.controller.states.values():
+            if st_.waiting:
+                event("a restore waited for room")
+            if st_.op is not None and st_.op.kind == "release" and st_.op.trigger.startswith("making room"):
+                event("a kernel was released to make room")
 
     @invariant()
     def nothing_went_wrong_inside(self) -> None:
@@ -619,26 +746,27 @@ class ControllerModel(RuleBasedStateMachine):
 
     @invariant()
     def every_state_is_true(self) -> None:
-        for kid in KERNELS:
+        for kid, st_ in self.controller.states.items():
+            op = st_.op
+            assert op is None or not op.task.done(), f"an ended operation is still in flight: {kid} {op}"
+            if st_.waiting is not None:
+                assert op is not None and op.kind == "restore" and op.phase == "waiting", \
+                    f"{kid} says it waits ({st_.waiting}) with no restore waiting"
+        for kid, proc in self.node.procs.items():
             st_ = self.controller.states.get(kid)
-            proc = self.node.procs[kid]
             if st_ is None:
                 assert proc.all_on_gpu
                 continue
             state, op, held = st_.state, st_.op, st_.held
             where = f"{kid} is {state} (op {op}, held {held}); node: {proc}"
             assert proc.intact, f"part of the state is neither on the GPU nor in host memory: {where}"
-            assert op is None or not op.task.done(), f"an ended operation is still in flight: {where}"
-            if st_.waiting is not None:
-                assert op is not None and op.kind == "restore" and op.phase == "waiting", \
-                    f"says it waits ({st_.waiting}) with no restore waiting: {where}"
             if held is None:
                 assert proc.all_on_gpu, f"nothing held, yet its state is not all on the GPU: {where}"
             if state in RESIDENT:
                 assert proc.all_on_gpu, f"shown resident while its state is off the GPU: {where}"
             elif state == RELEASED:
                 assert held is not None and held.complete and proc.all_off_gpu, where
-                assert held.gpus == {g: b for g, b in proc.footprint.items() if b}, \
+                assert held.gpus == self.expected_held(kid, proc), \
                     f"released, but held bytes are not the bytes off the GPU: {where}"
             elif state == FAILED:
                 assert held is not None and st_.error, f"failed without a reason: {where}"
@@ -646,8 +774,8 @@ class ControllerModel(RuleBasedStateMachine):
                 assert state in (RELEASING, RESTORING) and op is not None, where
             if held is not None:
                 for g in proc.footprint:
-                    assert proc.off(g) <= held.gpus.get(g, 0), \
-                        f"{proc.off(g)} bytes off GPU {g} but only {held.gpus.get(g, 0)} held: {where}"
+                    assert proc.off(g) <= self.held_on(held, g), \
+                        f"{proc.off(g)} bytes off GPU {g} but only {self.held_on(held, g)} held: {where}"
 
     @invariant()
     def bytes_accounted_per_gpu(self) -> None:
@@ -655,19 +783,21 @@ class ControllerModel(RuleBasedStateMachine):
         for g, total in CAPACITY.items():
             on = sum(p.on_gpu.get(g, 0) for p in self.node.procs.values())
             assert self.node.used(g) == self.node.other[g] + on <= total
-            off = sum(self.node.procs[k].off(g) for k in KERNELS)
-            held = sum(s.held.gpus.get(g, 0) for s in states.values() if s.held is not None)
+            off = sum(p.off(g) for p in self.node.procs.values())
+            held = sum(self.held_on(s.held, g) for s in states.values() if s.held is not None)
             assert off <= held, f"GPU {g}: {off} bytes off the GPU, only {held} held by the controller"
         assert self.node.host_used() <= HOST_TOTAL
 
     @invariant()
     def reservations_belong_to_restores(self) -> None:
+        """Room is reserved only while a restore moves bytes that are not back yet, and a
+        GPU is locked only by a restore that needs it."""
         ledger = self.controller.reservations
         restores = [s for s in self.controller.states.values()
                     if s.op is not None and s.op.kind == "restore" and s.held is not None]
+        needs = [self.controller._need(s.held) for s in restores  # type: ignore[arg-type]
+                 if s.op is not None and s.op.phase == "moving"]
         for g in CAPACITY:
-            needs = [self.controller._need(s.held)  # type: ignore[arg-type]
-                     for s in restores if s.op is not None and s.op.phase == "moving"]
             reserved = ledger.reserved(g)
             assert reserved <= sum(n.get(g, 0) for n in needs), \
                 f"GPU {g}: {reserved} bytes reserved, no restore moving there"
@@ -681,10 +811,10 @@ class ControllerModel(RuleBasedStateMachine):
         for _ in range(200):
             for gate in list(self.stalls.values()):
                 gate.set()
-            self.plans.clear()
+            self.calm = True
             self.loop.virtual += 5.0  # backoffs and time limits fire
             self.spin(20)
-            self.loop.run_until_complete(self._poll())
+            self.run(self._poll())
             shutting = self.shutdown_task is not None and not self.shutdown_task.done()
             if not self.in_flight() and not self.pending() and not shutting:
                 return
@@ -693,17 +823,22 @@ class ControllerModel(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         try:
-            if self.violations:
-                return  # the invariant has said it; the loop may be wedged
+            if self.violations or self.draw_error is not None:
+                return  # the invariant has said it (or hypothesis stopped); the loop may be wedged
+            event(f"steps: {'≥30' if self.steps >= 30 else '10-29' if self.steps >= 10 else '<10'}")
             self.node.other = {g: 0 for g in CAPACITY}
             self.node.host_other = 0
+            self.node.nvml_broken = False
             self._drain("wedged")
             self.callers_get_answers_not_errors()
             closing = self.controller.closing
+            if closing:
+                event("the server shut down")
             for _ in range(5):  # restores make kernels active; nothing releases them again
-                held = [k for k in KERNELS if self.controller.needs_restore(k)]
+                held = [k for k in self.node.procs if self.controller.needs_restore(k)]
                 if not held or closing:
                     break
+                event("teardown restored a held kernel")
                 for kid in held:
                     self.wait("ensure", kid, lambda kid=kid: self._ensure(kid, "rest", None), 0)
                 self._drain("restoring every held kernel")
@@ -712,10 +847,11 @@ class ControllerModel(RuleBasedStateMachine):
                         f"{w.what} of {w.kid} with plenty of room: {w.task.exception()!r}"
                 self.waiters = []
             self.every_state_is_true()
+            self.reservations_belong_to_restores()
             self.nothing_went_wrong_inside()
-            for kid in KERNELS:
+            assert set(self.controller.states) <= set(self.node.procs), "a shut-down kernel is remembered"
+            for kid, proc in self.node.procs.items():
                 st_ = self.controller.states.get(kid)
-                proc = self.node.procs[kid]
                 assert not proc.wedged, f"{kid} is wedged"
                 if st_ is not None and st_.is_held:
                     assert closing, f"{kid} is still {st_.state} after a restore with plenty of room"
@@ -728,7 +864,13 @@ class ControllerModel(RuleBasedStateMachine):
             logging.getLogger("jupyter_gpushare").removeHandler(self.bugs)
             for task in asyncio.all_tasks(self.loop):
                 task.cancel()
-            self.spin(5)
+            for _ in range(100):  # let every cancellation run its course before the loop closes
+                if not asyncio.all_tasks(self.loop):
+                    break
+                self.loop.run_until_complete(asyncio.sleep(0))
+            for w in self.waiters:  # read, so asyncio does not log them as never retrieved
+                if w.task.done() and not w.task.cancelled():
+                    w.task.exception()
             self.loop.close()
             clock.reset()
 
