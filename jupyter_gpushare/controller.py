@@ -94,6 +94,7 @@ class Operation:
     body: asyncio.Task[Outcome] = field(init=False, repr=False)  # the work; only its waiting is stopped
     phase: str = "waiting"  # "waiting" (may be stopped) | "moving" (runs to its end)
     stop_reason: str = ""
+    on_end: Callable[[], None] | None = None  # gives back what the work claimed, however it ends
 
     def stop(self, why: str) -> None:
         """Stop the work, not the task waiters await: that one still ends in an Outcome,
@@ -381,6 +382,8 @@ class Controller:
                 st.failed, st.error = True, f"{op.kind} failed: {type(e).__name__}: {e}"
             return Outcome(False, f"{op.kind} failed: {type(e).__name__}: {e}")
         finally:
+            if op.on_end is not None:
+                op.on_end()
             if st.op is op:
                 st.op = None
             st.waiting = None
@@ -481,40 +484,41 @@ class Controller:
             return await self._refuse(st, op, f"not released: {why}")
         scope = room.scope if room is not None else "machine"
         # claimed at the check, before the agent is asked (that yields): releases checked
-        # meanwhile must count these bytes, or two that fit alone both move and OOM the host
-        give_back = self._host_claim(scope, need)
-        try:
-            agent = self.agent(kid)
-            if agent is not None:  # the agent knows whether a cell runs now: it decides
-                try:
-                    await agent.request("begin_release", timeout=10, by_kernel=by_kernel,
-                                        automatic=automatic)
-                except (ConnectionError, TimeoutError) as e:
-                    return await self._refuse(st, op, f"the kernel's agent did not answer ({e or 'timeout'})")
-                except Exception as e:
-                    if getattr(e, "kind", "") == "BackgroundGPUWork":
-                        st.background = str(e)  # sticky: shown until the user allows it
-                    return await self._refuse(st, op, str(e) or type(e).__name__)
-            elif self.live_state(kid) == "busy" and not by_kernel:
-                return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
-
-            op.phase = "moving"
-            held = Held(method=method_name, bytes=need, gpus=self._gpus_of(rec), pids=list(target.pids),
-                        pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=rec.pids[0] if rec.pids else None,
-                        attributed=rec.attributed, since=clock.now())
-            st.held, st.method, st.failed, st.error = held, method_name, False, None
-            self._notify_agent(kid, RELEASING)
-            started = time.monotonic()
+        # meanwhile must count these bytes, or two that fit alone both move and OOM the host.
+        # Given back when the method returns (the host's own numbers count the bytes then),
+        # or when the operation ends without moving (refused, stopped)
+        give_back = op.on_end = self._host_claim(scope, need)
+        agent = self.agent(kid)
+        if agent is not None:  # the agent knows whether a cell runs now: it decides
             try:
-                result = await self._to_the_end(method.release(target, self._progress_log(kid)))
-            except ReclaimError as e:
-                return await self._release_failed(st, held, method_name, str(e), e.resident,
-                                                  e.retryable, started)
-            except Exception as e:  # a timeout, a lost channel, a bug: the undo is not confirmed
-                return await self._release_failed(st, held, method_name, str(e) or type(e).__name__,
-                                                  False, True, started)
+                await agent.request("begin_release", timeout=10, by_kernel=by_kernel,
+                                    automatic=automatic)
+            except (ConnectionError, TimeoutError) as e:
+                return await self._refuse(st, op, f"the kernel's agent did not answer ({e or 'timeout'})")
+            except Exception as e:
+                if getattr(e, "kind", "") == "BackgroundGPUWork":
+                    st.background = str(e)  # sticky: shown until the user allows it
+                return await self._refuse(st, op, str(e) or type(e).__name__)
+        elif self.live_state(kid) == "busy" and not by_kernel:
+            return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
+
+        op.phase = "moving"
+        held = Held(method=method_name, bytes=need, gpus=self._gpus_of(rec), pids=list(target.pids),
+                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=rec.pids[0] if rec.pids else None,
+                    attributed=rec.attributed, since=clock.now())
+        st.held, st.method, st.failed, st.error = held, method_name, False, None
+        self._notify_agent(kid, RELEASING)
+        started = time.monotonic()
+        try:
+            result = await self._to_the_end(method.release(target, self._progress_log(kid)))
+        except ReclaimError as e:
+            return await self._release_failed(st, held, method_name, str(e), e.resident,
+                                              e.retryable, started)
+        except Exception as e:  # a timeout, a lost channel, a bug: the undo is not confirmed
+            return await self._release_failed(st, held, method_name, str(e) or type(e).__name__,
+                                              False, True, started)
         finally:
-            give_back()  # moved (the host's own numbers count them now), failed or refused
+            give_back()
         seconds = time.monotonic() - started
         if st.held is not held:  # dropped meanwhile (a restart): nothing left to show
             return Outcome(False, st.error or "the held state was dropped", dropped=True)
