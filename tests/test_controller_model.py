@@ -68,14 +68,20 @@ UNATTRIBUTED = {"k3"}
 CONTEXT_BYTES = 128 * MiB
 HOST_TOTAL = 6 * GiB
 HOST_RESERVE = 256 * MiB
-CONFIG = policy.PolicyConfig(idle_timeout=60, idle_utilization=5, min_release_bytes=0,
-                             pressure_free_fraction=0.1, pressure_idle_timeout=30)
+#: policies an example runs under: idle releases after 60 s and pressure releases; or only
+#: make-room (kernels idle for 30 s are released when a restore needs their room)
+CONFIGS = {
+    "idle and pressure": policy.PolicyConfig(idle_timeout=60, idle_utilization=5, min_release_bytes=0,
+                                             pressure_free_fraction=0.1, pressure_idle_timeout=30),
+    "make-room only": policy.PolicyConfig(idle_timeout=3600, idle_utilization=5, min_release_bytes=0,
+                                          pressure_free_fraction=0.0, pressure_idle_timeout=30),
+}
 #: what a method call does, drawn per call ("ok" more often, so kernels do get released)
 RELEASE_OUTCOMES = ("ok", "ok", "ok", "refused", "undone", "unconfirmed", "timeout", "lost")
 RESTORE_OUTCOMES = ("ok", "ok", "ok", "fail")
 
-EXAMPLES = int(os.environ.get("GPUSHARE_HYPOTHESIS_EXAMPLES", "120"))
-STEPS = int(os.environ.get("GPUSHARE_HYPOTHESIS_STEPS", "40"))
+EXAMPLES = int(os.environ.get("GPUSHARE_HYPOTHESIS_EXAMPLES", "200"))
+STEPS = int(os.environ.get("GPUSHARE_HYPOTHESIS_STEPS", "50"))
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -413,7 +419,7 @@ class ControllerModel(RuleBasedStateMachine):
             self.tracker,  # type: ignore[arg-type]
             {"fake": self.method},
             choose_method=lambda kid: "fake",
-            config=CONFIG,
+            config=CONFIGS["idle and pressure"],
             read_free=self._read_free,
             total_bytes=lambda: dict(CAPACITY),
             agent=self.agents.get,
@@ -471,6 +477,8 @@ class ControllerModel(RuleBasedStateMachine):
         """An automatic release (policy, pressure, make-room) never retries a kernel whose
         release failed within RETRY_AFTER_FAILED_RELEASE: no hot loop of failing releases."""
         op = self.controller.states[kid].op
+        if op is not None and op.trigger.startswith("making room"):
+            event("a kernel was released to make room")
         failed_at = self.failed_release_at.get(kid)
         if op is not None and op.trigger != MANUAL and failed_at is not None \
                 and clock.now() - failed_at < RETRY_AFTER_FAILED_RELEASE:
@@ -565,9 +573,10 @@ class ControllerModel(RuleBasedStateMachine):
             self.violation(f"{when}, but the node has {proc.on_gpu} of {proc.footprint} on the GPU "
                            f"(running={proc.running}): the cell would run without its state")
 
-    @initialize(data=st.data())
-    def draw_outcomes_from(self, data: st.DataObject) -> None:
-        self.data = data
+    @initialize(data=st.data(), config=st.sampled_from(sorted(CONFIGS)))
+    def start(self, data: st.DataObject, config: str) -> None:
+        self.data = data  # each method call draws its outcome from it
+        self.controller.config = CONFIGS[config]
 
     @rule(k=kernel_ids, by_kernel=st.booleans(), n=spins)
     def release(self, k: str, by_kernel: bool, n: int) -> None:
@@ -693,7 +702,7 @@ class ControllerModel(RuleBasedStateMachine):
             self.tracker.km.discard(k)
         self.spin(n)
 
-    @rule(seconds=st.sampled_from([1.0, 31.0, 61.0]), n=spins)
+    @rule(seconds=st.sampled_from([1.0, 31.0, 31.0, 61.0]), n=spins)
     def time_passes(self, seconds: float, n: int) -> None:
         clock.advance(seconds)
         self.loop.virtual += seconds
@@ -722,8 +731,6 @@ class ControllerModel(RuleBasedStateMachine):
         for st_ in self.controller.states.values():
             if st_.waiting:
                 event("a restore waited for room")
-            if st_.op is not None and st_.op.kind == "release" and st_.op.trigger.startswith("making room"):
-                event("a kernel was released to make room")
 
     @invariant()
     def nothing_went_wrong_inside(self) -> None:
