@@ -719,7 +719,8 @@ class Controller:
             except Exception as e:
                 log.warning("gpushare: cannot read free GPU memory: %s", e)
                 free = {g: None for g in need}
-            short = {g: n for g, n in want.items() if free.get(g) is None or (free[g] or 0) < n}
+            room = {g: None if f is None else f - self._releases_may_take_back(g) for g, f in free.items()}
+            short = {g: n for g, n in want.items() if room.get(g) is None or (room[g] or 0) < n}
             if not short and st.held is held:
                 grant.reserve(want)
                 st.waiting = None
@@ -729,7 +730,8 @@ class Controller:
                 continue  # dropped meanwhile: the check at the top says so
             st.waiting = "waiting for memory: needs " + ", ".join(
                 f"{format_bytes(n)} on GPU {g} ("
-                + (f"{format_bytes(free[g] or 0)} free)" if free.get(g) is not None else "free memory unknown)")
+                + (f"{format_bytes(max(room[g] or 0, 0))} free)" if room.get(g) is not None
+                   else "free memory unknown)")
                 for g, n in short.items())
             if not wait:
                 return Outcome(False, st.waiting)
@@ -745,6 +747,16 @@ class Controller:
                 delay = WAIT_BACKOFF[0]
             except asyncio.TimeoutError:
                 delay = min(delay * 2, WAIT_BACKOFF[1])
+
+    def _releases_may_take_back(self, gpu: int) -> int:
+        """Bytes that releases in flight may put back on ``gpu``: an undo re-allocates what the
+        release freed, so those bytes are not free for a restore until the release has ended
+        (a restore promised them would run out of memory mid-way: wedged)."""
+        total = 0
+        for other in self.states.values():
+            if other.op is not None and other.op.kind == "release" and other.held is not None:
+                total += other.held.gpus.get(gpu, 0) + other.held.gpus.get(-1, 0)
+        return total
 
     async def _still_to_land(self, st: KernelState, held: Held, need: dict[int, int]) -> dict[int, int]:
         """``need`` less what the kernel's process still holds on each GPU. A release that
