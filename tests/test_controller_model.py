@@ -27,6 +27,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jupyter_gpushare import clock, policy
@@ -35,6 +36,7 @@ from jupyter_gpushare.controller import (
     Controller,
     ControllerError,
     Held,
+    KernelState,
 )
 from jupyter_gpushare.hostmem import HostRoom
 from jupyter_gpushare.protocol import RemoteError
@@ -80,8 +82,14 @@ CONFIGS = {
 RELEASE_OUTCOMES = ("ok", "ok", "ok", "refused", "undone", "unconfirmed", "timeout", "lost")
 RESTORE_OUTCOMES = ("ok", "ok", "ok", "fail")
 
-EXAMPLES = int(os.environ.get("GPUSHARE_HYPOTHESIS_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("GPUSHARE_HYPOTHESIS_EXAMPLES", "400"))
 STEPS = int(os.environ.get("GPUSHARE_HYPOTHESIS_STEPS", "50"))
+
+
+def note(text: str) -> None:
+    """Count a path an example reached (--hypothesis-show-statistics); nothing outside one."""
+    if currently_in_test_context():
+        event(text)
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
@@ -286,6 +294,12 @@ class ScriptedMethod(ReclaimMethod):
             proc.on_gpu[g] = proc.on_gpu.get(g, 0) + n
         return True
 
+    def _wedged(self, kid: str, proc: Proc) -> ReclaimError:
+        """What a real restore that runs out of GPU memory does (cuda-checkpoint#44)."""
+        proc.wedged = True
+        self.model.violation(f"the restore of {kid} ran out of GPU memory: wedged ({proc})")
+        return ReclaimError("out of memory during the restore", retryable=False)
+
     @staticmethod
     def _free_host_copy(proc: Proc) -> None:
         proc.host = {g: n for g, n in proc.host.items() if proc.off(g) and n}
@@ -304,7 +318,7 @@ class ScriptedMethod(ReclaimMethod):
         with self._alone(kid, "release"):
             plan = self.model.next_plan(kid, "release", RELEASE_OUTCOMES)
             self.model.check_not_hot(kid)
-            event(f"release: {plan.outcome}" + (", stalled" if plan.stall else ""))
+            note(f"release: {plan.outcome}" + (", stalled" if plan.stall else ""))
             proc = self.node.proc_of(kid, target.pids)
             if proc is None:
                 raise ConnectionError("the kernel's process is gone")
@@ -335,7 +349,7 @@ class ScriptedMethod(ReclaimMethod):
         kid = target.kernel_id
         with self._alone(kid, "restore"):
             plan = self.model.next_plan(kid, "restore", RESTORE_OUTCOMES)
-            event(f"restore: {plan.outcome}" + (", stalled" if plan.stall else ""))
+            note(f"restore: {plan.outcome}" + (", stalled" if plan.stall else ""))
             proc = self.node.proc_of(kid, target.pids)
             if proc is None:
                 raise ReclaimError("the process that held the state is gone", retryable=False)
@@ -345,8 +359,7 @@ class ScriptedMethod(ReclaimMethod):
             before = dict(proc.on_gpu)
             if plan.stall:
                 if not self._move_back(proc, half=True):
-                    proc.wedged = True
-                    raise ReclaimError("out of memory during the restore", retryable=False)
+                    raise self._wedged(kid, proc)
                 await self._stall(kid)
                 if self.node.procs.get(kid) is not proc:
                     raise ReclaimError("the process exited during the restore", retryable=False)
@@ -355,8 +368,7 @@ class ScriptedMethod(ReclaimMethod):
                 raise ReclaimError("restore failed: the driver said no")
             moved = sum(proc.off(g) for g in proc.footprint)
             if not self._move_back(proc):
-                proc.wedged = True  # what a real restore without room does (cuda-checkpoint#44)
-                raise ReclaimError("out of memory during the restore", retryable=False)
+                raise self._wedged(kid, proc)
             self._free_host_copy(proc)
             proc.running = True
             return ReclaimResult(moved, 0.0)
@@ -399,11 +411,15 @@ class ControllerModel(RuleBasedStateMachine):
         self.node = FakeNode()
         self.data: st.DataObject | None = None  # draws each method call's outcome
         self.calm = False  # the end: every call succeeds at once
+        self.script: deque[Plan] = deque()  # outcomes set by a test, used before drawing any
         self.draw_error: BaseException | None = None  # raised inside a task: re-raised by run()
         self.stalls: dict[str, asyncio.Event] = {}
         self.violations: list[str] = []
         self.waiters: list[Waiter] = []
         self.failed_release_at: dict[str, float] = {}  # kernel -> clock of its last failed release
+        #: every kernel state the controller has had: one it forgot (a kernel shut down) may
+        #: still have an operation moving bytes, which holds GPU locks and room
+        self.known: dict[str, KernelState] = {}
         self.steps = 0
         self.shutdown_task: asyncio.Task[None] | None = None
         self.bugs = _Bugs(self)
@@ -458,6 +474,8 @@ class ControllerModel(RuleBasedStateMachine):
 
     def next_plan(self, kid: str, kind: str, outcomes: tuple[str, ...]) -> Plan:
         """What this call does: drawn now, so a method can fail or stall at every step."""
+        if self.script:
+            return self.script.popleft()
         if self.calm or self.data is None or self.draw_error is not None:
             return Plan()
         try:
@@ -478,7 +496,7 @@ class ControllerModel(RuleBasedStateMachine):
         release failed within RETRY_AFTER_FAILED_RELEASE: no hot loop of failing releases."""
         op = self.controller.states[kid].op
         if op is not None and op.trigger.startswith("making room"):
-            event("a kernel was released to make room")
+            note("a kernel was released to make room")
         failed_at = self.failed_release_at.get(kid)
         if op is not None and op.trigger != MANUAL and failed_at is not None \
                 and clock.now() - failed_at < RETRY_AFTER_FAILED_RELEASE:
@@ -540,7 +558,7 @@ class ControllerModel(RuleBasedStateMachine):
         return [w for w in self.waiters if not w.task.done()]
 
     def in_flight(self) -> list[str]:
-        return [k for k, s in self.controller.states.items() if s.op is not None]
+        return [k for k, s in self.known.items() if s.op is not None]
 
     # -- callers ----------------------------------------------------------------------------------
     async def _ensure(self, kid: str, trigger: str, parent: dict[str, Any] | None) -> None:
@@ -616,7 +634,7 @@ class ControllerModel(RuleBasedStateMachine):
     @rule(k=kernel_ids, n=spins)
     def interrupt(self, k: str, n: int) -> None:
         if self.now(lambda: self.controller.stop_waiting(k, "interrupted while waiting")):
-            event("an interrupt stopped a waiting restore")
+            note("an interrupt stopped a waiting restore")
         self.spin(n)
 
     @precondition(lambda self: self.stalls)
@@ -728,9 +746,10 @@ class ControllerModel(RuleBasedStateMachine):
     @invariant()
     def count_steps(self) -> None:
         self.steps += 1
+        self.known.update(self.controller.states)
         for st_ in self.controller.states.values():
             if st_.waiting:
-                event("a restore waited for room")
+                note("a restore waited for room")
 
     @invariant()
     def nothing_went_wrong_inside(self) -> None:
@@ -800,17 +819,17 @@ class ControllerModel(RuleBasedStateMachine):
         """Room is reserved only while a restore moves bytes that are not back yet, and a
         GPU is locked only by a restore that needs it."""
         ledger = self.controller.reservations
-        restores = [s for s in self.controller.states.values()
-                    if s.op is not None and s.op.kind == "restore" and s.held is not None]
-        needs = [self.controller._need(s.held) for s in restores  # type: ignore[arg-type]
-                 if s.op is not None and s.op.phase == "moving"]
+        self.known.update(self.controller.states)
+        restores = [s for s in self.known.values() if s.op is not None and s.op.kind == "restore"]
+        needs = [self.controller._need(s.held) for s in restores
+                 if s.held is not None and s.op is not None and s.op.phase == "moving"]
         for g in CAPACITY:
             reserved = ledger.reserved(g)
             assert reserved <= sum(n.get(g, 0) for n in needs), \
                 f"GPU {g}: {reserved} bytes reserved, no restore moving there"
-            if ledger.busy(g):
-                assert any(g in self.controller._need(s.held) for s in restores  # type: ignore[arg-type]
-                           ), f"GPU {g} is locked with no restore on it: {ledger.snapshot()}"
+            if ledger.busy(g):  # a restore whose held state was just dropped is being stopped
+                assert any(s.held is None or g in self.controller._need(s.held) for s in restores), \
+                    f"GPU {g} is locked with no restore on it: {ledger.snapshot()}"
 
     # -- the end ------------------------------------------------------------------------------------
     def _drain(self, why: str) -> None:
@@ -832,7 +851,7 @@ class ControllerModel(RuleBasedStateMachine):
         try:
             if self.violations or self.draw_error is not None:
                 return  # the invariant has said it (or hypothesis stopped); the loop may be wedged
-            event(f"steps: {'≥30' if self.steps >= 30 else '10-29' if self.steps >= 10 else '<10'}")
+            note(f"steps: {'≥30' if self.steps >= 30 else '10-29' if self.steps >= 10 else '<10'}")
             self.node.other = {g: 0 for g in CAPACITY}
             self.node.host_other = 0
             self.node.nvml_broken = False
@@ -840,12 +859,12 @@ class ControllerModel(RuleBasedStateMachine):
             self.callers_get_answers_not_errors()
             closing = self.controller.closing
             if closing:
-                event("the server shut down")
+                note("the server shut down")
             for _ in range(5):  # restores make kernels active; nothing releases them again
                 held = [k for k in self.node.procs if self.controller.needs_restore(k)]
                 if not held or closing:
                     break
-                event("teardown restored a held kernel")
+                note("teardown restored a held kernel")
                 for kid in held:
                     self.wait("ensure", kid, lambda kid=kid: self._ensure(kid, "rest", None), 0)
                 self._drain("restoring every held kernel")
