@@ -412,6 +412,7 @@ class ControllerModel(RuleBasedStateMachine):
         self.data: st.DataObject | None = None  # draws each method call's outcome
         self.calm = False  # the end: every call succeeds at once
         self.script: deque[Plan] = deque()  # outcomes set by a test, used before drawing any
+        self.read_gate: asyncio.Event | None = None  # set by a test: reads of free memory wait
         self.draw_error: BaseException | None = None  # raised inside a task: re-raised by run()
         self.stalls: dict[str, asyncio.Event] = {}
         self.violations: list[str] = []
@@ -451,6 +452,8 @@ class ControllerModel(RuleBasedStateMachine):
     # -- the fakes' plumbing ---------------------------------------------------------------
     async def _read_free(self, gpus: list[int]) -> dict[int, int | None]:
         await asyncio.sleep(0)  # read on the sampling thread
+        if self.read_gate is not None:  # a read that takes a while (a test holds it)
+            await self.read_gate.wait()
         return {g: None if self.node.nvml_broken else self.node.free(g) for g in gpus}
 
     async def _host_room(self, pid: int | None) -> HostRoom:
@@ -467,6 +470,8 @@ class ControllerModel(RuleBasedStateMachine):
         async with self.poll_lock:
             await asyncio.sleep(0)
             self.tracker.poll()
+            for problem in self.room_problems():  # what the policy is about to see
+                self.violation(f"at a poll: {problem}")
             await self.controller.tick()
 
     def violation(self, text: str) -> None:
@@ -816,8 +821,14 @@ class ControllerModel(RuleBasedStateMachine):
 
     @invariant()
     def reservations_belong_to_restores(self) -> None:
-        """Room is reserved only while a restore moves bytes that are not back yet, and a
+        problems = self.room_problems()
+        assert not problems, "\n".join(problems)
+
+    def room_problems(self) -> list[str]:
+        """Room is reserved only while a restore moves bytes that are not back yet (once
+        back they count as used: reserved too, the GPU would look fuller than it is), and a
         GPU is locked only by a restore that needs it."""
+        out = []
         ledger = self.controller.reservations
         self.known.update(self.controller.states)
         restores = [s for s in self.known.values() if s.op is not None and s.op.kind == "restore"]
@@ -825,11 +836,13 @@ class ControllerModel(RuleBasedStateMachine):
                  if s.held is not None and s.op is not None and s.op.phase == "moving"]
         for g in CAPACITY:
             reserved = ledger.reserved(g)
-            assert reserved <= sum(n.get(g, 0) for n in needs), \
-                f"GPU {g}: {reserved} bytes reserved, no restore moving there"
-            if ledger.busy(g):  # a restore whose held state was just dropped is being stopped
-                assert any(s.held is None or g in self.controller._need(s.held) for s in restores), \
-                    f"GPU {g} is locked with no restore on it: {ledger.snapshot()}"
+            if reserved > sum(n.get(g, 0) for n in needs):
+                out.append(f"GPU {g}: {reserved} bytes reserved, no restore moving there")
+            # a restore whose held state was just dropped is being stopped: it may hold a lock
+            if ledger.busy(g) and not any(s.held is None or g in self.controller._need(s.held)
+                                          for s in restores):
+                out.append(f"GPU {g} is locked with no restore on it: {ledger.snapshot()}")
+        return out
 
     # -- the end ------------------------------------------------------------------------------------
     def _drain(self, why: str) -> None:
@@ -887,6 +900,13 @@ class ControllerModel(RuleBasedStateMachine):
             assert not any(self.controller.reservations.busy(g) for g in CAPACITY)
             assert not self.controller.host_inflight
         finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop whatever still runs and close the loop (the checks are teardown's)."""
+        if self.loop.is_closed():
+            return
+        try:
             logging.getLogger("jupyter_gpushare").removeHandler(self.bugs)
             for task in asyncio.all_tasks(self.loop):
                 task.cancel()
@@ -897,6 +917,7 @@ class ControllerModel(RuleBasedStateMachine):
             for w in self.waiters:  # read, so asyncio does not log them as never retrieved
                 if w.task.done() and not w.task.cancelled():
                     w.task.exception()
+        finally:
             self.loop.close()
             clock.reset()
 
@@ -908,3 +929,142 @@ ControllerModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestControllerModel = ControllerModel.TestCase
+
+
+# -- the sequences the state machine found, as plain tests --------------------------------------
+# Each failed before its fix in controller.py (the commit says which sequence and why); the
+# state machine above keeps looking for more.
+@contextmanager
+def machine(config: str = "idle and pressure") -> Iterator[ControllerModel]:
+    """The model, driven step by step; its teardown's checks run after the test's own."""
+    m = ControllerModel()
+    m.controller.config = CONFIGS[config]
+    try:
+        yield m
+        m.nothing_went_wrong_inside()
+    except BaseException:
+        m.close()
+        raise
+    m.teardown()
+
+
+def until(m: ControllerModel, cond: Callable[[], bool], what: str) -> None:
+    for _ in range(100):
+        if cond():
+            return
+        m.loop.virtual += 1.0  # backoffs fire
+        m.spin(10)
+    raise AssertionError(f"still waiting for {what}")
+
+
+def released(m: ControllerModel, kid: str, plan: Plan | None = None) -> Waiter:
+    m.script.append(plan or Plan())
+    m.release(kid, by_kernel=False, n=0)
+    waiter = m.waiters[-1]
+    until(m, waiter.task.done, f"the release of {kid}")
+    return waiter
+
+
+def restored(m: ControllerModel, kid: str) -> None:
+    m.cells_wait(kid, cells=1, progress=False, n=0)
+    waiter = m.waiters[-1]
+    until(m, waiter.task.done, f"the restore of {kid}")
+    assert waiter.task.exception() is None
+    assert m.controller.states[kid].state in RESIDENT and m.node.procs[kid].all_on_gpu
+
+
+def test_an_operation_stopped_before_it_began_still_ends():
+    """A restore started and stopped in one loop iteration (an interrupt right after the
+    gate asked): its task never ran, so st.op stayed set for good and its waiters were
+    cancelled instead of answered."""
+    with machine() as m:
+        released(m, "k2")
+
+        def start_and_stop() -> Any:
+            op = m.controller.start_restore("k2", trigger="gate")
+            assert m.controller.stop_waiting("k2", "interrupted")
+            return op
+
+        op = m.now(start_and_stop)
+        m.wait("restore", "k2", lambda: m.controller._wait(op), 0)
+        waiter = m.waiters[-1]
+        until(m, waiter.task.done, "the stopped restore to end")
+        assert not waiter.task.cancelled() and not waiter.task.result().ok
+        assert m.controller.states["k2"].op is None
+        restored(m, "k2")
+
+
+def test_a_restore_stopped_while_reading_free_memory_leaves_no_gpu_locked():
+    with machine() as m:
+        released(m, "k1")
+        m.read_gate = m.now(asyncio.Event)
+        m.cells_wait("k1", cells=1, progress=False, n=0)
+        until(m, lambda: m.controller.reservations.busy(0), "the restore to take GPU 0")
+        assert m.now(lambda: m.controller.stop_waiting("k1", "interrupted"))
+        until(m, m.waiters[-1].task.done, "the restore to stop")
+        m.read_gate.set()
+        m.read_gate = None
+        m.spin(10)
+        assert not any(m.controller.reservations.busy(g) for g in CAPACITY)
+        restored(m, "k1")  # with a GPU left locked, this waited for good
+
+
+def test_a_restore_gives_its_room_back_once_its_bytes_land():
+    """The poll after a restore counted its bytes as used and as reserved (every poll
+    checks the ledger: see _poll)."""
+    with machine() as m:
+        released(m, "k0")
+        restored(m, "k0")
+        assert not m.violations
+
+
+def test_releases_checked_together_must_fit_in_host_memory_together():
+    """k0 (1.5 GiB) and k1 (2 GiB) each fit in the 2.5 GiB of host memory left, not both:
+    they were both checked before either counted itself in flight (the agent's answer
+    came in between), both moved, and the kernels were OOM-killed."""
+    with machine() as m:
+        m.node.host_other = HOST_TOTAL - HOST_RESERVE - 2560 * MiB
+        m.script.extend([Plan(), Plan()])
+        for kid in ("k0", "k1"):  # asked at the same moment (two tabs, or one poll's decisions)
+            m.waiters.append(Waiter("release", kid, m.loop.create_task(m._release(kid, False))))
+        until(m, lambda: not m.pending(), "both releases")
+        outcomes = [w.task.exception() for w in m.waiters[-2:]]
+        assert outcomes[0] is None  # checked first, moved
+        assert isinstance(outcomes[1], ControllerError) and "not fit in host memory" in outcomes[1].message
+        assert m.node.host_used() <= HOST_TOTAL - HOST_RESERVE
+
+
+def test_a_release_that_failed_half_way_needs_room_only_for_what_left():
+    """Half of k0's 1.5 GiB left GPU 0 before the release failed unconfirmed; GPU 0 has
+    1.25 GiB free, enough for the 768 MiB to bring back, not for 1.5 GiB again: the restore
+    waited for memory for good."""
+    with machine() as m:
+        waiter = released(m, "k0", Plan("unconfirmed"))
+        assert isinstance(waiter.task.exception(), ControllerError)
+        assert m.controller.states["k0"].state == FAILED
+        assert m.node.free(0) == 1280 * MiB and m.node.procs["k0"].off(0) == 768 * MiB
+        restored(m, "k0")
+
+
+def test_a_restore_is_not_promised_what_a_release_in_flight_may_take_back():
+    """k0's release has freed 768 MiB of GPU 0 and stalls; k1's restore (1 GiB there) saw
+    it free, reserved it and started; k0's release then failed and its undo took the bytes
+    back: k1's restore ran out of memory half-way (wedged, on a real GPU)."""
+    with machine() as m:
+        released(m, "k1")
+        m.another_process(0, 0.5)  # GPU 0: 768 MiB free, less than k1 needs there
+        m.script.append(Plan("undone", stall=True))
+        m.release("k0", by_kernel=False, n=0)
+        until(m, lambda: "k0" in m.stalls, "k0's release to stall half-way")
+        assert m.node.free(0) >= 1 * GiB  # k1 would fit now, if k0's bytes were gone for good
+        m.script.append(Plan("ok", stall=True))
+        m.cells_wait("k1", cells=1, progress=False, n=20)
+        assert m.controller.states["k1"].waiting  # not while k0 may take its bytes back
+        m.let_go(0, n=20)
+        assert m.node.procs["k0"].all_on_gpu  # the undo took them back
+        assert not m.node.procs["k1"].wedged and m.controller.states["k1"].waiting
+        m.another_process(0, 0.0)  # room comes: k1 restores
+        until(m, lambda: "k1" in m.stalls, "k1's restore to move")
+        m.let_go(0, n=20)
+        until(m, lambda: not m.pending(), "k1's restore")
+        assert m.node.procs["k1"].all_on_gpu
