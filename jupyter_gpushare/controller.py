@@ -477,7 +477,10 @@ class Controller:
         method = self.methods[method_name]
         target = self._release_target(kid, rec)
         need = rec.gpu_memory_bytes
-        room = await self.host_room(rec.pids[0] if rec.pids else None) if self.host_room else None
+        # the held state is built from this moment's record, as the target is: a poll while we
+        # wait below may already show a restarted kernel's new process in ``rec``
+        kernel_pid, gpus, attributed = (rec.pids[0] if rec.pids else None), self._gpus_of(rec), rec.attributed
+        room = await self.host_room(kernel_pid) if self.host_room else None
         why = self._host_refusal(room, need)
         if why:
             st.host_refusal = why
@@ -503,9 +506,9 @@ class Controller:
             return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
 
         op.phase = "moving"
-        held = Held(method=method_name, bytes=need, gpus=self._gpus_of(rec), pids=list(target.pids),
-                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=rec.pids[0] if rec.pids else None,
-                    attributed=rec.attributed, since=clock.now())
+        held = Held(method=method_name, bytes=need, gpus=gpus, pids=list(target.pids),
+                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=kernel_pid,
+                    attributed=attributed, since=clock.now())
         st.held, st.method, st.failed, st.error = held, method_name, False, None
         self._notify_agent(kid, RELEASING)
         started = time.monotonic()
