@@ -413,6 +413,7 @@ class ControllerModel(RuleBasedStateMachine):
         self.calm = False  # the end: every call succeeds at once
         self.script: deque[Plan] = deque()  # outcomes set by a test, used before drawing any
         self.read_gate: asyncio.Event | None = None  # set by a test: reads of free memory wait
+        self.host_gate: asyncio.Event | None = None  # set by a test: reads of host memory wait
         self.draw_error: BaseException | None = None  # raised inside a task: re-raised by run()
         self.stalls: dict[str, asyncio.Event] = {}
         self.violations: list[str] = []
@@ -458,6 +459,8 @@ class ControllerModel(RuleBasedStateMachine):
 
     async def _host_room(self, pid: int | None) -> HostRoom:
         await asyncio.sleep(0)
+        if self.host_gate is not None:
+            await self.host_gate.wait()
         available = HOST_TOTAL - self.node.host_used()
         return HostRoom(available, "machine", f"the machine has {available} bytes available")
 
@@ -1068,3 +1071,23 @@ def test_a_restore_is_not_promised_what_a_release_in_flight_may_take_back():
         m.let_go(0, n=20)
         until(m, lambda: not m.pending(), "k1's restore")
         assert m.node.procs["k1"].all_on_gpu
+
+
+def test_a_kernel_restarted_while_its_release_starts_is_not_held_for_the_new_process():
+    """k2 (no agent) restarts and allocates again while its release reads host memory; a
+    poll sees the new process before the release goes on. The release acts on the old pid
+    (gone: unconfirmed), but its held state named the new process as its owner, so no poll
+    dropped it, and every restore went to the old pid: failed for good."""
+    with machine() as m:
+        m.host_gate = m.now(asyncio.Event)
+        m.release("k2", by_kernel=False, n=0)
+        until(m, lambda: m.controller.states["k2"].op is not None, "the release to start")
+        m.restart("k2", n=0)
+        m.restarted_kernel_allocates(0)
+        m.poll(n=0)
+        m.host_gate.set()
+        until(m, lambda: not m.pending(), "the release to end")
+        m.poll(n=10)  # the new process: a state held for the old one is dropped
+        st_ = m.controller.states["k2"]
+        assert st_.held is None and st_.state in RESIDENT, st_
+        assert m.node.procs["k2"].all_on_gpu
