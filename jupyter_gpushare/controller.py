@@ -743,7 +743,9 @@ class Controller:
                 self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=st.waiting)
                 await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
                             "(interrupt to stop waiting)")
-            await self._make_room(st, want, free)
+            if await self._make_room(st, want, free):
+                delay = WAIT_BACKOFF[0]
+                continue  # room was made: look at once (its end's wake-up came while we waited on it)
             freed = self._freed
             try:
                 await asyncio.wait_for(freed.wait(), delay)
@@ -775,8 +777,11 @@ class Controller:
             return need  # not measured per process, or another process now: charge it all
         return {g: max(0, n - rec.gpu_bytes.get(g, 0)) for g, n in need.items()}
 
-    async def _make_room(self, st: KernelState, need: dict[int, int], free: dict[int, int | None]) -> None:
-        """Release idle kernels per policy; a victim whose release failed recently is skipped."""
+    async def _make_room(self, st: KernelState, need: dict[int, int], free: dict[int, int | None]) -> bool:
+        """Release idle kernels per policy; a victim whose release failed recently is skipped.
+        True when some victim was released (a refused or failed one frees nothing: the caller
+        backs off, or a victim refused again and again would be asked in a tight loop)."""
+        made = False
         now = clock.now()
         known_free = {g: self.reservations.seen_free(g, f) for g, f in free.items() if f is not None}
         cands = []
@@ -799,6 +804,8 @@ class Controller:
             outcome = await self._wait(victim_op)
             if not outcome.ok:
                 log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
+            made = made or outcome.ok
+        return made
 
     # -- pin, drop, shutdown ------------------------------------------------------------------
     def set_pinned(self, kernel_id: str, pinned: bool) -> KernelState:
