@@ -211,8 +211,10 @@ class FakeAgent:
 
     def __init__(self, node: FakeNode, kid: str) -> None:
         self.node, self.kid = node, kid
+        self.asked: dict[str, int] = {}  # requests per op
 
     async def request(self, op: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        self.asked[op] = self.asked.get(op, 0) + 1
         await asyncio.sleep(0)  # a round trip over the socket
         proc = self.node.procs.get(self.kid)
         if proc is None:
@@ -1091,3 +1093,42 @@ def test_a_kernel_restarted_while_its_release_starts_is_not_held_for_the_new_pro
         st_ = m.controller.states["k2"]
         assert st_.held is None and st_.state in RESIDENT, st_
         assert m.node.procs["k2"].all_on_gpu
+
+
+def test_a_restore_goes_on_as_soon_as_make_room_has_freed_its_room():
+    """k1 has been idle for 31 s; k0's restore needs 1.5 GiB of GPU 0 where 1 GiB is free,
+    so make-room releases k1. Its release's end signalled 'memory freed' while the restore
+    was still inside make-room, so the restore slept its backoff (up to 5 s) or until the
+    next poll before looking again. It looks again at once now (no time passes here)."""
+    with machine("make-room only") as m:
+        released(m, "k0")
+        m.another_process(0, 0.5)  # GPU 0: 1 GiB free
+        m.time_passes(31.0, n=0)
+        m.poll(n=0)  # the poll's wake-up is spent before the restore starts waiting
+        m.cells_wait("k0", cells=1, progress=False, n=0)
+        waiter = m.waiters[-1]
+        for _ in range(50):  # the loop runs; the clock does not move
+            m.spin(10)
+        assert m.controller.states["k1"].state == RELEASED  # made room
+        assert waiter.task.done() and waiter.task.exception() is None
+        assert m.node.procs["k0"].all_on_gpu
+
+
+def test_a_victim_that_refuses_is_not_asked_again_and_again():
+    """make-room's victim starts a cell after the last poll: its agent refuses the release.
+    The restore must not ask again at once (a refused release frees nothing): before, this
+    kind of loop made 12,000 attempts in 4 s."""
+    with machine("make-room only") as m:
+        released(m, "k0")
+        m.another_process(0, 0.5)
+        m.time_passes(31.0, n=0)
+        m.poll(n=0)
+        m.cell_runs("k1", busy=True)  # after the poll: only the agent knows
+        m.cells_wait("k0", cells=1, progress=False, n=0)
+        for _ in range(50):  # the loop runs; the clock does not move
+            m.spin(10)
+        assert m.agents["k1"].asked.get("begin_release") == 1
+        assert m.controller.states["k0"].waiting
+        m.cell_runs("k1", busy=False)
+        m.time_passes(31.0, n=0)
+        until(m, lambda: not m.pending(), "the restore, once k1 is idle again")
