@@ -5,13 +5,15 @@ of where each kernel's bytes are.
 
 The fakes sit where the hardware does: the GPU node (memory per GPU, other processes, host
 memory), the tracker's records of it (re-read on every poll, as NVML would be), each
-kernel's agent, and a reclaim method that moves the node's bytes and can, per call as the
-state machine scripts it, succeed, fail before moving anything, fail after moving some bytes
-with or without a confirmed undo, time out, lose its channel, or stall until a rule lets it
-go. Everything else (operations, waiting, reservations, policy, make-room, shutdown) is the
-real controller on a real event loop whose clock the test moves.
+kernel's agent, and a reclaim method that moves the node's bytes and can, per call as
+hypothesis draws it (or a test scripts it), succeed, fail before moving anything, fail after
+moving some bytes with or without a confirmed undo, time out, lose its channel, or stall
+until a rule lets it go. Everything else (operations, waiting, reservations, policy,
+make-room, shutdown) is the real controller on a real event loop whose clock the test moves.
 
-``GPUSHARE_HYPOTHESIS_EXAMPLES`` raises the number of examples for a long run.
+After the state machine, the sequences it found (each a bug, fixed) are plain tests.
+``GPUSHARE_HYPOTHESIS_EXAMPLES`` (default 400) and ``GPUSHARE_HYPOTHESIS_STEPS`` (50) raise
+the search for a long run; ``--hypothesis-show-statistics`` says which paths it reached.
 """
 
 from __future__ import annotations
@@ -297,7 +299,8 @@ class ScriptedMethod(ReclaimMethod):
         return True
 
     def _wedged(self, kid: str, proc: Proc) -> ReclaimError:
-        """What a real restore that runs out of GPU memory does (cuda-checkpoint#44)."""
+        """What a real restore that runs out of GPU memory does: the process is stuck for good
+        (https://github.com/NVIDIA/cuda-checkpoint/issues/44)."""
         proc.wedged = True
         self.model.violation(f"the restore of {kid} ran out of GPU memory: wedged ({proc})")
         return ReclaimError("out of memory during the restore", retryable=False)
