@@ -90,9 +90,17 @@ class Outcome:
 class Operation:
     kind: str  # "release" | "restore"
     trigger: str
-    task: asyncio.Task[Outcome] = field(init=False, repr=False)
+    task: asyncio.Task[Outcome] = field(init=False, repr=False)  # ends with the operation; never cancelled
+    body: asyncio.Task[Outcome] = field(init=False, repr=False)  # the work; only its waiting is stopped
     phase: str = "waiting"  # "waiting" (may be stopped) | "moving" (runs to its end)
     stop_reason: str = ""
+    on_end: Callable[[], None] | None = None  # gives back what the work claimed, however it ends
+
+    def stop(self, why: str) -> None:
+        """Stop the work, not the task waiters await: that one still ends in an Outcome,
+        even when the work is stopped before it began."""
+        self.stop_reason = why
+        self.body.cancel()
 
 
 @dataclass
@@ -365,14 +373,15 @@ class Controller:
 
     # -- operations: start, wait ------------------------------------------------------------
     def _start(self, st: KernelState, op: Operation, body: Awaitable[Outcome]) -> Operation:
-        op.task = asyncio.ensure_future(self._run(st, op, body))
+        op.body = asyncio.ensure_future(body)
+        op.task = asyncio.ensure_future(self._run(st, op))
         st.op = op
         return op
 
-    async def _run(self, st: KernelState, op: Operation, body: Awaitable[Outcome]) -> Outcome:
+    async def _run(self, st: KernelState, op: Operation) -> Outcome:
         """Every operation ends here: whatever happened, ``op`` is cleared and waiters wake."""
         try:
-            return await body
+            return await op.body
         except asyncio.CancelledError:  # only a waiting phase can be stopped
             return Outcome(False, op.stop_reason or "stopped while waiting for GPU memory")
         except Exception as e:  # a bug: never leave the state or the waiters stuck on it
@@ -381,6 +390,8 @@ class Controller:
                 st.failed, st.error = True, f"{op.kind} failed: {type(e).__name__}: {e}"
             return Outcome(False, f"{op.kind} failed: {type(e).__name__}: {e}")
         finally:
+            if op.on_end is not None:
+                op.on_end()
             if st.op is op:
                 st.op = None
             st.waiting = None
@@ -419,8 +430,7 @@ class Controller:
         op = st.op if st is not None else None
         if op is None or op.kind != "restore" or op.phase != "waiting":
             return False
-        op.stop_reason = why
-        op.task.cancel()
+        op.stop(why)
         return True
 
     # -- release -----------------------------------------------------------------------------
@@ -475,11 +485,20 @@ class Controller:
         method = self.methods[method_name]
         target = self._release_target(kid, rec)
         need = rec.gpu_memory_bytes
-        room = await self.host_room(rec.pids[0] if rec.pids else None) if self.host_room else None
+        # the held state is built from this moment's record, as the target is: a poll while we
+        # wait below may already show a restarted kernel's new process in ``rec``
+        kernel_pid, gpus, attributed = (rec.pids[0] if rec.pids else None), self._gpus_of(rec), rec.attributed
+        room = await self.host_room(kernel_pid) if self.host_room else None
         why = self._host_refusal(room, need)
         if why:
             st.host_refusal = why
             return await self._refuse(st, op, f"not released: {why}")
+        scope = room.scope if room is not None else "machine"
+        # claimed at the check, before the agent is asked (that yields): releases checked
+        # meanwhile must count these bytes, or two that fit alone both move and OOM the host.
+        # Given back when the method returns (the host's own numbers count the bytes then),
+        # or when the operation ends without moving (refused, stopped)
+        give_back = op.on_end = self._host_claim(scope, need)
         agent = self.agent(kid)
         if agent is not None:  # the agent knows whether a cell runs now: it decides
             try:
@@ -496,12 +515,10 @@ class Controller:
             return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
 
         op.phase = "moving"
-        scope = room.scope if room is not None else "machine"
-        held = Held(method=method_name, bytes=need, gpus=self._gpus_of(rec), pids=list(target.pids),
-                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=rec.pids[0] if rec.pids else None,
-                    attributed=rec.attributed, since=clock.now())
+        held = Held(method=method_name, bytes=need, gpus=gpus, pids=list(target.pids),
+                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=kernel_pid,
+                    attributed=attributed, since=clock.now())
         st.held, st.method, st.failed, st.error = held, method_name, False, None
-        self.host_inflight[scope] = self.host_inflight.get(scope, 0) + need
         self._notify_agent(kid, RELEASING)
         started = time.monotonic()
         try:
@@ -513,9 +530,7 @@ class Controller:
             return await self._release_failed(st, held, method_name, str(e) or type(e).__name__,
                                               False, True, started)
         finally:
-            self.host_inflight[scope] -= need
-            if not self.host_inflight[scope]:
-                del self.host_inflight[scope]
+            give_back()
         seconds = time.monotonic() - started
         if st.held is not held:  # dropped meanwhile (a restart): nothing left to show
             return Outcome(False, st.error or "the held state was dropped", dropped=True)
@@ -551,6 +566,20 @@ class Controller:
         log.warning("gpushare: release of kernel %s failed: %s", kid, st.error)
         await self._refresh()
         return Outcome(False, st.error or why, retryable)
+
+    def _host_claim(self, scope: str, n: int) -> Callable[[], None]:
+        """Count ``n`` bytes as on their way into host memory; returns the (idempotent) undo."""
+        self.host_inflight[scope] = self.host_inflight.get(scope, 0) + n
+        claimed = [n]
+
+        def give_back() -> None:
+            if claimed:
+                claimed.clear()
+                self.host_inflight[scope] -= n
+                if not self.host_inflight[scope]:
+                    del self.host_inflight[scope]
+
+        return give_back
 
     def _gpus_of(self, rec: KernelRecord) -> dict[int, int]:
         return {g: b for g, b in rec.gpu_bytes.items() if b}
@@ -619,11 +648,13 @@ class Controller:
             return grant
         try:
             op.phase = "moving"
-            return await self._to_the_end(self._move_back(st, op, held, shown))
+            return await self._to_the_end(self._move_back(st, op, held, shown, grant))
         finally:
             grant.release()
 
-    async def _move_back(self, st: KernelState, op: Operation, held: Held, shown: _Shower) -> Outcome:
+    async def _move_back(
+        self, st: KernelState, op: Operation, held: Held, shown: _Shower, grant: Grant
+    ) -> Outcome:
         kid = st.kernel_id
         method = self.methods[held.method]
         st.error = None
@@ -644,6 +675,7 @@ class Controller:
         try:
             result = await method.restore(target, progress)
         except Exception as e:
+            grant.release()  # nothing landed: the room is free again
             retryable = e.retryable if isinstance(e, ReclaimError) else True
             why = str(e) or type(e).__name__
             st.failed, st.retryable = True, retryable
@@ -655,6 +687,7 @@ class Controller:
             log.warning("gpushare: restore of kernel %s failed: %s", kid, why)
             await self._refresh()
             return Outcome(False, st.error, retryable)
+        grant.release()  # landed bytes count as used from here: not twice, as reserved too
         seconds = time.monotonic() - started
         moved = result.bytes or held.bytes
         if st.held is held:
@@ -687,14 +720,20 @@ class Controller:
             # a turn behind another restore on the same GPU is not `waiting` (that, and REST's
             # 202, mean "no memory"): the other one moves its bytes and gives the GPU back
             grant = await self.reservations.acquire(list(need))
+            want = need
             try:
+                want = await self._still_to_land(st, held, need)
                 free = await self.read_free(list(need))
+            except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
+                grant.release()
+                raise
             except Exception as e:
                 log.warning("gpushare: cannot read free GPU memory: %s", e)
                 free = {g: None for g in need}
-            short = {g: n for g, n in need.items() if free.get(g) is None or (free[g] or 0) < n}
+            room = {g: None if f is None else f - self._releases_may_take_back(g) for g, f in free.items()}
+            short = {g: n for g, n in want.items() if room.get(g) is None or (room[g] or 0) < n}
             if not short and st.held is held:
-                grant.reserve(need)
+                grant.reserve(want)
                 st.waiting = None
                 return grant
             grant.release()
@@ -702,16 +741,19 @@ class Controller:
                 continue  # dropped meanwhile: the check at the top says so
             st.waiting = "waiting for memory: needs " + ", ".join(
                 f"{format_bytes(n)} on GPU {g} ("
-                + (f"{format_bytes(free[g] or 0)} free)" if free.get(g) is not None else "free memory unknown)")
+                + (f"{format_bytes(max(room[g] or 0, 0))} free)" if room.get(g) is not None
+                   else "free memory unknown)")
                 for g, n in short.items())
             if not wait:
                 return Outcome(False, st.waiting)
             if not announced:
                 announced = True
-                self._emit(st, "restore_waiting", bytes=sum(need.values()), reason=st.waiting)
+                self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=st.waiting)
                 await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
                             "(interrupt to stop waiting)")
-            await self._make_room(st, need, free)
+            if await self._make_room(st, want, free):
+                delay = WAIT_BACKOFF[0]
+                continue  # room was made: look at once (its end's wake-up came while we waited on it)
             freed = self._freed
             try:
                 await asyncio.wait_for(freed.wait(), delay)
@@ -719,8 +761,35 @@ class Controller:
             except asyncio.TimeoutError:
                 delay = min(delay * 2, WAIT_BACKOFF[1])
 
-    async def _make_room(self, st: KernelState, need: dict[int, int], free: dict[int, int | None]) -> None:
-        """Release idle kernels per policy; a victim whose release failed recently is skipped."""
+    def _releases_may_take_back(self, gpu: int) -> int:
+        """Bytes that releases in flight may put back on ``gpu``: an undo re-allocates what the
+        release freed, so those bytes are not free for a restore until the release has ended
+        (a restore promised them would run out of memory mid-way: wedged)."""
+        total = 0
+        for other in self.states.values():
+            if other.op is not None and other.op.kind == "release" and other.held is not None:
+                total += other.held.gpus.get(gpu, 0) + other.held.gpus.get(-1, 0)
+        return total
+
+    async def _still_to_land(self, st: KernelState, held: Held, need: dict[int, int]) -> dict[int, int]:
+        """``need`` less what the kernel's process still holds on each GPU. A release that
+        failed part-way (or before moving anything) left those bytes in place, and they count
+        as used already: charging them again left such a kernel waiting for memory it does not
+        need, for good on a busy GPU. Measured now, per process, never from an older poll: a
+        count that lags behind bytes that did leave would make room that is not there."""
+        if held.complete or not held.attributed:
+            return need  # every byte left (the method said so), or not measured per process
+        await self._refresh()
+        rec = self.tracker.kernels.get(st.kernel_id)
+        if rec is None or not rec.attributed or not rec.pids or rec.pids[0] != held.kernel_pid:
+            return need  # not measured per process, or another process now: charge it all
+        return {g: max(0, n - rec.gpu_bytes.get(g, 0)) for g, n in need.items()}
+
+    async def _make_room(self, st: KernelState, need: dict[int, int], free: dict[int, int | None]) -> bool:
+        """Release idle kernels per policy; a victim whose release failed recently is skipped.
+        True when some victim was released (a refused or failed one frees nothing: the caller
+        backs off, or a victim refused again and again would be asked in a tight loop)."""
+        made = False
         now = clock.now()
         known_free = {g: self.reservations.seen_free(g, f) for g, f in free.items() if f is not None}
         cands = []
@@ -743,6 +812,8 @@ class Controller:
             outcome = await self._wait(victim_op)
             if not outcome.ok:
                 log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
+            made = made or outcome.ok
+        return made
 
     # -- pin, drop, shutdown ------------------------------------------------------------------
     def set_pinned(self, kernel_id: str, pinned: bool) -> KernelState:
@@ -777,8 +848,7 @@ class Controller:
         st.error, st.retryable = f"{why}: its released GPU state is gone", False
         st.drops += 1
         if op is not None:
-            op.stop_reason = st.error
-            op.task.cancel()
+            op.stop(st.error)
         metrics.forget_kernel(kernel_id)
         self._signal_freed()
 
@@ -786,8 +856,7 @@ class Controller:
         self.drop_held(kernel_id, why)
         st = self.states.get(kernel_id)
         if st is not None and st.op is not None and st.op.phase == "waiting":
-            st.op.stop_reason = why
-            st.op.task.cancel()
+            st.op.stop(why)
         self.states.pop(kernel_id, None)
         self._busy_since.pop(kernel_id, None)
         metrics.forget_kernel(kernel_id)
