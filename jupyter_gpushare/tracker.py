@@ -166,8 +166,12 @@ class Tracker:
         loop = asyncio.get_running_loop()
         return await asyncio.wait_for(loop.run_in_executor(self._executor, fn), timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the sampling thread: queued reads are dropped, a read in progress gets
+        ``timeout`` seconds to return (a hung NVML call is left to the process's exit)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        for thread in list(getattr(self._executor, "_threads", ())):
+            thread.join(timeout)
 
     # -- pids ------------------------------------------------------------------------
     def kernel_pid(self, kernel_id: str) -> int | None:
@@ -319,15 +323,12 @@ class Tracker:
         rec.history.append((now, rec.gpu_memory_bytes, rec.sm_utilization, dict(gpu_bytes)))
 
     def _note_foreign(self, usage: Iterable[ProcessUsage]) -> None:
-        if self.telemetry.name != "nvml":
-            return
-        pids = {u.pid for u in usage}
-        foreign = {p for p in pids if not psutil.pid_exists(p)}
+        foreign = self.telemetry.foreign_pids({u.pid for u in usage})
         if foreign and not self.foreign_pids:
             log.warning(
-                "gpushare: NVML reports pids %s that this pid namespace cannot see (a container?); "
+                "gpushare: %s reports pids %s that this pid namespace cannot see (a container?); "
                 "attributing GPU memory from the kernel agents' own reports instead",
-                sorted(foreign)[:5],
+                self.telemetry.label or self.telemetry.name, sorted(foreign)[:5],
             )
         self.foreign_pids = foreign
 
