@@ -25,7 +25,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from ..protocol import RemoteError
-from ..sim.node import format_bytes
+from ..units import format_bytes
 from . import agent as agent_module
 
 USAGE = ("usage: %gpushare [status | release | restore | pin | unpin | idle-timeout SECONDS | "
@@ -41,6 +41,14 @@ def _fmt_seconds(s: float | None) -> str:
     if s < 5400:
         return f"{s / 60:.0f} min"
     return f"{s / 3600:.1f} h"
+
+
+def _fmt_idle_timeout(seconds: float | None) -> str:
+    """The kernel's idle timeout in effect, as the server reports it (its own, else the
+    server's; 0 = never released automatically)."""
+    if seconds is None:
+        return "-"
+    return "0 (never released automatically)" if seconds == 0 else _fmt_seconds(seconds)
 
 
 class StatusView:
@@ -74,6 +82,7 @@ def status_rows(kernel: dict[str, Any]) -> list[tuple[str, str]]:
         ("method", str(kernel.get("method") or "none")),
         ("next automatic release", "never" if kernel.get("release_in_seconds") is None
          else f"in {_fmt_seconds(kernel.get('release_in_seconds'))}"),
+        ("idle timeout", _fmt_idle_timeout(kernel.get("idle_timeout"))),
         ("releases / restores", f"{kernel.get('releases', 0)} / {kernel.get('restores', 0)}"),
     ]
     if kernel.get("last_restore_seconds") is not None:
