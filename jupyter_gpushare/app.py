@@ -388,30 +388,15 @@ class GPUShareApp(ExtensionApp):
         teardown.callback(self.channel.close_now)
 
     def _open_telemetry(self, teardown: ExitStack) -> None:
-        cls = self.telemetry_class
         settings = TelemetrySettings(tuple(self.simulated_gpus))
-        default_cls = selection.telemetry_class(self.backend)
         try:
-            telemetry = cls.create(settings)
-            teardown.callback(telemetry.close)
-            status = telemetry.open()
-            gpus = len(telemetry.devices()) if status.available else 0
+            chosen = selection.open_telemetry(self.backend, self.telemetry_class, settings,
+                                              teardown)
         except Exception as e:
-            raise ExtensionOff(_off(f"the telemetry source {cls.__name__} failed to start: "
-                                    f"{type(e).__name__}: {e}")) from e
-        if cls is not default_cls:  # named explicitly: used as it is
-            name, why = telemetry.name or "custom", f"telemetry_class = {cls.__name__}"
-        else:
-            look = selection.SourceLook(telemetry.name, telemetry.label or telemetry.name,
-                                        status.available, status.reason, gpus)
-            name, why = selection.resolve_backend(self.backend, look)
-            if name == selection.SIMULATED and not isinstance(telemetry, SimulatedTelemetry):
-                telemetry.close()
-                telemetry = SimulatedTelemetry.create(settings)
-                telemetry.open()
-                why += ": using the simulated node"
-        self.telemetry, self.backend_name, self.backend_reason = telemetry, name, why
-        self.log.info("gpushare: telemetry backend %s (%s)", name, why)
+            raise ExtensionOff(_off(f"the telemetry source {self.telemetry_class.__name__} failed "
+                                    f"to start: {type(e).__name__}: {e}")) from e
+        self.telemetry, self.backend_name, self.backend_reason = chosen
+        self.log.info("gpushare: telemetry backend %s (%s)", self.backend_name, self.backend_reason)
 
     def _choose_method(self) -> None:
         context = MethodContext(free_bytes=self._free_bytes, lock_timeout=self.lock_timeout)
@@ -503,9 +488,11 @@ class GPUShareApp(ExtensionApp):
             await self.channel.start()
         except Exception:  # tracking goes on; agents cannot connect
             self.log.exception("gpushare: the agent channel cannot serve on %s", self.socket_path)
-        if self._phase == "starting":
-            self._poll_task = asyncio.ensure_future(self._poll_loop())
-            self._phase = "running"
+        if self._phase != "starting":  # stopped while the channel started: stop it too
+            await self.channel.stop()
+            return
+        self._poll_task = asyncio.ensure_future(self._poll_loop())
+        self._phase = "running"
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         await self._start()
@@ -517,7 +504,7 @@ class GPUShareApp(ExtensionApp):
             await self._started.wait()
 
     async def _poll_loop(self) -> None:
-        while True:
+        while self._phase == "running":
             try:
                 await self.poll_once()
             except asyncio.CancelledError:
@@ -557,11 +544,15 @@ class GPUShareApp(ExtensionApp):
             self._started.set()  # nobody waits for a first poll that will not come
 
     async def _stop_polling(self) -> None:
+        """Cancel the poll loop and wait until it has ended. A cancel can be lost (Python
+        3.11's wait_for returns a result that arrived with it), so cancel until it ends; the
+        loop also ends by itself once the phase is no longer "running"."""
         task, self._poll_task = self._poll_task, None
-        if task is not None:
+        while task is not None and not task.done():
             task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
+            await asyncio.wait({task}, timeout=1)
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            self.log.error("gpushare: the poll loop ended with %r", task.exception())
 
     def _abandon(self, why: str) -> None:
         """Stop at once, without the event loop (its server was left for a new one in this

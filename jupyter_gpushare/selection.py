@@ -15,11 +15,12 @@ import difflib
 import importlib
 import os
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 from .reclaim import METHODS, MethodContext, ReclaimMethod
-from .telemetry import BACKENDS, Telemetry
+from .telemetry import BACKENDS, Telemetry, TelemetrySettings
 
 #: the environment variable that gives ``c.GPUShareApp.backend`` its default
 BACKEND_ENV = "JUPYTER_GPUSHARE_BACKEND"
@@ -98,6 +99,31 @@ def resolve_backend(configured: str, look: SourceLook) -> tuple[str, str]:
     if configured != look.name:  # the look was at another source (the doctor's NVML probe)
         return configured, "configured"
     return look.name, f"configured, but {trouble}" if trouble else "configured"
+
+
+def open_telemetry(backend: str, cls: Any, settings: TelemetrySettings,
+                   opened: ExitStack) -> tuple[Telemetry, str, str]:
+    """Create and open the server's telemetry source: (source, backend name, why).
+
+    ``cls`` (a Telemetry subclass) is ``telemetry_class``: the class ``backend`` names unless configured otherwise
+    (then it is used as it is). With "auto", NVML that answers with no GPU gives way to the
+    simulated node. Each source opened is closed by ``opened``; errors are the caller's."""
+    telemetry = cls.create(settings)
+    opened.callback(telemetry.close)
+    status = telemetry.open()
+    if cls is not telemetry_class(backend):  # named explicitly: used as it is
+        return telemetry, telemetry.name or "custom", f"telemetry_class = {cls.__name__}"
+    gpus = len(telemetry.devices()) if status.available else 0
+    look = SourceLook(telemetry.name, telemetry.label or telemetry.name, status.available,
+                      status.reason, gpus)
+    name, why = resolve_backend(backend, look)
+    if name == SIMULATED and telemetry.name != SIMULATED:
+        telemetry.close()
+        telemetry = telemetry_class(SIMULATED).create(settings)
+        opened.callback(telemetry.close)
+        telemetry.open()
+        why += ": using the simulated node"
+    return telemetry, name, why
 
 
 # -- release method -------------------------------------------------------------------------
