@@ -1,13 +1,22 @@
-"""The jupyter-server extension: configuration, wiring, and the poll loop.
+"""The jupyter-server extension: its options, its wiring, and the poll loop.
 
 Set options in ``jupyter_server_config.py`` as ``c.GPUShareApp.NAME = value``.
+
+Loading is all or nothing. Everything that can fail (the configuration, the telemetry
+source, the release methods, the agent channel's socket) is built first, and closed again
+when a step fails; only then does the extension change anything outside itself
+(:mod:`.server_hooks`: the websocket class, the default provisioner, the event schema, log
+routing), each change with its undo. A failed load leaves the server stock and says why once.
+``stop_extension`` is safe in any state and puts everything back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
+from contextlib import ExitStack, suppress
 from typing import Any
 
 from jupyter_core.paths import jupyter_runtime_dir
@@ -27,24 +36,32 @@ from traitlets import (
     validate,
 )
 
-from . import metrics, provisioner
+from . import metrics, selection, server_hooks
 from .agent_ops import AgentOps, check_reply
 from .channel import AgentServer, socket_path
 from .controller import Controller
 from .events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
-from .gate import SETTINGS_KEY, GateConnection
+from .gate import SETTINGS_KEY
 from .handlers import handlers
 from .hostmem import HostRoom
-from .policy import PolicyConfig
-from .reclaim import ReclaimMethod
-from .reclaim.framework import FrameworkMethod
-from .reclaim.simulated import SimulatedMethod
-from .sim.node import GiB, SimNode
-from .telemetry import Telemetry
+from .policy import Policy, PolicyConfig
+from .provisioner import LaunchSettings
+from .reclaim import MethodContext, ReclaimMethod
+from .sim.node import DEFAULT_GPUS as DEFAULT_SIMULATED_GPUS
+from .sim.node import SimNode
+from .telemetry import Telemetry, TelemetrySettings
 from .telemetry.simulated import SimulatedTelemetry
+from .tracker import Tracker
 from .views import kernel_view, status_view
 
-BACKEND_ENV = "JUPYTER_GPUSHARE_BACKEND"
+BACKEND_ENV = selection.BACKEND_ENV
+
+_instances = itertools.count(1)  # extensions initialized in this process (socket names)
+_active: GPUShareApp | None = None  # the one whose hooks are installed now
+
+
+class ExtensionOff(RuntimeError):
+    """The extension did not load and the server runs without it; the message says why."""
 
 
 class GPUShareApp(ExtensionApp):
@@ -55,27 +72,30 @@ class GPUShareApp(ExtensionApp):
 
     backend = Unicode(
         help="""Where GPU numbers come from: "nvml" (the real GPUs), "simulated" (a simulated
-        node, see simulated_gpus) or "auto" (NVML when a GPU answers, else simulated; the log
-        says which and why). Default: the environment variable JUPYTER_GPUSHARE_BACKEND, else
+        node, see simulated_gpus), "auto" (NVML when a GPU answers, else simulated; the log
+        says which and why) or the name of a backend registered in
+        jupyter_gpushare.telemetry.BACKENDS. Default: the environment variable
+        JUPYTER_GPUSHARE_BACKEND (checked like this option: another value is refused), else
         "auto".""",
     ).tag(config=True)
 
     @default("backend")
     def _default_backend(self) -> str:
-        return os.environ.get(BACKEND_ENV, "auto") or "auto"
+        try:
+            return selection.backend_from_environment()
+        except selection.SettingError as e:
+            raise TraitError(str(e)) from None
 
     @validate("backend")
     def _check_backend(self, proposal: Any) -> str:
-        value = proposal["value"]
-        if value not in ("auto", "nvml", "simulated"):
-            raise TraitError(
-                f'GPUShareApp.backend must be "auto", "nvml" or "simulated", not {value!r}'
-            )
-        return value
+        try:
+            return selection.check_backend(proposal["value"])
+        except selection.SettingError as e:
+            raise TraitError(str(e)) from None
 
     simulated_gpus = List(
         Int(),
-        default_value=[16 * GiB, 16 * GiB],
+        default_value=list(DEFAULT_SIMULATED_GPUS),
         help="""Memory of each GPU of the simulated node, in bytes, one entry per GPU.
         Default: two GPUs of 16 GiB. Used only by the simulated backend. An empty list is a
         node with no GPU.""",
@@ -115,15 +135,22 @@ class GPUShareApp(ExtensionApp):
         kernel that holds GPU memory.""",
     ).tag(config=True)
 
-    release_method = Enum(
-        ["auto", "driver", "framework", "off"],
-        default_value="auto",
+    release_method = Unicode(
+        "auto",
         help="""How GPU memory leaves the GPU: "driver" (CUDA driver checkpoint: any framework,
         frees the CUDA context too; needs driver >= 570, not under MIG), "framework" (the kernel
         agent moves PyTorch/CuPy/JAX objects to host; frees all but the CUDA context), "auto"
-        (driver where supported, else framework; "simulated" on the simulated backend) or "off"
-        (monitor only, never release). Default "auto".""",
+        (driver where supported, else framework; "simulated" on the simulated backend), "off"
+        (monitor only, never release), or the name of a method registered in
+        jupyter_gpushare.reclaim.METHODS. Default "auto".""",
     ).tag(config=True)
+
+    @validate("release_method")
+    def _check_method(self, proposal: Any) -> str:
+        try:
+            return selection.check_method(proposal["value"])
+        except selection.SettingError as e:
+            raise TraitError(str(e)) from None
 
     restore_mode = Enum(
         ["eager", "lazy"],
@@ -200,10 +227,42 @@ class GPUShareApp(ExtensionApp):
     ).tag(config=True)
 
     telemetry_class = Type(
-        default_value=Telemetry,
         klass=Telemetry,
-        help="""A Telemetry subclass to use instead of the one backend picks (tests, other
-        hardware). Default: the abstract base class itself, which means "as backend says".""",
+        help="""The Telemetry subclass GPU numbers come from. Default: the class backend names
+        (NVMLTelemetry for "nvml" and "auto", SimulatedTelemetry for "simulated"). Set it to
+        use another source without registering it (it is then used as it is, whatever
+        backend says).""",
+    ).tag(config=True)
+
+    @default("telemetry_class")
+    def _default_telemetry_class(self) -> type[Telemetry]:
+        return selection.telemetry_class(self.backend)
+
+    policy_class = Type(
+        default_value=Policy,
+        klass=Policy,
+        help="""The release rules: a subclass of jupyter_gpushare.policy.Policy whose decide,
+        make_room and seconds_until_release say which kernels to release after each poll and
+        to make room for a restore (quotas, fair share). It may have options of its own
+        (c.MyPolicy.NAME). Default: Policy, the rules docs/how-it-works.md describes.""",
+    ).tag(config=True)
+
+    keep_restore_progress = Bool(
+        False,
+        help="""Keep the restore progress line ("gpushare: restored 1.0 GiB in 0.42 s") in the
+        output of the cell that waited for the restore, so that it is saved with the notebook.
+        Default False: the line shows while the restore runs and is cleared before the cell's
+        code runs (the panel, the status bar and a notification keep the result), so saved
+        notebooks carry no gpushare output. Restores asked with %gpushare restore keep their
+        line either way.""",
+    ).tag(config=True)
+
+    socket_dir = Unicode(
+        "",
+        help="""Directory of the agent channel's Unix socket (gpushare-<pid>.sock, mode 0600).
+        Default "" = Jupyter's runtime directory. Unix sockets cannot be created on some
+        network file systems: point this at a local directory then. A directory where the
+        socket cannot be created keeps the extension from loading (the log says why).""",
     ).tag(config=True)
 
     @validate("poll_interval", "restore_grace", "history_seconds", "lock_timeout")
@@ -231,129 +290,146 @@ class GPUShareApp(ExtensionApp):
             raise TraitError(f"GPUShareApp.pressure_free_fraction must be in [0, 1), got {proposal['value']}")
         return proposal["value"]
 
-    # -- wiring ---------------------------------------------------------------------------------
+
+    # -- state (class defaults hold before, during and after a failed load) -----------------
+    #: new -> loaded -> starting -> running -> stopped; "off" after a failed load
+    _phase = "new"
+    _refusal = ""  # why the configuration was refused when the extension was linked
+    _teardown: ExitStack | None = None  # closes what was built, undoes what was changed
+    _poll_task: asyncio.Task[None] | None = None
+    telemetry: Telemetry | None = None
+    node: SimNode | None = None
+    backend_name = ""
+    backend_reason = ""
+    method_name = "off"
+    methods: dict[str, ReclaimMethod]
+    tracker: Tracker
+    controller: Controller
+    agent_ops: AgentOps
+    channel: AgentServer
+    socket_path = ""
+
     @property
     def server(self) -> Any:
         """The ServerApp we are loaded into (always set once the extension is linked)."""
         assert self.serverapp is not None
         return self.serverapp
 
-    def _route_logs(self) -> None:
-        """The package's module loggers write through the server's log (its format, its level),
-        not Python's bare last-resort handler."""
-        pkg = logging.getLogger("jupyter_gpushare")
-        self._saved_log = (pkg.handlers, pkg.propagate, pkg.level)
-        pkg.handlers = list(self.log.handlers)
-        # still propagate: a root handler (pytest's, an admin's logging config) sees them too;
-        # the server's own loggers do not sit under the root's handlers, so nothing doubles
-        pkg.propagate = True
-        pkg.setLevel(self.log.getEffectiveLevel())
+    # -- load: all or nothing ---------------------------------------------------------------
+    def _link_jupyter_server_extension(self, serverapp: Any) -> None:
+        try:
+            super()._link_jupyter_server_extension(serverapp)
+        except Exception as e:  # a bad option: refuse to load rather than run half-configured
+            self.serverapp = serverapp
+            self._refusal = f"its configuration was refused: {e}"
 
-    def _unroute_logs(self) -> None:
-        saved = getattr(self, "_saved_log", None)
-        if saved is not None:
-            pkg = logging.getLogger("jupyter_gpushare")
-            pkg.handlers, pkg.propagate, _ = saved
-            pkg.setLevel(saved[2])
+    def initialize(self) -> None:  # type: ignore[override]  # ExtensionApp's takes no argv
+        """Build, then hook into the server; on any failure put back what was done and
+        raise :class:`ExtensionOff` (jupyter_server logs it once and goes on without us)."""
+        if self._phase != "new":
+            return  # loaded (or refused) already: a second load changes nothing
+        if self._refusal:
+            self._phase = "off"
+            raise ExtensionOff(_off(self._refusal))
+        try:
+            super().initialize()  # options, initialize_settings, handlers
+        except Exception as e:
+            self._unload()
+            self._phase = "off"
+            if isinstance(e, ExtensionOff):
+                raise
+            why = str(e) if isinstance(e, TraitError) else f"{type(e).__name__}: {e}"
+            raise ExtensionOff(_off(why)) from e
 
     def initialize_settings(self) -> None:
-        self._route_logs()
-        self.node: SimNode | None = None
-        self.telemetry: Telemetry | None = None
-        self.backend_name = ""
-        self.backend_reason = ""
-        self.method_name = "off"
-        self._started = asyncio.Event()
-        self._poll_lock = asyncio.Lock()
-        self._next_poll: asyncio.Future[None] | None = None
-        self._start_task: Any = None
-        self._poll_task: asyncio.Task[None] | None = None
-        self.socket_path = socket_path(jupyter_runtime_dir())
-        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
-        self.methods: dict[str, ReclaimMethod] = {}
-        self._choose_backend()
-        self._wire_core()
-        self._wire_channel()
-        self._install_gate()
-        self._install_provisioner()
-        self.server.event_logger.register_event_schema(KERNEL_SCHEMA_PATH)
-        self.settings[SETTINGS_KEY] = self.controller
-        IOLoop.current().add_callback(self._start)
+        self._teardown = ExitStack()
+        self._build(self._teardown)  # may fail: nothing outside the extension changed yet
+        self._hook_in(self._teardown)
 
     def initialize_handlers(self) -> None:
         self.handlers.extend(handlers())
 
-    def _choose_backend(self) -> None:
-        choice = self.backend
-        if self.telemetry_class is not Telemetry:
-            self.telemetry = self.telemetry_class()  # type: ignore[abstract]
-            self.backend_name = self.telemetry.name or "custom"
-            self.backend_reason = f"telemetry_class = {self.telemetry_class.__name__}"
-        elif choice in ("auto", "nvml"):
-            from .telemetry.nvml import NVMLTelemetry
-
-            nvml = NVMLTelemetry()
-            status = nvml.open()
-            gpus = nvml.devices() if status.available else []
-            if choice == "nvml" or gpus:
-                self.telemetry, self.backend_name = nvml, "nvml"
-                self.backend_reason = (f"NVML sees {len(gpus)} GPU(s)" if gpus
-                                       else f"backend = nvml, but NVML is unavailable: {status.reason}")
-            else:
-                nvml.close()
-                why = status.reason or "NVML found no GPU"
-                self.backend_reason = f"no GPU answered NVML ({why}): using the simulated node"
-        if self.telemetry is None:
-            self.node = SimNode(tuple(self.simulated_gpus))
-            self.telemetry = SimulatedTelemetry(self.node)
-            self.backend_name = "simulated"
-            self.backend_reason = self.backend_reason or "backend = simulated"
-            self.telemetry.open()
-        self.log.info("gpushare: telemetry backend %s (%s)", self.backend_name, self.backend_reason)
-
-    def _wire_core(self) -> None:
-        from .tracker import Tracker
-
+    def _build(self, teardown: ExitStack) -> None:
+        """Everything that can fail, each piece closed by ``teardown``."""
+        self._started = asyncio.Event()
+        self._poll_lock = asyncio.Lock()
+        self._next_poll: asyncio.Future[None] | None = None
+        self._open_telemetry(teardown)
         assert self.telemetry is not None
+        self.node = self.telemetry.node if isinstance(self.telemetry, SimulatedTelemetry) else None
+        self._choose_method()
         self.tracker = Tracker(
             self.server.kernel_manager, self.telemetry, self.history_seconds, self.poll_interval,
             session_manager=self.server.session_manager,
             agent_reports=lambda kid: self.agent_ops.report_of(kid),
         )
+        teardown.callback(self.tracker.close)
         self.tracker.idle_utilization = self.idle_utilization
-        if self.backend_name == "simulated":
-            self.methods["simulated"] = SimulatedMethod(lock_timeout=self.lock_timeout)
-        else:
-            self.methods["framework"] = FrameworkMethod()
-            try:
-                from .reclaim.driver import DriverMethod
+        self.controller = self._make_controller()
+        self.agent_ops = AgentOps(
+            self.controller, self.tracker, self.node, poll=self.poll_once,
+            kernel_view=lambda kid: kernel_view(self.controller, kid), backend=self.backend_name,
+            connections=lambda: self.channel.connections,
+        )
+        directory = self.socket_dir or jupyter_runtime_dir()
+        self.socket_path = socket_path(directory, next(_instances))
+        self.channel = AgentServer(
+            self.socket_path, self.agent_ops.authorize, self.agent_ops.handlers(),
+            on_connect=self.agent_ops.on_connect, on_disconnect=self.agent_ops.on_disconnect,
+            hello_reply=self.agent_ops.hello_reply, check_reply=check_reply,
+        )
+        self.channel.hello_extra = {
+            "restore_mode": self.controller.restore_mode,
+            "simulated_gpus": list(self.node.capacities) if self.node else None,
+        }
+        try:
+            os.makedirs(os.path.dirname(self.socket_path), mode=0o700, exist_ok=True)
+            self.channel.bind()
+        except OSError as e:
+            raise ExtensionOff(_off(f"cannot create the agent socket {self.socket_path}: {e}")) from e
+        teardown.callback(self.channel.close_now)
 
-                driver = DriverMethod(free_bytes=self._free_bytes,
-                                      lock_timeout_ms=int(self.lock_timeout * 1000))
-                support = driver.support()
-                if support.ok:
-                    self.methods["driver"] = driver
-                elif self.release_method == "driver":
-                    self.log.warning("gpushare: release_method = driver, but %s", support.reason)
-                self.driver_reason = support.reason
-            except ImportError as e:  # pragma: no cover - the module ships with the package
-                self.driver_reason = str(e)
-        self.method_name = self._default_method()
+    def _open_telemetry(self, teardown: ExitStack) -> None:
+        settings = TelemetrySettings(tuple(self.simulated_gpus))
+        try:
+            chosen = selection.open_telemetry(self.backend, self.telemetry_class, settings,
+                                              teardown)
+        except Exception as e:
+            raise ExtensionOff(_off(f"the telemetry source {self.telemetry_class.__name__} failed "
+                                    f"to start: {type(e).__name__}: {e}")) from e
+        self.telemetry, self.backend_name, self.backend_reason = chosen
+        self.log.info("gpushare: telemetry backend %s (%s)", self.backend_name, self.backend_reason)
+
+    def _choose_method(self) -> None:
+        context = MethodContext(free_bytes=self._free_bytes, lock_timeout=self.lock_timeout)
+        choice = selection.choose_method(self.release_method, self.backend_name, context)
+        self.methods, self.method_name = choice.methods, choice.name
+        named = self.release_method not in (selection.AUTO, selection.OFF)
+        if named and choice.name == selection.OFF:
+            self.log.warning("gpushare: %s; nothing is released", choice.reason)
+        else:
+            self.log.info("gpushare: release method %s (%s)", choice.name, choice.reason)
+
+    def _make_controller(self) -> Controller:
+        method = self.methods.get(self.method_name)
         restore_mode = self.restore_mode
-        if restore_mode == "lazy" and self.method_name == "framework":
-            self.log.warning("gpushare: restore_mode = lazy needs the driver or simulated method; using eager")
+        if restore_mode == "lazy" and method is not None and not method.supports_lazy:
+            self.log.warning("gpushare: restore_mode = lazy needs a method that supports it "
+                             "(%s does not); using eager", method.name)
             restore_mode = "eager"
-        self.controller = Controller(
+        config = PolicyConfig(
+            idle_timeout=self.idle_timeout,
+            idle_utilization=self.idle_utilization,
+            min_release_bytes=self.min_release_bytes,
+            pressure_free_fraction=self.pressure_free_fraction,
+            pressure_idle_timeout=self.pressure_idle_timeout,
+        )
+        return Controller(
             self.tracker,
             self.methods,
             choose_method=self._method_for,
-            config=PolicyConfig(
-                idle_timeout=self.idle_timeout,
-                idle_utilization=self.idle_utilization,
-                min_release_bytes=self.min_release_bytes,
-                pressure_free_fraction=self.pressure_free_fraction,
-                pressure_idle_timeout=self.pressure_idle_timeout,
-            ),
+            config=config,
+            rules=self.policy_class(config, parent=self),
             read_free=self._read_free,
             total_bytes=self._total_bytes,
             agent=lambda kid: self.channel.connections.get(kid),
@@ -364,97 +440,73 @@ class GPUShareApp(ExtensionApp):
             refresh=self.refresh,
             host_room=self._host_room,
             host_memory_reserve=self.host_memory_reserve,
-            context_bytes=0 if self.backend_name == "simulated" else self.context_bytes,
+            context_bytes=0 if self.node is not None else self.context_bytes,
             live_state=self._live_state,
+            clear_progress=not self.keep_restore_progress,
         )
 
-    def _wire_channel(self) -> None:
-        self.agent_ops: AgentOps = AgentOps(
-            self.controller, self.tracker, self.node, poll=self.poll_once,
-            kernel_view=lambda kid: kernel_view(self.controller, kid), backend=self.backend_name,
-            connections=lambda: self.channel.connections,
-        )
-        self.channel: AgentServer = AgentServer(
-            self.socket_path, self.agent_ops.authorize, self.agent_ops.handlers(),
-            on_connect=self.agent_ops.on_connect, on_disconnect=self.agent_ops.on_disconnect,
-            hello_reply=self.agent_ops.hello_reply, check_reply=check_reply,
-        )
-        self.channel.hello_extra = {
-            "restore_mode": self.controller.restore_mode,
-            "simulated_gpus": list(self.node.capacities) if self.node else None,
-        }
-
-    def _default_method(self) -> str:
-        if self.release_method == "off":
-            return "off"
-        if self.backend_name == "simulated":
-            return "simulated"
-        if self.release_method in ("driver", "framework"):
-            return self.release_method if self.release_method in self.methods else "off"
-        return "driver" if "driver" in self.methods else "framework"
-
-    def _method_for(self, kernel_id: str) -> str | None:
-        name = self.method_name
-        if name == "off" or name not in self.methods:
-            return None
-        if name in ("simulated", "framework") and kernel_id not in self.channel.connections:
-            return None  # both need the kernel's agent
-        return name
-
-    def _install_gate(self) -> None:
-        from jupyter_server.services.kernels.connection.channels import (
-            ZMQChannelsWebsocketConnection,
-        )
-
-        current = self.server.kernel_websocket_connection_class
-        if current is ZMQChannelsWebsocketConnection:
-            self.server.kernel_websocket_connection_class = GateConnection
-            # ExtensionApp merges self.settings into the web app's after this method: set both
-            self.server.web_app.settings["kernel_websocket_connection_class"] = GateConnection
-            self.settings["kernel_websocket_connection_class"] = GateConnection
-        elif not (isinstance(current, type) and issubclass(current, GateConnection)):
-            self.log.warning(
-                "gpushare: ServerApp.kernel_websocket_connection_class is %s; the gate is off, so "
-                "cells restore through the kernel agent only", current,
-            )
-
-    def _install_provisioner(self) -> None:
-        from jupyter_client.provisioning.factory import KernelProvisionerFactory
-
-        provisioner.settings = provisioner.LaunchSettings(
+    def _hook_in(self, teardown: ExitStack) -> None:
+        """The changes outside the extension, each undone by ``teardown``."""
+        global _active
+        server = self.server
+        previous = _active
+        if previous is not None and previous is not self and previous._phase != "stopped":
+            previous._abandon("another Jupyter server was initialized in this process")
+        server_hooks.register_schema(server.event_logger, KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH,
+                                     teardown)
+        server_hooks.route_logs(self.log, teardown)
+        server_hooks.install_provisioner(LaunchSettings(
             socket_path=self.socket_path,
             kernel_env={str(k): str(v) for k, v in self.kernel_env.items()},
             simulated_gpus=list(self.node.capacities) if self.node else None,
             load_agent=self.load_agent,  # kernel_env applies either way
-        )
-        factory = KernelProvisionerFactory.instance()
-        if factory.default_provisioner_name in ("local-provisioner", provisioner.NAME):
-            factory.default_provisioner_name = provisioner.NAME
-        else:
-            self.log.warning(
-                "gpushare: kernels use provisioner %s, so they start without the gpushare agent "
-                "(tracking by NVML only). Subclass jupyter_gpushare.provisioner.GPUShareProvisioner "
-                "in yours to keep both.", factory.default_provisioner_name)
+        ), self.log, teardown)
+        server_hooks.install_gate(server, self.settings, self.log, teardown)
+        server_hooks.publish(SETTINGS_KEY, self.controller, self.settings,
+                             server.web_app.settings, teardown)
+        server_hooks.at_exit(self.channel.remove_file, teardown)
+        _active = self
+        teardown.callback(self._no_longer_active)
+        self._phase = "loaded"
+        IOLoop.current().add_callback(self._start)
+
+    def _no_longer_active(self) -> None:
+        global _active
+        if _active is self:
+            _active = None
+
+    def _unload(self) -> None:
+        """Undo every change and close everything built, newest first. Idempotent."""
+        teardown, self._teardown = self._teardown, None
+        if teardown is not None:
+            teardown.close()
 
     # -- start / stop -----------------------------------------------------------------------------
     async def _start(self) -> None:
-        if self._start_task is not None:
+        if self._phase != "loaded":
+            return  # starting or running already, stopped, or never loaded
+        self._phase = "starting"
+        try:
+            await self.channel.start()
+        except Exception:  # tracking goes on; agents cannot connect
+            self.log.exception("gpushare: the agent channel cannot serve on %s", self.socket_path)
+        if self._phase != "starting":  # stopped while the channel started: stop it too
+            await self.channel.stop()
             return
-        self._start_task = True
-        await self.channel.start()
         self._poll_task = asyncio.ensure_future(self._poll_loop())
+        self._phase = "running"
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         await self._start()
 
     async def ready(self) -> None:
         """Wait until the channel listens and the first poll is done (handlers call this)."""
-        if not self._started.is_set():
-            await self._start()
-        await self._started.wait()
+        await self._start()
+        if self._phase in ("starting", "running"):
+            await self._started.wait()
 
     async def _poll_loop(self) -> None:
-        while True:
+        while self._phase == "running":
             try:
                 await self.poll_once()
             except asyncio.CancelledError:
@@ -484,22 +536,57 @@ class GPUShareApp(ExtensionApp):
             await self.tracker.poll()
             metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
             await self.controller.tick()
-            self._export_metrics()
+            metrics.export_sample(self.tracker.gpus.values(), self.tracker.kernels)
 
     async def stop_extension(self) -> None:
+        """Restore held kernels that have room, stop polling and listening, put back every
+        change. Safe in any state: never loaded, failed to load, never started, stopped."""
+        phase, self._phase = self._phase, "stopped"
+        if phase in ("new", "off", "stopped"):
+            return
+        try:
+            await self._stop_polling()
+            await self.controller.shutdown()
+        except Exception:
+            self.log.exception("gpushare: stopping the extension")
+        finally:
+            with suppress(Exception):
+                await self.channel.stop()
+            self._unload()
+            metrics.clear()
+            self._started.set()  # nobody waits for a first poll that will not come
+
+    async def _stop_polling(self) -> None:
+        """Cancel the poll loop and wait until it has ended. A cancel can be lost (Python
+        3.11's wait_for returns a result that arrived with it), so cancel until it ends; the
+        loop also ends by itself once the phase is no longer "running"."""
+        task, self._poll_task = self._poll_task, None
+        while task is not None and not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=1)
+        if task is not None and not task.cancelled() and task.exception() is not None:
+            self.log.error("gpushare: the poll loop ended with %r", task.exception())
+
+    def _abandon(self, why: str) -> None:
+        """Stop at once, without the event loop (its server was left for a new one in this
+        process and will never be stopped): socket, poll loop, every change."""
+        self.log.warning("gpushare: %s: the extension of the earlier server stops (its agent "
+                         "socket %s, its poll loop) and the new server's takes over", why,
+                         self.socket_path)
+        held = sorted(k for k, st in self.controller.states.items() if st.held is not None)
+        if held:
+            self.log.error("gpushare: kernels %s of the earlier server stay released: their "
+                           "state is held in host memory until they exit", ", ".join(held))
+        self._phase = "stopped"
         if self._poll_task is not None:
             self._poll_task.cancel()
-        try:
-            await self.controller.shutdown()
-        finally:
-            await self.channel.stop()
-            self.tracker.close()
-            if self.telemetry is not None:
-                self.telemetry.close()
-            provisioner.settings = None
-            self._unroute_logs()
+            self._poll_task = None
+        self.controller.closing = True
+        self.channel.close_now()
+        self._unload()
+        self._started.set()
 
-    # -- helpers ------------------------------------------------------------------------------------
+    # -- what the parts read from the server and the hardware ----------------------------------
     def _free_bytes(self, gpu: int) -> int | None:
         """Free memory of one GPU read now (blocking: call it off the event loop)."""
         return self.telemetry.free_bytes(gpu) if self.telemetry is not None else None
@@ -514,6 +601,14 @@ class GPUShareApp(ExtensionApp):
 
     async def _host_room(self, pid: int | None) -> HostRoom:
         return await self.tracker.off_loop(lambda: self.tracker.hostmem.room(pid), 10)
+
+    def _method_for(self, kernel_id: str) -> str | None:
+        method = self.methods.get(self.method_name)
+        if method is None:
+            return None
+        if method.needs_agent and kernel_id not in self.channel.connections:
+            return None
+        return method.name
 
     def _live_state(self, kernel_id: str) -> str:
         try:
@@ -541,30 +636,15 @@ class GPUShareApp(ExtensionApp):
     def _emit(self, data: dict[str, Any]) -> None:
         self.server.event_logger.emit(schema_id=KERNEL_SCHEMA_ID, data=data)
 
-    def _export_metrics(self) -> None:
-        metrics.ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
-        for g in self.tracker.gpus.values():
-            label = str(g.info.index)
-            if g.info.memory_total is not None:
-                metrics.GPU_MEMORY_TOTAL.labels(label).set(g.info.memory_total)
-            if g.info.memory_used is not None:
-                metrics.GPU_MEMORY_USED.labels(label).set(g.info.memory_used)
-            if g.info.utilization is not None:
-                metrics.GPU_UTILIZATION.labels(label).set(g.info.utilization)
-        metrics.set_kernel_memory({
-            (kid, str(gpu)): n
-            for kid, rec in self.tracker.kernels.items() for gpu, n in rec.gpu_bytes.items()
-        })
-        metrics.set_kernel_host_room({
-            kid: rec.host_room.available for kid, rec in self.tracker.kernels.items()
-            if rec.host_room is not None and rec.host_room.available is not None
-        })
-
     def status(self) -> dict[str, Any]:
         assert self.telemetry is not None
         tstatus = self.telemetry.status()
         return status_view(self.controller, self.backend_name, self.method_name,
                            tstatus.available, tstatus.reason if not tstatus.available else "")
+
+
+def _off(why: str) -> str:
+    return f"gpushare is off and the server runs without it: {why}"
 
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

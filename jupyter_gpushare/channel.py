@@ -59,9 +59,11 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
-def socket_path(runtime_dir: str) -> str:
-    """A per-server socket path short enough for AF_UNIX (108 bytes)."""
-    path = os.path.join(runtime_dir, f"gpushare-{os.getpid()}.sock")
+def socket_path(directory: str, instance: int = 1) -> str:
+    """A per-server socket path short enough for AF_UNIX (108 bytes): ``gpushare-<pid>.sock``
+    (``gpushare-<pid>-<n>.sock`` for the n-th server initialized in one process)."""
+    suffix = "" if instance <= 1 else f"-{instance}"
+    path = os.path.join(directory, f"gpushare-{os.getpid()}{suffix}.sock")
     if len(path.encode()) < 100:
         return path
     return os.path.join(tempfile.mkdtemp(prefix="gpushare-"), "agent.sock")
@@ -193,25 +195,74 @@ class AgentServer:
         self.rebinds = 0  # times the socket file was found gone and bound again
         self.hello_extra: dict[str, Any] = {}  # sent to every agent in the hello reply
         self._server: asyncio.AbstractServer | None = None
+        self._sock: socket.socket | None = None  # bound and listening, not yet served
         self._bound: tuple[int, int] | None = None  # (st_dev, st_ino) of our socket file
         self._heal_failed = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    async def start(self) -> None:
-        self._server = await self._bind()
+    def bind(self) -> None:
+        """Create the socket file and listen on it, now (no event loop needed), so that a
+        directory where it cannot be created fails the extension's load, not a later start."""
+        if self._sock is None and self._server is None:
+            self._sock = self._listening_socket()
 
-    async def _bind(self) -> asyncio.AbstractServer:
+    async def start(self) -> None:
+        """Serve agents on the bound socket (bound here if ``bind`` was not called)."""
+        if self._server is not None:
+            return
+        self.bind()
+        sock, self._sock = self._sock, None
+        self._server = await asyncio.start_unix_server(self._serve, sock=sock)
+
+    def _listening_socket(self) -> socket.socket:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # the socket is created 0600, never briefly wider
         try:
-            server = await asyncio.start_unix_server(self._serve, path=self.path)
+            sock.bind(self.path)
+            os.chmod(self.path, 0o600)
+            sock.listen(128)
+            sock.setblocking(False)
+            st = os.stat(self.path)
+        except BaseException:
+            sock.close()
+            raise
         finally:
             os.umask(old_umask)
-        os.chmod(self.path, 0o600)
-        st = os.stat(self.path)
         self._bound = (st.st_dev, st.st_ino)
-        return server
+        return sock
+
+    async def _bind(self) -> asyncio.AbstractServer:
+        return await asyncio.start_unix_server(self._serve, sock=self._listening_socket())
+
+    def owns_file(self) -> bool:
+        """The socket file at ``path`` is the one this server bound (not a successor's)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self._bound
+
+    def remove_file(self) -> None:
+        """Delete the socket file if it is ours (process exit without a clean stop, e.g. a
+        SIGINT without a terminal; a stop). Never another server's file at the same path."""
+        if self.owns_file():
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+
+    def close_now(self) -> None:
+        """Stop listening and drop every agent at once, without the event loop running (a
+        server that was abandoned for another in the same process). ``stop`` is the clean way."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for conn in list(self.connections.values()):
+            conn._close()
+        self.remove_file()
 
     async def heal(self) -> bool:
         """Listen again if our socket file was removed or replaced (an admin cleaning the
@@ -241,6 +292,10 @@ class AgentServer:
         return True
 
     async def stop(self) -> None:
+        """Stop listening, drop every agent, remove the socket file. Safe to call twice."""
+        if self._sock is not None:  # bound, never served
+            self._sock.close()
+            self._sock = None
         if self._server is not None:
             self._server.close()
             for conn in list(self.connections.values()):
@@ -248,8 +303,7 @@ class AgentServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
             self._server = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self.remove_file()
 
     async def _refuse(self, writer: asyncio.StreamWriter, reply_to: Any, why: str) -> None:
         self.refusals += 1

@@ -1,18 +1,86 @@
-"""`jupyter gpushare ...`: demo and doctor."""
+"""`jupyter gpushare COMMAND`: the demo and the doctor.
+
+Each command has its own help (`jupyter gpushare demo --help`); options a command does not
+know are refused with a message, never ignored.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
-from .app import BACKEND_ENV
+from . import selection
+
+DESCRIPTION = """\
+jupyter-gpushare releases the GPU memory of idle Jupyter kernels without killing them and
+restores it on the next cell. These commands try it and check a machine for it."""
+
+EPILOG = """\
+run `jupyter gpushare COMMAND --help` for a command's options. examples:
+  jupyter gpushare demo                 JupyterLab with the extension (simulated GPUs if none)
+  jupyter gpushare doctor               what this machine supports, what the server will use"""
+
+DEMO_DESCRIPTION = """\
+Start JupyterLab with jupyter-gpushare on this machine's GPUs or, where there is none, on a
+simulated node of two 16 GiB GPUs (it says which), with a demo notebook open. Idle kernels
+are released after --idle-timeout seconds, so you can watch it happen in the GPU share panel.
+
+The demo notebook is written to --dir the first time; after that your copy is kept as you
+left it (--reset writes a fresh one)."""
+
+DEMO_EPILOG = """\
+JupyterLab's own options go after these, as --Class.option=value (for example
+--ServerApp.log_level=DEBUG or --GPUShareApp.poll_interval=0.5).
+examples:
+  jupyter gpushare demo
+  jupyter gpushare demo --no-browser --port 8890 --dir /tmp/demo
+  jupyter gpushare demo --backend simulated --reset"""
+
+#: a traitlets option for JupyterLab: --Class.option or --Class.option=value
+JUPYTER_OPTION = re.compile(r"--[A-Za-z_]\w*\.\w+(=.*)?\Z", re.DOTALL)
 
 
-def demo(args: argparse.Namespace, extra: list[str]) -> int:
-    from . import doctor
-    from .demo import write_demo
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = DEMO_DESCRIPTION
+    parser.epilog = DEMO_EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--backend", choices=selection.backend_names(), default="auto",
+                        help="where GPU numbers come from (default: auto = the real GPUs when "
+                             "NVML sees one, else a simulated node)")
+    parser.add_argument("--dir", default="gpushare-demo",
+                        help="where the demo notebook goes and JupyterLab opens (default: "
+                             "./gpushare-demo)")
+    parser.add_argument("--reset", action="store_true",
+                        help="write a fresh demo notebook over the one in --dir")
+    parser.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
+                        help="seconds idle before a kernel is released (default: 120)")
+    parser.add_argument("--port", type=int, default=8888, help="JupyterLab's port (default: 8888)")
+    parser.add_argument("--ip", default="127.0.0.1",
+                        help="address JupyterLab listens on (default: 127.0.0.1)")
+    parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
+
+
+def jupyter_options(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """Arguments for JupyterLab: --Class.option[=value] (a value may follow as its own
+    argument); anything else is refused."""
+    out: list[str] = []
+    rest = list(extra)
+    while rest:
+        arg = rest.pop(0)
+        if not JUPYTER_OPTION.match(arg):
+            parser.error(f"unrecognized argument: {arg} (JupyterLab's options go as "
+                         "--Class.option=value)")
+        out.append(arg)
+        if "=" not in arg and rest and not rest[0].startswith("-"):
+            out.append(rest.pop(0))
+    return out
+
+
+def demo(args: argparse.Namespace, lab_args: list[str]) -> int:
+    from .demo import NAME, write_demo
 
     if args.backend == "auto":
         import logging
@@ -22,14 +90,19 @@ def demo(args: argparse.Namespace, extra: list[str]) -> int:
         quiet = logging.getLogger("jupyter_gpushare.cli.probe")
         quiet.addHandler(logging.NullHandler())
         quiet.propagate = False  # the line below says it once
-        backend, why = doctor.auto_backend(probe(quiet))
+        backend, why = selection.resolve_backend("auto", selection.nvml_look(probe(quiet)))
     else:
         backend, why = args.backend, "asked for on the command line"
-    simulated = backend == "simulated"
+    simulated = backend == selection.SIMULATED
     print(f"jupyter-gpushare demo: {'a simulated 2-GPU node' if simulated else 'the real GPUs'} ({why})")
     directory = Path(args.dir).resolve()
-    notebook = write_demo(directory, simulated)
-    print(f"jupyter-gpushare demo: notebook {notebook}")
+    kept = (directory / NAME).exists() and not args.reset
+    notebook = write_demo(directory, simulated, overwrite=args.reset)
+    if kept:
+        print(f"jupyter-gpushare demo: notebook {notebook} (yours, kept as it is; --reset writes "
+              "a fresh one)")
+    else:
+        print(f"jupyter-gpushare demo: notebook {notebook}")
     argv = [
         f"--ServerApp.root_dir={directory}",
         f"--LabApp.default_url=/lab/tree/{notebook.name}",
@@ -45,32 +118,31 @@ def demo(args: argparse.Namespace, extra: list[str]) -> int:
         argv.append("--no-browser")
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--allow-root")  # these machines run as root; Jupyter refuses otherwise
-    os.environ[BACKEND_ENV] = backend
+    os.environ[selection.BACKEND_ENV] = backend
     from jupyterlab.labapp import LabApp
 
-    LabApp.launch_instance(argv=argv + extra)
+    LabApp.launch_instance(argv=argv + lab_args)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jupyter gpushare", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="JupyterLab with the extension, on the real GPUs or a simulated node")
-    d.add_argument("--backend", choices=["auto", "nvml", "simulated"], default="auto")
-    d.add_argument("--dir", default="gpushare-demo", help="where the demo notebook goes (default ./gpushare-demo)")
-    d.add_argument("--idle-timeout", type=float, default=120.0,
-                   help="seconds idle before a kernel is released (default 120 for the demo)")
-    d.add_argument("--port", type=int, default=8888)
-    d.add_argument("--ip", default="127.0.0.1")
-    d.add_argument("--no-browser", action="store_true")
-    doc = sub.add_parser("doctor", help="what this machine supports and which method will be used")
-    doc.add_argument("rest", nargs=argparse.REMAINDER)
+    from . import doctor
+
+    parser = argparse.ArgumentParser(prog="jupyter gpushare", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo_parser = sub.add_parser(
+        "demo", help="JupyterLab with the extension, on the real GPUs or a simulated node")
+    add_demo_arguments(demo_parser)
+    doctor_parser = sub.add_parser(
+        "doctor", help="what this machine supports and which backend and method the server uses")
+    doctor.add_arguments(doctor_parser)
     args, extra = parser.parse_known_args(argv)
     if args.command == "doctor":
-        from . import doctor
-
-        return doctor.main(args.rest)
-    return demo(args, extra)
+        if extra:
+            doctor_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return doctor.run(args, doctor_parser)
+    return demo(args, jupyter_options(extra, demo_parser))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from . import clock, metrics, policy
 from .hostmem import HostRoom
 from .reclaim import KernelTarget, ReclaimError, ReclaimMethod
 from .reservations import Grant, Reservations
-from .sim.node import format_bytes
 from .states import (
     ACTIVE,
     ALL,
@@ -43,10 +42,13 @@ from .states import (
     UNTRACKED,
 )
 from .tracker import KernelRecord, Tracker
+from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
 IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
+#: restores that precede the code of the cell they show progress in (its only output so far)
+CLEARED_TRIGGERS = ("gate", "agent")
 RETRY_AFTER_FAILED_RELEASE = 60.0  # s before a kernel whose release failed is tried again
 WAIT_BACKOFF = (0.25, 5.0)  # s between make-room rounds: first, and the most
 
@@ -185,6 +187,8 @@ class Controller:
         host_memory_reserve: int = 0,
         context_bytes: int = 0,
         live_state: Callable[[str], str] | None = None,
+        rules: policy.Policy | None = None,
+        clear_progress: bool = True,
     ):
         """
         read_free(gpus): free bytes per GPU read now (None = unknown), off the event loop.
@@ -193,11 +197,16 @@ class Controller:
         host_memory_reserve: host bytes a release must leave free.
         context_bytes: counted on top of self-reported bytes when a restore needs room.
         live_state(kernel_id): the kernel's execution state now ("busy", "idle", ...).
+        rules: the release rules (``c.GPUShareApp.policy_class``); default: ``policy.Policy``.
+        clear_progress: take a restore's progress line out of the cell once it succeeded
+            (cells that waited at the gate or in the agent: the line is all they hold yet).
         """
         self.tracker = tracker
         self.methods = methods
         self.choose_method = choose_method
         self.config = config
+        self.rules = rules or policy.Policy(config)
+        self.clear_progress = clear_progress
         self.read_free = read_free
         self.total_bytes = total_bytes
         self.agent = agent
@@ -232,9 +241,14 @@ class Controller:
         st = self.states.get(kernel_id)
         return st is not None and st.is_held
 
+    def idle_timeout(self, st: KernelState) -> float:
+        """The kernel's idle timeout in effect (its own, else the server's; 0 = never)."""
+        return policy.effective_idle_timeout(st.idle_timeout, self.config.idle_timeout)
+
     def candidate(self, st: KernelState, rec: KernelRecord, now: float) -> policy.Candidate:
-        window = st.idle_timeout if st.idle_timeout else self.config.idle_timeout
-        since = now - max(window, 1.0)  # at least one sample's worth of window
+        # utilization windows of at least one sample
+        since = now - max(self.idle_timeout(st), 1.0)
+        pressure_since = now - max(self.config.pressure_idle_timeout, 1.0)
         return policy.Candidate(
             kernel_id=st.kernel_id,
             resident=st.held is None and st.op is None and st.resident in (ACTIVE, IDLE),
@@ -242,6 +256,7 @@ class Controller:
             pinned=st.pinned,
             idle_seconds=rec.idle_seconds(now),
             max_utilization=rec.max_utilization_since(since),
+            pressure_utilization=rec.max_utilization_since(pressure_since),
             gpu_bytes={g: b for g, b in rec.gpu_bytes.items() if g >= 0},
             idle_timeout=st.idle_timeout,
             releasable=self.choose_method(st.kernel_id) is not None and st.release_blocked is None,
@@ -251,7 +266,7 @@ class Controller:
         st, rec = self.states.get(kernel_id), self.tracker.kernels.get(kernel_id)
         if st is None or rec is None:
             return None
-        return policy.seconds_until_release(self.candidate(st, rec, clock.now()), self.config)
+        return self.rules.seconds_until_release(self.candidate(st, rec, clock.now()))
 
     def seen_free(self) -> dict[int, int]:
         """Free memory per GPU from the last sample, minus what restores reserved."""
@@ -278,17 +293,17 @@ class Controller:
             try:
                 st = self.get(kid)
                 self._check_restart(st, rec)
-                st.resident = self._resident_state(rec, now)
+                st.resident = self._resident_state(st, rec, now)
                 self._note_background(st, rec, now)
                 self._note_host_room(st, rec)
                 candidates.append(self.candidate(st, rec, now))
                 self._watchdog(st, rec, now)
             except Exception:
                 log.exception("gpushare: kernel %s: could not apply the policy", kid)
-        for decision in policy.decide(candidates, self.seen_free(), self.total_bytes(), self.config):
+        for decision in self.rules.decide(candidates, self.seen_free(), self.total_bytes()):
             st = self.states[decision.kernel_id]
             recently_failed = st.release_failed_at is not None and (
-                now - st.release_failed_at < max(self.config.idle_timeout, RETRY_AFTER_FAILED_RELEASE))
+                now - st.release_failed_at < max(self.idle_timeout(st), RETRY_AFTER_FAILED_RELEASE))
             if recently_failed or st.op is not None or self.closing:
                 continue
             try:
@@ -298,10 +313,10 @@ class Controller:
         self._signal_freed()  # waiting restores look again after every poll
         self._update_metrics()
 
-    def _resident_state(self, rec: KernelRecord, now: float) -> str:
+    def _resident_state(self, st: KernelState, rec: KernelRecord, now: float) -> str:
         if not rec.gpu_memory_bytes:
             return UNTRACKED
-        if rec.busy or rec.idle_seconds(now) < min(IDLE_AFTER, self.config.idle_timeout or IDLE_AFTER):
+        if rec.busy or rec.idle_seconds(now) < min(IDLE_AFTER, self.idle_timeout(st) or IDLE_AFTER):
             return ACTIVE
         return IDLE
 
@@ -322,8 +337,7 @@ class Controller:
                              "%gpushare allow-background")
         if rec.gpu_work_while_idle:
             st.idle_gpu_work_at = now
-        window = st.idle_timeout if st.idle_timeout else self.config.idle_timeout
-        if st.idle_gpu_work_at is not None and now - st.idle_gpu_work_at > max(window, 1.0):
+        if st.idle_gpu_work_at is not None and now - st.idle_gpu_work_at > max(self.idle_timeout(st), 1.0):
             st.idle_gpu_work_at = None
 
     def _note_host_room(self, st: KernelState, rec: KernelRecord) -> None:
@@ -642,7 +656,8 @@ class Controller:
         self, st: KernelState, op: Operation, held: Held, parent: dict | None, wait: bool
     ) -> Outcome:
         need = self._need(held)
-        shown = _Shower(self.agent(st.kernel_id), parent)
+        shown = _Shower(self.agent(st.kernel_id), parent,
+                        clear_when_done=self.clear_progress and op.trigger in CLEARED_TRIGGERS)
         grant = await self._wait_for_room(st, op, held, need, shown, wait)
         if isinstance(grant, Outcome):
             return grant
@@ -701,6 +716,7 @@ class Controller:
         metrics.RESTORE_SECONDS.observe(seconds)
         self._emit(st, "restored", bytes=moved, seconds=seconds, reason=op.trigger)
         await shown(f"gpushare: restored {format_bytes(moved)} in {seconds:.2f} s")
+        await shown.done()  # before the cell's code runs (saved notebooks carry no timings)
         log.info("gpushare: restored %s of kernel %s in %.2f s (%s)",
                  format_bytes(moved), kid, seconds, op.trigger)
         await self._refresh()
@@ -800,8 +816,8 @@ class Controller:
             if other.release_failed_at is not None and now - other.release_failed_at < RETRY_AFTER_FAILED_RELEASE:
                 continue
             cands.append(self.candidate(other, rec, now))
-        plan = policy.make_room(need, {g: f for g, f in known_free.items() if f is not None}, cands,
-                                self.config, exclude=st.kernel_id)
+        plan = self.rules.make_room(need, {g: f for g, f in known_free.items() if f is not None},
+                                    cands, exclude=st.kernel_id)
         for d in plan or []:
             victim = self.states[d.kernel_id]
             try:
@@ -942,21 +958,38 @@ class Controller:
 
 
 class _Shower:
-    """Shows one transient progress line in the output of the cell that triggered a restore."""
+    """Shows one transient progress line in the output of the cell that triggered a restore
+    (through the kernel's agent, so it arrives in order with the cell's own messages).
 
-    def __init__(self, agent: Any, parent: dict | None):
+    ``clear_when_done``: :meth:`done` takes the line out of the cell again; only for cells
+    whose code has not run yet (the line is then all they hold), never for a magic's cell."""
+
+    def __init__(self, agent: Any, parent: dict | None, clear_when_done: bool = False):
         self.agent = agent
         self.parent = parent
+        self.clear_when_done = clear_when_done
         self.display_id = f"gpushare-{time.monotonic_ns()}"
+        self.shown = False
 
     async def __call__(self, text: str) -> None:
+        if await self._ask("show", text=text):
+            self.shown = True
+
+    async def done(self) -> None:
+        """The restore succeeded: the cell keeps no gpushare output (unless configured to)."""
+        if self.shown and self.clear_when_done:
+            await self._ask("clear")
+
+    async def _ask(self, op: str, **args: Any) -> bool:
         if self.agent is None or not self.parent:
-            return
+            return False
         try:
-            await self.agent.request("show", timeout=5, parent=self.parent,
-                                     display_id=self.display_id, text=text)
+            await self.agent.request(op, timeout=5, parent=self.parent,
+                                     display_id=self.display_id, **args)
         except Exception as e:  # progress is a courtesy; never fail a restore over it
-            log.warning("gpushare: could not show progress: %s", e)
+            log.warning("gpushare: could not %s progress: %s", op, e)
+            return False
+        return True
 
 
 __all__ = ["ACTIVE", "FAILED", "IDLE", "RELEASED", "RELEASING", "RESTORING", "UNTRACKED",

@@ -1,9 +1,10 @@
-"""``jupyter gpushare doctor``: what this machine supports and what "auto" will choose, and why.
+"""``jupyter gpushare doctor``: what this machine supports and what the server will choose, and why.
 
 Every check is a :class:`Check` with ``ok`` True (fine), False (a problem to act on) or None
 (for information / not applicable). Nothing here raises on a machine without a GPU: each check
-says why it cannot apply. The "auto" choices are made by :func:`auto_backend` and
-:func:`auto_method`, which the app uses too, so the doctor reports what the server will do.
+says why it cannot apply. The backend and the release method are chosen by
+:mod:`jupyter_gpushare.selection`, as the server chooses them, so the doctor reports what the
+server will do.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .reclaim.base import Support
-from .reclaim.driver import MIN_DRIVER, MIN_DRIVER_MIGRATE, driver_support
+from . import selection
+from .reclaim import MethodContext
+from .reclaim.driver import MIN_DRIVER, MIN_DRIVER_MIGRATE
 from .telemetry.nvml import NVMLProbe, NVMLTelemetry, driver_major, foreign_pids
+from .units import GiB
 
 CAP_SYS_PTRACE = 19  # linux/capability.h
 
@@ -34,24 +37,6 @@ class Check:
     name: str
     ok: bool | None  # None = information, or does not apply here
     detail: str
-
-
-def auto_backend(probe: NVMLProbe) -> tuple[str, str]:
-    """Telemetry backend "auto" resolves to: ``nvml`` with at least one GPU, else ``simulated``."""
-    if not probe.ok:
-        return "simulated", f"NVML unavailable ({probe.reason})"
-    if not probe.gpus:
-        return "simulated", "NVML found no GPU"
-    return "nvml", f"NVML sees {len(probe.gpus)} GPU{'s' if len(probe.gpus) != 1 else ''}"
-
-
-def auto_method(backend: str, driver: Support) -> tuple[str, str]:
-    """Release method "auto" resolves to, given the backend in use and the driver's support."""
-    if backend == "simulated":
-        return "simulated", "the simulated GPU node emulates the checkpoint state machine"
-    if driver.ok:
-        return "driver", driver.reason
-    return "framework", f"driver checkpoint unavailable: {driver.reason}"
 
 
 def _cuda_driver_text(v: int | None) -> str:
@@ -71,7 +56,7 @@ def _check_gpus(p: NVMLProbe) -> Check:
         return Check("GPUs", False, "NVML works but lists no GPU")
     parts = []
     for g in p.gpus:
-        mem = f", {g.memory_total / (1 << 30):.0f} GiB" if g.memory_total else ""
+        mem = f", {g.memory_total / GiB:.0f} GiB" if g.memory_total else ""
         mig = f", MIG instance of GPU {g.parent_index}" if g.mig else ""
         parts.append(f"{g.index}: {g.name}{mem}{mig}")
     if p.mig_gpus:
@@ -161,8 +146,8 @@ def _check_pid_namespace(p: NVMLProbe) -> Check:
     return Check(name, True, f"all {len(pids)} NVML pids are visible here")
 
 
-def collect(backend: str = "auto") -> list[Check]:
-    """Run every check. ``backend``: "auto" | "nvml" | "simulated", as the server is configured."""
+def collect(backend: str = "auto", release_method: str = "auto") -> list[Check]:
+    """Run every check. ``backend`` and ``release_method`` as the server is configured."""
     from .telemetry.nvml import probe as nvml_probe
 
     p = nvml_probe(log=_QUIET)
@@ -174,19 +159,12 @@ def collect(backend: str = "auto") -> list[Check]:
         _check_permissions(),
         _check_pid_namespace(p),
     ]
-    if backend == "auto":
-        chosen, why = auto_backend(p)
-        checks.append(Check("telemetry backend", None, f"auto -> {chosen}: {why}"))
-    elif backend == "nvml":
-        chosen = "nvml"
-        ok = p.ok and bool(p.gpus)
-        why = "configured" if ok else f"configured, but {auto_backend(p)[1]}"
-        checks.append(Check("telemetry backend", ok, f"nvml: {why}"))
-    else:
-        chosen = "simulated"
-        checks.append(Check("telemetry backend", None, f"{backend}: configured"))
-    method, why = auto_method(chosen, driver_support(p) if chosen == "nvml" else Support(False, ""))
-    checks.append(Check("release method", None, f"auto -> {method}: {why}"))
+    chosen, why = selection.resolve_backend(backend, selection.nvml_look(p))
+    ok = None if backend != "nvml" else p.ok and bool(p.gpus)
+    arrow = f"{backend} -> {chosen}" if backend == "auto" else backend
+    checks.append(Check("telemetry backend", ok, f"{arrow}: {why}"))
+    method = selection.choose_method(release_method, chosen, MethodContext(probe=p))
+    checks.append(Check("release method", None, f"{release_method} -> {method.name}: {method.reason}"))
     return checks
 
 
@@ -200,25 +178,57 @@ def format_report(checks: list[Check]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="jupyter gpushare doctor",
-        description="What this machine supports (driver, NVML, checkpoint API, permissions) "
-                    "and which method jupyter-gpushare will use, and why.",
+DESCRIPTION = """\
+What this machine supports for jupyter-gpushare (NVIDIA driver, NVML, the CUDA checkpoint
+API, permissions, containers) and which telemetry backend and release method the server
+will use here, and why. Runs anywhere, a machine without a GPU included; exits 0 unless its
+own options are wrong."""
+
+EPILOG = """\
+each line: [ ok ] fine, [FAIL] a problem to act on, [ -- ] information or not applicable.
+examples:
+  jupyter gpushare doctor
+  jupyter gpushare doctor --backend nvml --release-method driver
+  jupyter gpushare doctor --json | jq '.[] | select(.ok == false)'"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The doctor's options (shared by `jupyter gpushare doctor` and `python -m`)."""
+    parser.description = DESCRIPTION
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--backend", choices=selection.backend_names(), default=None,
+        help=f"the telemetry backend as the server is configured (default: ${selection.BACKEND_ENV}, "
+             "else auto)",
     )
     parser.add_argument(
-        "--backend", choices=["auto", "nvml", "simulated"],
-        default=os.environ.get("JUPYTER_GPUSHARE_BACKEND", "auto") or "auto",
-        help="telemetry backend as configured (default: $JUPYTER_GPUSHARE_BACKEND or auto)",
+        "--release-method", choices=selection.method_names(), default="auto",
+        help="the release method as the server is configured (default: auto)",
     )
-    parser.add_argument("--json", action="store_true", help="print the checks as JSON")
-    args = parser.parse_args(argv)
-    checks = collect(args.backend)
+    parser.add_argument("--json", action="store_true",
+                        help="print the checks as a JSON list of {name, ok, detail}")
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    backend = args.backend
+    if backend is None:
+        try:
+            backend = selection.backend_from_environment()
+        except selection.SettingError as e:
+            parser.error(str(e))
+    checks = collect(backend, args.release_method)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
         print(format_report(checks))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jupyter gpushare doctor")
+    add_arguments(parser)
+    return run(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":

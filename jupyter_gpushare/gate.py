@@ -8,6 +8,10 @@ channel (interrupt, shutdown) pass straight through.
 
 The restore belongs to the controller: when this connection closes, only its waiting
 stops; an interrupt stops a restore that still waits for memory, never one moving bytes.
+
+Message order: the cell whose restore shows progress gets ``status: busy`` first, from here
+(the kernel has not seen the cell yet, and the protocol puts a cell's outputs after its
+busy); the kernel's own busy follows when the cell reaches it.
 When the held state is dropped (the kernel restarted or died), the held cells are answered
 with an error that says so: they never run in the new process in place of the old one.
 """
@@ -40,6 +44,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         super().__init__(*args, **kwargs)
         self._held: list[tuple[Any, dict[str, Any]]] = []
         self._drain_task: asyncio.Task[None] | None = None
+        self._busy_sent: set[str] = set()  # msg_ids we announced busy for ourselves
 
     @property
     def controller(self) -> Controller | None:
@@ -87,6 +92,8 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             return
         must_wait = self._must_wait(controller, is_comm)
         if self._held or (must_wait and not (is_execute and self._only_gpushare_magics(incoming_msg))):
+            if not self._held and is_execute and controller.restore_mode == "eager":
+                self._send_busy(header)  # its restore's progress lines come next
             self._held.append((incoming_msg, header))
             if self._drain_task is None:
                 self._drain_task = asyncio.ensure_future(self._drain(controller))
@@ -131,6 +138,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
                 batch, self._held = self._held, []
                 for raw, header in batch:
                     if failure is None:
+                        self._busy_sent.discard(header.get("msg_id", ""))
                         if self.channels:
                             ZMQChannelsWebsocketConnection.handle_incoming_message(self, raw)
                     elif header.get("msg_type") == "execute_request":
@@ -157,6 +165,12 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             if header.get("msg_type") == "execute_request":
                 self._reply_error(header, "KeyboardInterrupt", f"gpushare: {why}")
 
+    def _send_busy(self, parent: dict[str, Any]) -> None:
+        """``status: busy`` for a held cell, as the kernel sends it when a cell starts."""
+        if self.channels and parent.get("msg_id"):
+            self._send("iopub", self.session.msg("status", {"execution_state": "busy"}, parent=parent))
+            self._busy_sent.add(parent["msg_id"])
+
     def _reply_error(self, parent: dict[str, Any], ename: str, text: str) -> None:
         """Answer an execute_request we will not forward, as the kernel would."""
         if not self.channels:
@@ -164,17 +178,22 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         session = self.session
         content = {"status": "error", "ename": ename, "evalue": text, "traceback": [text],
                    "execution_count": None}
+        if parent.get("msg_id") not in self._busy_sent:
+            self._send("iopub", session.msg("status", {"execution_state": "busy"}, parent=parent))
+        self._busy_sent.discard(parent.get("msg_id", ""))
         for channel, msg in (
-            ("iopub", session.msg("status", {"execution_state": "busy"}, parent=parent)),
             ("iopub", session.msg("error", {k: content[k] for k in ("ename", "evalue", "traceback")},
                                   parent=parent)),
             ("shell", session.msg("execute_reply", content, parent=parent)),
             ("iopub", session.msg("status", {"execution_state": "idle"}, parent=parent)),
         ):
-            try:
-                self.handle_outgoing_message(channel, session.serialize(msg))
-            except Exception:
-                log.exception("gpushare gate: could not answer a held execute_request")
+            self._send(channel, msg)
+
+    def _send(self, channel: str, msg: dict[str, Any]) -> None:
+        try:
+            self.handle_outgoing_message(channel, self.session.serialize(msg))
+        except Exception:
+            log.exception("gpushare gate: could not send a %s message", msg["header"]["msg_type"])
 
     def disconnect(self) -> None:  # type: ignore[override]  # the stock one is sync too
         if self._drain_task is not None:

@@ -26,6 +26,11 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+
+from .units import format_bytes
+
+_size = partial(format_bytes, whole_below_gib=True)
 
 _NO_LIMIT = 1 << 62  # cgroup v1 writes "unlimited" as a huge page-aligned number
 
@@ -35,10 +40,6 @@ class HostRoom:
     available: int | None  # bytes the process may still use; None when nothing could be read
     scope: str  # the tightest limit: "machine" or the cgroup directory
     detail: str  # for a person: where the number comes from
-
-
-def _fmt(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.0f} MiB"
 
 
 class HostMemory:
@@ -159,7 +160,8 @@ class HostMemory:
         best: HostRoom | None = None
         available = self.machine_available()
         if available is not None:
-            best = HostRoom(available, "machine", f"the machine has {_fmt(available)} available")
+            best = HostRoom(available, "machine",
+                            f"the machine has {_size(available)} available")
         if pid is not None:
             version, dirs = self._cgroup_dirs(pid)
             for directory in dirs:
@@ -169,5 +171,5 @@ class HostMemory:
                 free, limit, _ = got
                 if best is None or best.available is None or free < best.available:
                     best = HostRoom(free, directory, f"its memory cgroup ({directory}) has "
-                                    f"{_fmt(free)} free of a {_fmt(limit)} limit")
+                                    f"{_size(free)} free of a {_size(limit)} limit")
         return best or HostRoom(None, "machine", "host memory could not be read")

@@ -5,6 +5,8 @@ They appear on the server's ``/metrics``. Names start with ``gpushare_``.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -72,3 +74,34 @@ def forget_kernel(kernel_id: str) -> None:
         KERNEL_HOST_BYTES.remove(kernel_id)
     except KeyError:
         pass
+
+
+def export_sample(gpus: Iterable[Any], kernels: Mapping[str, Any]) -> None:
+    """One poll's numbers: per GPU (``tracker.gpus`` values) and per kernel (``tracker.kernels``)."""
+    ASYNCIO_TASKS.set(len(asyncio.all_tasks()))
+    for g in gpus:
+        label = str(g.info.index)
+        if g.info.memory_total is not None:
+            GPU_MEMORY_TOTAL.labels(label).set(g.info.memory_total)
+        if g.info.memory_used is not None:
+            GPU_MEMORY_USED.labels(label).set(g.info.memory_used)
+        if g.info.utilization is not None:
+            GPU_UTILIZATION.labels(label).set(g.info.utilization)
+    set_kernel_memory({
+        (kid, str(gpu)): n for kid, rec in kernels.items() for gpu, n in rec.gpu_bytes.items()
+    })
+    set_kernel_host_room({
+        kid: rec.host_room.available for kid, rec in kernels.items()
+        if rec.host_room is not None and rec.host_room.available is not None
+    })
+
+
+def clear() -> None:
+    """Drop every series the extension set (it stopped: nothing it showed holds any more).
+    Counters and histograms keep their totals, as Prometheus expects."""
+    for gauge in (GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION, KERNEL_MEMORY,
+                  KERNEL_HOST_BYTES, KERNELS, KERNEL_HOST_ROOM):
+        gauge.clear()
+    HOST_BYTES.set(0)
+    _known_kernel_series.clear()
+    _known_host_room.clear()

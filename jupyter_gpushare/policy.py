@@ -1,12 +1,17 @@
-"""Which kernels to release, and which to release to make room: pure functions.
+"""Which kernels to release, and which to release to make room.
 
-No I/O and no clock of their own: callers pass ``now``-derived numbers in, so the
-benchmark simulator and the tests run this module unchanged.
+Pure functions, no I/O and no clock of their own: callers pass ``now``-derived numbers in,
+so the simulator and the tests run this module unchanged. :class:`Policy` is what the server
+calls; it is swappable (``c.GPUShareApp.policy_class``): a subclass that overrides
+``decide``, ``make_room`` or ``seconds_until_release`` changes the rules (quotas, fair
+share) without touching the controller.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from traitlets.config import LoggingConfigurable
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class Candidate:
     gpu_bytes: dict[int, int] = field(default_factory=dict)
     idle_timeout: float | None = None  # per-kernel override (kernelspec, magic); 0 = never
     releasable: bool = True  # a release method exists for it
+    #: highest SM % over the last ``pressure_idle_timeout`` (pressure releases and make-room
+    #: judge quietness over that window); None: as ``max_utilization``
+    pressure_utilization: float | None = None
 
     @property
     def bytes(self) -> int:
@@ -43,19 +51,34 @@ class Decision:
     reason: str
 
 
-def _quiet(c: Candidate, cfg: PolicyConfig) -> bool:
-    """Eligible at all: resident, not busy, not pinned, GPU quiet, holds enough to matter."""
+def effective_idle_timeout(kernel: float | None, server: float) -> float:
+    """A kernel's idle timeout: its own (kernelspec ``metadata.gpushare.idle_timeout``,
+    ``%gpushare idle-timeout``) when it has one, else the server's ``idle_timeout``.
+    0 = never released automatically (idle, pressure or make-room)."""
+    return server if kernel is None else kernel
+
+
+def _quiet(c: Candidate, cfg: PolicyConfig, utilization: float | None = None) -> bool:
+    """Eligible at all: resident, not busy, not pinned, GPU quiet, holds enough to matter.
+
+    ``utilization``: the SM % to judge quietness by (default: over the idle window)."""
     is_resident_and_still = c.resident and not c.busy
-    is_gpu_quiet = c.max_utilization <= cfg.idle_utilization
+    used = c.max_utilization if utilization is None else utilization
+    is_gpu_quiet = used <= cfg.idle_utilization
     holds_enough = c.bytes >= max(cfg.min_release_bytes, 1)
-    # idle_timeout 0 (the kernel's, else the server's) = never release automatically at all
-    opted_out = (cfg.idle_timeout if c.idle_timeout is None else c.idle_timeout) == 0
+    opted_out = effective_idle_timeout(c.idle_timeout, cfg.idle_timeout) == 0
     return is_resident_and_still and is_gpu_quiet and holds_enough and not c.pinned \
         and not opted_out and c.releasable
 
 
+def _quiet_under_pressure(c: Candidate, cfg: PolicyConfig) -> bool:
+    """Eligible for a pressure release or make-room: quiet over the pressure window (a kernel
+    that computed before it and has idled past ``pressure_idle_timeout`` may be taken)."""
+    return c.idle_seconds >= cfg.pressure_idle_timeout and _quiet(c, cfg, c.pressure_utilization)
+
+
 def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:
-    timeout = cfg.idle_timeout if c.idle_timeout is None else c.idle_timeout
+    timeout = effective_idle_timeout(c.idle_timeout, cfg.idle_timeout)
     automatic_release_on = timeout > 0
     idle_long_enough = c.idle_seconds >= timeout
     if automatic_release_on and idle_long_enough and _quiet(c, cfg):
@@ -65,7 +88,7 @@ def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:
 
 def seconds_until_release(c: Candidate, cfg: PolicyConfig) -> float | None:
     """When an automatic release will happen if nothing changes (None: never)."""
-    timeout = cfg.idle_timeout if c.idle_timeout is None else c.idle_timeout
+    timeout = effective_idle_timeout(c.idle_timeout, cfg.idle_timeout)
     if timeout <= 0 or c.pinned or not c.resident or not c.releasable:
         return None
     if c.bytes < cfg.min_release_bytes:
@@ -93,7 +116,7 @@ def pressure_releases(
         if free_now / capacity >= cfg.pressure_free_fraction:
             continue
         pool = [c for c in candidates if c.gpu_bytes.get(gpu) and c.kernel_id not in chosen
-                and _quiet(c, cfg) and c.idle_seconds >= cfg.pressure_idle_timeout]
+                and _quiet_under_pressure(c, cfg)]
         for c in _longest_idle_first(pool):
             if free_now / capacity >= cfg.pressure_free_fraction:
                 break
@@ -129,8 +152,7 @@ def make_room(
     short = {g: n - free.get(g, 0) for g, n in need.items() if n > free.get(g, 0)}
     if not short:
         return []
-    pool = [c for c in candidates if c.kernel_id != exclude and _quiet(c, cfg)
-            and c.idle_seconds >= cfg.pressure_idle_timeout]
+    pool = [c for c in candidates if c.kernel_id != exclude and _quiet_under_pressure(c, cfg)]
     decisions: list[Decision] = []
     for c in _longest_idle_first(pool):
         if not any(c.gpu_bytes.get(g) for g in short):
@@ -143,3 +165,37 @@ def make_room(
         if not short:
             return decisions
     return None
+
+
+class Policy(LoggingConfigurable):
+    """The release rules the server applies, after every poll and when a restore needs room.
+
+    The default is this module's functions. To change the rules, subclass and point
+    ``c.GPUShareApp.policy_class`` at the subclass; it may declare its own options
+    (``c.MyPolicy.NAME``, traitlets with ``config=True``). Each method gets candidates built
+    by the controller (:class:`Candidate`: resident, busy, pinned, idle seconds, utilization
+    over the idle and the pressure windows, bytes per GPU, releasable) and returns decisions;
+    the controller checks what can only be checked at the moment (host memory, the agent's
+    word on "busy") and carries them out. ``self.settings`` holds the server's thresholds.
+    """
+
+    def __init__(self, settings: PolicyConfig | None = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.settings = settings or PolicyConfig()
+
+    def decide(self, candidates: list[Candidate], free: dict[int, int],
+               total: dict[int, int]) -> list[Decision]:
+        """Everything to release now. ``free``: free bytes per GPU (minus restores' reservations);
+        ``total``: each GPU's memory."""
+        return decide(candidates, free, total, self.settings)
+
+    def make_room(self, need: dict[int, int], free: dict[int, int], candidates: list[Candidate],
+                  exclude: str = "") -> list[Decision] | None:
+        """Kernels to release so ``need`` bytes per GPU fit for a restore (of ``exclude``);
+        None when it cannot fit."""
+        return make_room(need, free, candidates, self.settings, exclude)
+
+    def seconds_until_release(self, candidate: Candidate) -> float | None:
+        """When the kernel will be released if nothing changes (None: never); the panel and
+        ``%gpushare`` show it."""
+        return seconds_until_release(candidate, self.settings)

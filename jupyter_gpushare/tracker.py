@@ -15,9 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import queue
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
@@ -167,6 +169,54 @@ def _gpu_device_pids(pids: Iterable[int]) -> list[int]:
     return out
 
 
+class SamplingThread(Executor):
+    """Runs calls one at a time on one daemon thread, started here.
+
+    Not a ThreadPoolExecutor: the interpreter joins those workers at exit, so a hung NVML
+    call, or an interrupt that lands while a worker is being started (the worker is then
+    never told to stop), would keep the server process from exiting on Ctrl-C."""
+
+    def __init__(self, name: str):
+        self._calls: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            future: Future[T] = Future()
+            self._calls.put((future, fn, args, kwargs))
+            return future
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args, kwargs = call
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # the caller's to see, as with any executor
+                future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                while cancel_futures:
+                    try:
+                        call = self._calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    if call is not None:
+                        call[0].cancel()
+                self._calls.put(None)
+        if wait:
+            self.thread.join()
+
+
 @dataclass
 class _Sample:
     """What one poll read off the event loop."""
@@ -210,15 +260,19 @@ class Tracker:
         self.hostmem = HostMemory()
         # one thread for every hardware read: NVML calls stay ordered, and a stalled one
         # cannot take the event loop's default pool with it
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpushare-sample")
+        self._executor = SamplingThread("gpushare-sample")
 
     async def off_loop(self, fn: Callable[[], T], timeout: float = SAMPLE_TIMEOUT) -> T:
         """Run a blocking read on the sampling thread, within ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         return await asyncio.wait_for(loop.run_in_executor(self._executor, fn), timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the sampling thread: queued reads are dropped, a read in progress gets
+        ``timeout`` seconds to return (a hung NVML call is left behind: the thread is a
+        daemon, so it never holds up the process's exit)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.thread.join(timeout)
 
     # -- pids ------------------------------------------------------------------------
     def kernel_pid(self, kernel_id: str) -> int | None:
@@ -375,15 +429,12 @@ class Tracker:
                                         dict(gpu_bytes), dict(rec.gpu_utilization)))
 
     def _note_foreign(self, usage: Iterable[ProcessUsage]) -> None:
-        if self.telemetry.name != "nvml":
-            return
-        pids = {u.pid for u in usage}
-        foreign = {p for p in pids if not psutil.pid_exists(p)}
+        foreign = self.telemetry.foreign_pids({u.pid for u in usage})
         if foreign and not self.foreign_pids:
             log.warning(
-                "gpushare: NVML reports pids %s that this pid namespace cannot see (a container?); "
+                "gpushare: %s reports pids %s that this pid namespace cannot see (a container?); "
                 "attributing GPU memory from the kernel agents' own reports instead",
-                sorted(foreign)[:5],
+                self.telemetry.label or self.telemetry.name, sorted(foreign)[:5],
             )
         self.foreign_pids = foreign
 

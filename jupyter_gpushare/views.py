@@ -29,7 +29,7 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "gpu_utilization": {str(g): u for g, u in (rec.gpu_utilization.items() if rec else ())},
         "idle_seconds": round(rec.idle_seconds(now), 1) if rec else None,
         "release_in_seconds": _round(controller.release_in(kernel_id)),
-        "idle_timeout": st.idle_timeout if st.idle_timeout is not None else controller.config.idle_timeout,
+        "idle_timeout": controller.idle_timeout(st),
         "method": st.method or controller.choose_method(kernel_id),
         "releases": st.releases,
         "restores": st.restores,

@@ -25,6 +25,8 @@ class Execution:
     error: dict[str, Any] | None = None
     displays: list[dict[str, Any]] = field(default_factory=list)  # display/update_display content
     results: list[dict[str, Any]] = field(default_factory=list)  # execute_result data
+    #: (message type, execution_state or "") of every message for this cell, in arrival order
+    sequence: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -90,6 +92,7 @@ class KernelConn:
             if target is None:
                 continue
             kind, content = msg["header"]["msg_type"], msg.get("content", {})
+            target.sequence.append((kind, content.get("execution_state", "")))
             if kind == "execute_reply":
                 target.status = content.get("status", "")
                 self.order.append(parent)

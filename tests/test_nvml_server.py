@@ -179,6 +179,27 @@ async def test_a_pid_in_the_drivers_failed_state_is_shown_failed_without_a_retry
     assert info["state"] == "failed" and "restart the kernel" in info["error"]
 
 
+@pytest.mark.parametrize("gpushare_config", [DRIVER])
+async def test_the_drivers_per_pid_lines_reach_the_cell_then_leave_it(
+    fake_nvml, fake_driver, jp_fetch, kernels, gpushare_app
+):
+    """The controller hands the method a progress callback: the driver's own lines show in
+    the cell that waits for the restore, and go once it is done (nothing saved)."""
+    from .scenarios import rest
+
+    k, pid, _ = await _driver_kernel(fake_nvml, fake_driver, kernels, gpushare_app)
+    code, _ = await rest(jp_fetch, k.id, "release")
+    assert code == 200
+    ex = await k.run("print('back')")
+    shown = [d["data"]["text/plain"] for d in ex.displays]
+    assert shown == ["gpushare: restoring 4.0 GiB to GPU 0 ...",
+                     f"gpushare: restoring pid {pid} (4.0 GiB) to GPU 0", shown[-1]]
+    assert shown[-1].startswith("gpushare: restored 4.0 GiB in ")
+    kinds = [kind for kind, _ in ex.sequence]
+    assert kinds.index("clear_output") < kinds.index("execute_input")
+    assert ex.stdout == "back\n" and fake_driver.states[pid] == "running"
+
+
 @pytest.mark.parametrize("gpushare_config", [{"backend": "nvml", "idle_timeout": 0}])
 async def test_a_stalled_nvml_call_does_not_block_the_websocket(fake_nvml, kernels, gpushare_app):
     """NVML hangs inside a poll: the poll waits on its own thread; cells keep running."""

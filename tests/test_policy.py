@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from jupyter_gpushare.policy import (
     Candidate,
+    Policy,
     PolicyConfig,
     decide,
+    effective_idle_timeout,
     make_room,
     seconds_until_release,
 )
@@ -82,3 +84,35 @@ def test_seconds_until_release():
     assert seconds_until_release(cand("a", idle=100, pinned=True), CFG) is None
     assert seconds_until_release(cand("a", idle=100, gib=0.1), CFG) is None
     assert seconds_until_release(cand("a", idle=900), CFG) == 0
+
+
+def test_pressure_and_make_room_judge_quietness_over_the_pressure_window():
+    """A kernel that computed 5 min ago (inside the 10-min idle window, outside the 2-min
+    pressure window) and has idled since may be taken under pressure or to make room."""
+    computed_earlier = cand("earlier", idle=300, gib=4, max_utilization=90, pressure_utilization=0)
+    computing_now = cand("now", idle=300, gib=4, max_utilization=90, pressure_utilization=90)
+    assert ids(decide([computed_earlier, computing_now], {0: 2 * GiB}, {0: 80 * GiB}, CFG)) \
+        == ["earlier"]
+    assert ids(make_room({0: 4 * GiB}, {0: 1 * GiB}, [computed_earlier, computing_now], CFG)) \
+        == ["earlier"]
+    # the idle timeout still judges over its own window
+    assert decide([cand("earlier", idle=601, max_utilization=90, pressure_utilization=0)],
+                  {0: 80 * GiB}, {0: 80 * GiB}, CFG) == []
+    # callers that do not know the pressure window: judged as before, over the idle window
+    assert make_room({0: 4 * GiB}, {0: 1 * GiB}, [cand("old", idle=300, gib=4, max_utilization=90)],
+                     CFG) is None
+
+
+def test_effective_idle_timeout_is_the_kernels_else_the_servers():
+    assert effective_idle_timeout(None, 600) == 600
+    assert effective_idle_timeout(0, 600) == 0  # the kernel opted out
+    assert effective_idle_timeout(30, 0) == 30  # the kernel opted in on a server that never releases
+    assert seconds_until_release(cand("a", idle=10, idle_timeout=30), PolicyConfig(idle_timeout=0)) == 20
+
+
+def test_the_policy_class_applies_the_module_rules_by_default():
+    rules = Policy(CFG)
+    cands = [cand("long", idle=500, gib=4), cand("fresh", idle=10, gib=4)]
+    assert rules.decide(cands, {0: 2 * GiB}, {0: 80 * GiB}) == decide(cands, {0: 2 * GiB}, {0: 80 * GiB}, CFG)
+    assert rules.make_room({0: 4 * GiB}, {0: 1 * GiB}, cands) == make_room({0: 4 * GiB}, {0: 1 * GiB}, cands, CFG)
+    assert rules.seconds_until_release(cands[1]) == 590

@@ -38,12 +38,16 @@ GPU_CELLS = [
 ]
 
 
-def write_demo(directory: Path, simulated: bool) -> Path:
+def write_demo(directory: Path, simulated: bool, overwrite: bool = True) -> Path:
+    """Write the demo notebook into ``directory`` and return its path. With ``overwrite``
+    False an existing notebook (the user's, maybe edited) is kept as it is."""
+    path = directory / NAME
+    if path.exists() and not overwrite:
+        return path
     nb = new_notebook()
     for kind, text in SIM_CELLS if simulated else GPU_CELLS:
         nb.cells.append(new_markdown_cell(text) if kind == "md" else new_code_cell(text))
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / NAME
     nbformat.write(nb, path)
     return path

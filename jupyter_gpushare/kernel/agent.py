@@ -133,6 +133,7 @@ class Agent:
             "sim_resume": lambda msg: _sim_resume(),
             "state": self._on_state,
             "show": self._show,
+            "clear": self._clear,
             "trim": self._trim,
             "offload": self._offload,
             "reload": self._reload,
@@ -273,6 +274,18 @@ class Agent:
         while len(self._last_shown) > _MAX_SHOWN:
             self._last_shown.pop(next(iter(self._last_shown)))
         kernel.session.send(kernel.iopub_socket, msg_type, content, parent=parent)
+        return {}
+
+    def _clear(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Take the progress line ``display_id`` out of the cell ``parent`` again: the cell's
+        code has not run yet, so clearing the cell's output removes only that line."""
+        kernel = getattr(self.shell, "kernel", None)
+        parent = msg.get("parent")
+        display_id = str(msg.get("display_id") or "")
+        if kernel is None or not isinstance(parent, dict) or display_id not in self._last_shown:
+            return {}
+        del self._last_shown[display_id]
+        kernel.session.send(kernel.iopub_socket, "clear_output", {"wait": False}, parent=parent)
         return {}
 
     # -- restore before a cell (trigger 2) -------------------------------------------------

@@ -29,7 +29,7 @@ from IPython.display import display
 
 from .. import states
 from ..protocol import RemoteError
-from ..sim.node import format_bytes
+from ..units import format_bytes
 from . import agent as agent_module
 
 #: what brings a released kernel back, per restore_mode, as the magics say it
@@ -51,6 +51,14 @@ def _fmt_seconds(s: float | None) -> str:
     if s < 5400:
         return f"{s / 60:.0f} min"
     return f"{s / 3600:.1f} h"
+
+
+def _fmt_idle_timeout(seconds: float | None) -> str:
+    """The kernel's idle timeout in effect, as the server reports it (its own, else the
+    server's; 0 = never released automatically)."""
+    if seconds is None:
+        return "-"
+    return "0 (never released automatically)" if seconds == 0 else _fmt_seconds(seconds)
 
 
 class StatusView:
@@ -84,6 +92,7 @@ def status_rows(kernel: dict[str, Any], restore_mode: str = "") -> list[tuple[st
         ("method", str(kernel.get("method") or "none")),
         ("next automatic release", "never" if kernel.get("release_in_seconds") is None
          else f"in {_fmt_seconds(kernel.get('release_in_seconds'))}"),
+        ("idle timeout", _fmt_idle_timeout(kernel.get("idle_timeout"))),
         ("releases / restores", f"{kernel.get('releases', 0)} / {kernel.get('restores', 0)}"),
     ]
     if restore_mode in RESTORE_MODES:

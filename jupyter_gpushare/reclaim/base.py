@@ -109,14 +109,40 @@ def reply_int(reply: dict[str, Any], key: str, default: int = 0) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class MethodContext:
+    """What the server offers a method when it creates one (:meth:`ReclaimMethod.create`)."""
+
+    #: free memory of a GPU read now, None = unknown (blocking: call it off the event loop)
+    free_bytes: Callable[[int], int | None] = lambda gpu: None
+    #: seconds a release waits for the kernel's running GPU work before giving up
+    lock_timeout: float = 10.0
+    #: a look at NVML the caller already took (``telemetry.nvml.NVMLProbe``), or None
+    probe: Any = None
+
+
 class ReclaimMethod(abc.ABC):
-    """Base class of ``driver``, ``framework`` and ``simulated``."""
+    """Base class of ``driver``, ``framework`` and ``simulated``.
+
+    A new method is a subclass in its own module plus one line in
+    ``jupyter_gpushare.reclaim.METHODS``; the class attributes below tell the server when it
+    applies, and ``c.GPUShareApp.release_method`` takes its ``name``.
+    """
 
     name: str = ""
     #: needs the kernel's agent (the kernel was started by this server with the agent loaded)
     needs_agent: bool = False
     #: the kernel can run CPU-only cells while released (lazy restore): GPU calls just wait
     supports_lazy: bool = False
+    #: acts on the simulated GPU node (backend "simulated") rather than on real GPUs
+    simulated: bool = False
+    #: release_method "auto" takes the supported method of the highest rank
+    auto_rank: int = 0
+
+    @classmethod
+    def create(cls, context: MethodContext) -> ReclaimMethod:
+        """The instance the server uses. Default: ``cls()``; override to take settings."""
+        return cls()
 
     @abc.abstractmethod
     def support(self) -> Support:

@@ -38,20 +38,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .base import KernelTarget, Progress, ReclaimError, ReclaimMethod, ReclaimResult, Support, say
+from ..units import format_bytes
+from .base import (
+    KernelTarget,
+    MethodContext,
+    Progress,
+    ReclaimError,
+    ReclaimMethod,
+    ReclaimResult,
+    Support,
+    say,
+)
 
 _LOG = logging.getLogger("jupyter_gpushare.reclaim.driver")
+
+_size = functools.partial(format_bytes, whole_below_gib=True)  # "512 MiB", "4.0 GiB"
 
 #: first display driver with the CUDA checkpoint driver API (cuCheckpointProcess*)
 MIN_DRIVER = 570
 #: first display driver that restores onto another GPU (gpu_mapping)
 MIN_DRIVER_MIGRATE = 580
-
-
-def fmt_bytes(n: int) -> str:
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):.1f} GiB"
-    return f"{n / (1 << 20):.0f} MiB"
 
 
 def _bindings_version_ok(version: str) -> tuple[bool, str]:
@@ -156,6 +162,7 @@ class DriverMethod(ReclaimMethod):
 
     name = "driver"
     supports_lazy = True  # a checkpointed process runs its CPU code; CUDA calls wait
+    auto_rank = 2  # frees the CUDA context too and works for any framework: first choice
 
     def __init__(
         self,
@@ -165,6 +172,7 @@ class DriverMethod(ReclaimMethod):
         log: logging.Logger | None = None,
         margin_bytes: int = 0,
         call_timeout: float = 600.0,
+        probe: Any = None,
     ) -> None:
         """
         free_bytes: free memory on a GPU index, read now; None = unknown (restore refuses).
@@ -174,6 +182,7 @@ class DriverMethod(ReclaimMethod):
         margin_bytes: extra free memory required on each GPU beyond what the kernel held.
         call_timeout: seconds a checkpoint, restore or unlock call may take before the
             operation gives up on it (a lock gets its own timeout plus 10 s).
+        probe: an NVML probe already taken, so ``support()`` does not take another.
         """
         self.free_bytes = free_bytes
         self.lock_timeout_ms = lock_timeout_ms
@@ -181,9 +190,15 @@ class DriverMethod(ReclaimMethod):
         self.log = log or _LOG
         self.margin_bytes = margin_bytes
         self.call_timeout = call_timeout
+        self._probe = probe
+
+    @classmethod
+    def create(cls, context: MethodContext) -> DriverMethod:
+        return cls(free_bytes=context.free_bytes, lock_timeout_ms=int(context.lock_timeout * 1000),
+                   probe=context.probe)
 
     def support(self) -> Support:
-        return driver_support()
+        return driver_support(self._probe)
 
     # -- helpers ------------------------------------------------------------------------
     def _process(self, pid: int) -> Any:
@@ -228,7 +243,7 @@ class DriverMethod(ReclaimMethod):
 
     def _size(self, target: KernelTarget, pid: int) -> str:
         b = sum(self._pid_bytes(target, pid).values())
-        return f" ({fmt_bytes(b)})" if b else ""
+        return f" ({_size(b)})" if b else ""
 
     def _needed(self, target: KernelTarget, pids: list[int]) -> dict[int, int]:
         """Bytes the given pids need back per GPU (all of the kernel's when not known per pid)."""
@@ -254,10 +269,7 @@ class DriverMethod(ReclaimMethod):
             if free is None:
                 return f"free memory on GPU {gpu} is unknown, so a restore is not safe"
             if free < b + self.margin_bytes:
-                return (
-                    f"GPU {gpu} has {fmt_bytes(free)} free, {fmt_bytes(b + self.margin_bytes)} "
-                    "needed"
-                )
+                return f"GPU {gpu} has {_size(free)} free, {_size(b + self.margin_bytes)} needed"
         return None
 
     # -- release ------------------------------------------------------------------------

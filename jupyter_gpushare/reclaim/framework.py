@@ -28,6 +28,7 @@ class FrameworkMethod(ReclaimMethod):
     name = "framework"
     needs_agent = True
     supports_lazy = False  # offloaded tensors are host tensors: a cell would compute on the CPU
+    auto_rank = 1  # works on old drivers and under MIG, but leaves the CUDA context
 
     def __init__(self, op_timeout: float = 600.0):
         self.op_timeout = op_timeout

@@ -14,6 +14,7 @@ from .base import (
     AGENT_ERRORS,
     AgentLink,
     KernelTarget,
+    MethodContext,
     Progress,
     ReclaimError,
     ReclaimMethod,
@@ -29,12 +30,18 @@ class SimulatedMethod(ReclaimMethod):
     name = "simulated"
     needs_agent = True
     supports_lazy = True
+    simulated = True
+    auto_rank = 1
 
     def __init__(self, lock_timeout: float = 10.0, op_timeout: float = 600.0,
                  undo_timeout: float = 10.0):
         self.lock_timeout = lock_timeout
         self.op_timeout = op_timeout
         self.undo_timeout = undo_timeout
+
+    @classmethod
+    def create(cls, context: MethodContext) -> SimulatedMethod:
+        return cls(lock_timeout=context.lock_timeout)
 
     def support(self) -> Support:
         return Support(True, "the simulated GPU node runs the checkpoint state machine in the kernel")

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import clock
+from ..units import GiB, format_bytes
 
-GiB = 1 << 30
 DEFAULT_GPUS = (16 * GiB, 16 * GiB)
 DEVICE_NAME = "Simulated GPU"
 
@@ -31,13 +31,6 @@ def parse_gpus(text: str | None) -> tuple[int, ...]:
     if not sizes or any(s <= 0 for s in sizes):
         raise ValueError(f"simulated GPU sizes must be positive byte counts, got {text!r}")
     return sizes
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass

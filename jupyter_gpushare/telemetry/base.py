@@ -7,6 +7,7 @@ Implementations must not touch hardware at import time: everything happens in
 from __future__ import annotations
 
 import abc
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -47,11 +48,31 @@ class TelemetryStatus:
     details: dict[str, str] = field(default_factory=dict)
 
 
-class Telemetry(abc.ABC):
-    """A source of device and per-process GPU numbers."""
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """What the server hands a source when it creates one (:meth:`Telemetry.create`)."""
 
-    #: "nvml" or "simulated"
+    simulated_gpus: tuple[int, ...] = ()  # bytes per GPU of the simulated node
+
+
+class Telemetry(abc.ABC):
+    """A source of device and per-process GPU numbers.
+
+    A new source is a subclass in its own module plus one line in
+    ``jupyter_gpushare.telemetry.BACKENDS`` (then ``c.GPUShareApp.backend = "its name"``), or
+    any subclass named in ``c.GPUShareApp.telemetry_class``. Required: the abstract methods
+    below. Optional: :meth:`create` (how the server builds it), :meth:`foreign_pids`.
+    """
+
+    #: the backend's name in the REST API and the logs ("nvml", "simulated")
     name: str = ""
+    #: how a person names the source in messages ("NVML"); default: ``name``
+    label: str = ""
+
+    @classmethod
+    def create(cls, settings: TelemetrySettings) -> Telemetry:
+        """The source the server uses. Default: ``cls()``; override to take settings."""
+        return cls()
 
     @abc.abstractmethod
     def open(self) -> TelemetryStatus:
@@ -83,3 +104,10 @@ class Telemetry(abc.ABC):
         Calls that fail with NotFound / NotSupported degrade to ``None`` utilization
         or an empty list; they never raise.
         """
+
+    def foreign_pids(self, pids: Iterable[int]) -> set[int]:
+        """Of ``pids`` (reported by :meth:`processes`), those that do not exist in this
+        process's pid namespace: the server runs in a container that does not see the
+        processes the source counts, so kernels are matched by their agents' own reports.
+        Default: none (the source reports only processes it can see)."""
+        return set()

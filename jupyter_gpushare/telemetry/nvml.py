@@ -106,6 +106,7 @@ class NVMLTelemetry(Telemetry):
     """Devices, per-process memory and per-process SM utilization from NVML."""
 
     name = "nvml"
+    label = "NVML"
 
     def __init__(self, log: logging.Logger | None = None) -> None:
         self.log = log or _LOG
@@ -168,6 +169,9 @@ class NVMLTelemetry(Telemetry):
 
     def status(self) -> TelemetryStatus:
         return self._status
+
+    def foreign_pids(self, pids: Iterable[int]) -> set[int]:
+        return foreign_pids(pids)
 
     # -- system helpers -----------------------------------------------------------------
     def driver_version(self) -> str | None:

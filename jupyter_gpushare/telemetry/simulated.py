@@ -12,16 +12,21 @@ import psutil
 
 from .. import clock
 from ..sim.node import DEVICE_NAME, SimNode
-from .base import GPUInfo, ProcessUsage, Telemetry, TelemetryStatus
+from .base import GPUInfo, ProcessUsage, Telemetry, TelemetrySettings, TelemetryStatus
 
 
 class SimulatedTelemetry(Telemetry):
     name = "simulated"
+    label = "the simulated node"
 
     def __init__(self, node: SimNode):
         self.node = node
         self._last_device: dict[int, float] = {}
         self._last_process: float | None = None
+
+    @classmethod
+    def create(cls, settings: TelemetrySettings) -> SimulatedTelemetry:
+        return cls(SimNode(settings.simulated_gpus))
 
     def open(self) -> TelemetryStatus:
         return self.status()
