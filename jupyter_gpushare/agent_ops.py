@@ -22,7 +22,7 @@ from typing import Any
 
 from .channel import AgentConnection, Handler, Refused
 from .controller import ControllerError
-from .sim.node import SimNode
+from .sim.node import NodeLedger
 from .telemetry.simulated import process_alive
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class AgentOps:
         self,
         controller: Any,
         tracker: Any,
-        node: SimNode | None,
+        node: NodeLedger | None,
         poll: Callable[[], Awaitable[None]],
         kernel_view: Callable[[str], dict[str, Any]],
         backend: str,
@@ -210,7 +210,7 @@ class AgentOps:
         return conn.report if conn else None
 
     # -- simulated GPU accounting -----------------------------------------------------------------
-    def _sim(self) -> SimNode:
+    def _sim(self) -> NodeLedger:
         if self.node is None:
             raise RuntimeError("the server is not running the simulated backend")
         return self.node

@@ -39,7 +39,8 @@ from .policy import PolicyConfig
 from .reclaim import ReclaimMethod
 from .reclaim.framework import FrameworkMethod
 from .reclaim.simulated import SimulatedMethod
-from .sim.node import GiB, SimNode
+from .sim.node import GiB, NodeLedger
+from .sim.shared import NODE_ENV, open_node
 from .telemetry import Telemetry
 from .telemetry.simulated import SimulatedTelemetry
 from .views import kernel_view, status_view
@@ -87,6 +88,19 @@ class GPUShareApp(ExtensionApp):
         if any(v <= 0 for v in value):
             raise TraitError("GPUShareApp.simulated_gpus: each GPU's memory must be > 0 bytes")
         return value
+
+    simulated_node = Unicode(
+        help="""A file that holds the simulated node's state, shared by every Jupyter server on
+        this machine that names the same file (a JupyterHub of several users), so they see the
+        same simulated GPUs as they would see the same real ones. The first server creates it
+        with simulated_gpus; the others use the sizes in it. Default: the environment variable
+        JUPYTER_GPUSHARE_SIMULATED_NODE, else "" = a node private to this server. Used only by
+        the simulated backend.""",
+    ).tag(config=True)
+
+    @default("simulated_node")
+    def _default_simulated_node(self) -> str:
+        return os.environ.get(NODE_ENV, "")
 
     poll_interval = Float(
         2.0,
@@ -257,7 +271,7 @@ class GPUShareApp(ExtensionApp):
 
     def initialize_settings(self) -> None:
         self._route_logs()
-        self.node: SimNode | None = None
+        self.node: NodeLedger | None = None
         self.telemetry: Telemetry | None = None
         self.backend_name = ""
         self.backend_reason = ""
@@ -302,7 +316,7 @@ class GPUShareApp(ExtensionApp):
                 why = status.reason or "NVML found no GPU"
                 self.backend_reason = f"no GPU answered NVML ({why}): using the simulated node"
         if self.telemetry is None:
-            self.node = SimNode(tuple(self.simulated_gpus))
+            self.node = open_node(self.simulated_node, tuple(self.simulated_gpus))
             self.telemetry = SimulatedTelemetry(self.node)
             self.backend_name = "simulated"
             self.backend_reason = self.backend_reason or "backend = simulated"

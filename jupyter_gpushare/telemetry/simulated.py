@@ -11,14 +11,14 @@ import os
 import psutil
 
 from .. import clock
-from ..sim.node import DEVICE_NAME, SimNode
+from ..sim.node import DEVICE_NAME, NodeLedger
 from .base import GPUInfo, ProcessUsage, Telemetry, TelemetryStatus
 
 
 class SimulatedTelemetry(Telemetry):
     name = "simulated"
 
-    def __init__(self, node: SimNode):
+    def __init__(self, node: NodeLedger):
         self.node = node
         self._last_device: dict[int, float] = {}
         self._last_process: float | None = None
@@ -27,7 +27,9 @@ class SimulatedTelemetry(Telemetry):
         return self.status()
 
     def close(self) -> None:
-        pass
+        close = getattr(self.node, "close", None)  # a shared node's file handle
+        if close is not None:
+            close()
 
     def status(self) -> TelemetryStatus:
         return TelemetryStatus(
@@ -48,7 +50,7 @@ class SimulatedTelemetry(Telemetry):
             out.append(
                 GPUInfo(
                     index=i,
-                    uuid=f"SIM-{i:08d}-0000-0000-0000-000000000000",
+                    uuid=self.node.uuid(i),
                     name=f"{DEVICE_NAME} {i}",
                     memory_total=capacity,
                     memory_used=self.node.used(i),
