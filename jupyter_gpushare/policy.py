@@ -54,6 +54,13 @@ def _quiet(c: Candidate, cfg: PolicyConfig) -> bool:
         and not opted_out and c.releasable
 
 
+def eligible(c: Candidate, cfg: PolicyConfig) -> bool:
+    """May be released automatically at all (idle time aside): resident, not busy, not
+    pinned, not opted out, quiet on the GPU, holds enough, a method can act on it. The one
+    definition of "a person working": the node-wide service uses it too."""
+    return _quiet(c, cfg)
+
+
 def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:
     timeout = cfg.idle_timeout if c.idle_timeout is None else c.idle_timeout
     automatic_release_on = timeout > 0
