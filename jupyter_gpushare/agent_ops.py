@@ -133,6 +133,7 @@ class AgentOps:
         kernel_view: Callable[[str], dict[str, Any]],
         backend: str,
         connections: Callable[[], Mapping[str, AgentConnection]],
+        hub_view: Callable[[], dict[str, Any] | None] = lambda: None,
     ):
         self.controller = controller
         self.tracker = tracker
@@ -141,6 +142,7 @@ class AgentOps:
         self.kernel_view = kernel_view
         self.backend = backend
         self.connections = connections
+        self.hub_view = hub_view
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -264,7 +266,7 @@ class AgentOps:
         conn.report = check_report(msg)  # a bad report raises: the previous one stays
 
     def status(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"kernel": self._view(conn.kernel_id), "backend": self.backend}
+        return {"kernel": self._view(conn.kernel_id), "backend": self.backend, "hub": self.hub_view()}
 
     async def restore(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         trigger = msg.get("trigger", "agent")

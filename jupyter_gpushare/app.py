@@ -27,7 +27,7 @@ from traitlets import (
     validate,
 )
 
-from . import metrics, provisioner
+from . import hub_link, metrics, provisioner
 from .agent_ops import AgentOps, check_reply
 from .channel import AgentServer, socket_path
 from .controller import Controller
@@ -286,6 +286,7 @@ class GPUShareApp(ExtensionApp):
         self._choose_backend()
         self._wire_core()
         self._wire_channel()
+        self.hub_link = hub_link.connect(self.config, self.controller, self.poll_once)
         self._install_gate()
         self._install_provisioner()
         self.server.event_logger.register_event_schema(KERNEL_SCHEMA_PATH)
@@ -385,6 +386,7 @@ class GPUShareApp(ExtensionApp):
             self.controller, self.tracker, self.node, poll=self.poll_once,
             kernel_view=lambda kid: kernel_view(self.controller, kid), backend=self.backend_name,
             connections=lambda: self.channel.connections,
+            hub_view=lambda: self.hub_link.view() if self.hub_link is not None else None,
         )
         self.channel: AgentServer = AgentServer(
             self.socket_path, self.agent_ops.authorize, self.agent_ops.handlers(),
@@ -455,6 +457,8 @@ class GPUShareApp(ExtensionApp):
         self._start_task = True
         await self.channel.start()
         self._poll_task = asyncio.ensure_future(self._poll_loop())
+        if self.hub_link is not None:
+            self.hub_link.start(self.server.event_logger)
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         await self._start()
@@ -490,6 +494,8 @@ class GPUShareApp(ExtensionApp):
     async def stop_extension(self) -> None:
         if self._poll_task is not None:
             self._poll_task.cancel()
+        if self.hub_link is not None:
+            await self.hub_link.stop()
         try:
             await self.controller.shutdown()
         finally:
@@ -564,7 +570,8 @@ class GPUShareApp(ExtensionApp):
         assert self.telemetry is not None
         tstatus = self.telemetry.status()
         return status_view(self.controller, self.backend_name, self.method_name,
-                           tstatus.available, tstatus.reason if not tstatus.available else "")
+                           tstatus.available, tstatus.reason if not tstatus.available else "",
+                           hub=self.hub_link.view() if self.hub_link is not None else None)
 
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
