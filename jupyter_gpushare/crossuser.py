@@ -44,6 +44,7 @@ class Victim:
     kernel_id: str
     reason: str
     bytes: dict[int, int]  # per GPU, what the release frees
+    idle_for: float  # the idle time the rule required of it (its server checks it again)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ def make_room(
             skipped[why] += 1
             continue
         was_over = over(h)
-        victims.append(Victim(h.user, c.kernel_id, _reason(requester, c, was_over), dict(c.gpu_bytes)))
+        victims.append(Victim(h.user, c.kernel_id, _reason(requester, c, was_over), dict(c.gpu_bytes),
+                              cfg.over_share_idle_timeout if was_over else cfg.base.pressure_idle_timeout))
         for g, n in c.gpu_bytes.items():
             sim.take(h.user, g, n)
             if g in short:
