@@ -87,6 +87,27 @@ def status_rows(kernel: dict[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+def hub_rows(hub: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """What the JupyterHub's gpushare service says about this user (nothing without one)."""
+    if not isinstance(hub, dict):
+        return []
+    if not hub.get("connected"):
+        return [("hub service", f"not reachable ({hub.get('error') or 'no answer yet'})")]
+    share = hub.get("share") or "none guaranteed"
+    rows = [("your share", share + (" (you are over it: your idle kernels go first)"
+                                    if hub.get("over_share") else ""))]
+    for u in hub.get("usage") or []:
+        if not isinstance(u, dict):
+            continue
+        limit = u.get("guaranteed")
+        rows.append((f"your GPU {u.get('index')} memory", format_bytes(u.get("bytes") or 0)
+                     + (f" of {format_bytes(limit)} guaranteed" if isinstance(limit, int) else "")
+                     + " (all your servers)"))
+    if hub.get("admin_url"):
+        rows.append(("admin page", str(hub["admin_url"])))
+    return rows
+
+
 @magics_class
 class GPUShareMagics(Magics):
     @line_cell_magic
@@ -179,7 +200,7 @@ class GPUShareMagics(Magics):
             return None
         reply = self._ask("status")
         if reply is not None:
-            display(StatusView(status_rows(reply["kernel"]),
+            display(StatusView(status_rows(reply["kernel"]) + hub_rows(reply.get("hub")),
                                f"gpushare: this kernel ({reply.get('backend')} backend)"))
         return None
 
