@@ -185,6 +185,16 @@ class Hub:
         _, status = await self.gpushare(user, "status")
         return next((k for k in status["kernels"] if k["id"] == kernel_id), None)
 
+    def kernel_status_now(self, user: str, kernel_id: str) -> dict[str, Any]:
+        """The same, synchronously (where another event loop runs)."""
+        import urllib.request
+
+        req = urllib.request.Request(f"{self.url}/user/{user}/api/gpushare/status",
+                                     headers={"Authorization": f"token {self.admin_token}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status = json.loads(r.read())
+        return next(k for k in status["kernels"] if k["id"] == kernel_id)
+
     async def wait_kernel(self, user: str, kernel_id: str, check: Any, what: str,
                           timeout: float = 60) -> dict[str, Any]:
         deadline = time.monotonic() + timeout

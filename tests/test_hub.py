@@ -312,3 +312,60 @@ async def test_the_service_keeps_working_when_servers_stop_restart_or_answer_gar
     finally:
         await shut(alice, bob)
         await hub.stop_server("mallory")
+
+
+def _chromium() -> str:
+    path = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
+    return path if os.path.exists(path) else ""
+
+
+@pytest.mark.skipif(not _chromium(), reason="no Chromium (apt-get install chromium)")
+def test_the_admin_page_renders_for_admins_only_and_its_release_button_works(hub):
+    playwright = pytest.importorskip("playwright.sync_api")
+    from .hubharness import PASSWORD
+
+    async def bobs_kernel():
+        k = await holding_kernel(hub, "bob", 64, "b")
+        await idle_for(hub, "bob", k, 0.5)
+        return k
+
+    loop = asyncio.new_event_loop()  # one loop for the kernel's websocket, start to end
+    bob = loop.run_until_complete(bobs_kernel())
+    shots = Path(__file__).parent / "ui-tests" / "artifacts"
+    shots.mkdir(parents=True, exist_ok=True)
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=_chromium(),
+                                        args=["--no-sandbox", "--disable-gpu"])
+
+            def login(user):
+                page = browser.new_context().new_page()
+                page.goto(f"{hub.url}/hub/login?next=/services/gpushare/")
+                page.fill("#username_input", user)
+                page.fill("#password_input", PASSWORD)
+                page.click("#login_submit")
+                page.wait_for_load_state("load")
+                return page
+
+            page = login("admin")
+            page.wait_for_selector("body[data-loaded='true']", timeout=60_000)
+            gpu = page.locator(".gpu").first
+            assert "SIM-" in gpu.locator(".uuid").inner_text()
+            assert "held by kernels" in gpu.inner_text() and gpu.locator("svg.chart").count() == 1
+            for user in ("alice", "bob", "carol"):
+                assert page.locator(f".user[data-user='{user}']").count() == 1
+            row = page.locator(f"tr[data-kernel='{bob.id}']")
+            row.wait_for(timeout=30_000)
+            page.screenshot(path=str(shots / "hub-admin-page.png"), full_page=True)
+            row.get_by_role("button", name="Release").click()  # cookie + XSRF token
+
+            deadline = time.monotonic() + 60  # (playwright's loop runs here: ask synchronously)
+            while hub.kernel_status_now("bob", bob.id)["state"] != "released":
+                assert time.monotonic() < deadline, "the admin page's Release did not release"
+                page.wait_for_timeout(100)
+            other = login("alice")
+            assert "403" in other.content() and "for JupyterHub admins" in other.content()
+            browser.close()
+    finally:
+        loop.run_until_complete(bob.shutdown())
+        loop.close()

@@ -60,6 +60,14 @@ class ServiceHandler(HubOAuthenticated, web.RequestHandler):
     def is_admin(self) -> bool:
         return bool(self.user and self.user.get("kind", "user") == "user" and self.user.get("admin") is True)
 
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """Say why (tornado's page says only the status)."""
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        why = getattr(exc, "log_message", None) or self._reason
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(f"<!doctype html><title>{status_code}</title><h1>{status_code}: "
+                    f"{web.escape.xhtml_escape(self._reason)}</h1><p>{web.escape.xhtml_escape(why)}</p>")
+
     def refuse(self, status: int, message: str) -> None:
         self.write_json({"message": message}, status=status)
 

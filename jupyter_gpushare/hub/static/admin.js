@@ -25,7 +25,13 @@
     for (const [k, v] of Object.entries(attrs || {})) {
       if (v === null || v === undefined) continue;
       if (k === 'class') node.className = v;
-      else if (k === 'style') node.setAttribute('style', v);
+      else if (k === 'style') {
+        // through the CSSOM: the page's Content-Security-Policy forbids inline style attributes
+        for (const decl of v.split(';')) {
+          const at = decl.indexOf(':');
+          if (at > 0) node.style.setProperty(decl.slice(0, at).trim(), decl.slice(at + 1).trim());
+        }
+      }
       else if (k.startsWith('on')) node.addEventListener(k.slice(2), v);
       else node.setAttribute(k, v);
     }
@@ -141,7 +147,8 @@
   }
   async function refresh() {
     try {
-      const r = await fetch('api/status', { credentials: 'same-origin' });
+      // the Hub's cookie auth wants the XSRF token on scripted GETs too
+      const r = await fetch('api/status', { credentials: 'same-origin', headers: { 'X-XSRFToken': xsrf } });
       if (!r.ok) throw new Error(`api/status: ${r.status}`);
       render(await r.json());
     } catch (e) {
