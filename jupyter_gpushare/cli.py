@@ -11,6 +11,10 @@ from .app import BACKEND_ENV
 
 
 def demo(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.hub:  # a local JupyterHub of three users on one shared simulated node
+        from .demo.hub import run
+
+        return run(Path(args.dir).resolve(), args.port, args.idle_timeout)
     from . import doctor
     from .demo import write_demo
 
@@ -63,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--port", type=int, default=8888)
     d.add_argument("--ip", default="127.0.0.1")
     d.add_argument("--no-browser", action="store_true")
+    d.add_argument("--hub", action="store_true",
+                   help="a local JupyterHub with three users on one shared simulated node and the "
+                        "gpushare service (needs jupyterhub and configurable-http-proxy)")
     doc = sub.add_parser("doctor", help="what this machine supports and which method will be used")
     doc.add_argument("rest", nargs=argparse.REMAINDER)
     args, extra = parser.parse_known_args(argv)

@@ -1,7 +1,8 @@
 """A real JupyterHub on 127.0.0.1 for the tests and the benchmark: configurable-http-proxy,
 SimpleLocalProcessSpawner (every user's server on this machine, as this OS user), the dummy
 authenticator with a known password, the gpushare service from the shipped deployment
-snippet (docs/deploy/jupyterhub_gpushare.py, loaded as it is), and one shared simulated node.
+snippet (jupyter_gpushare/hub/jupyterhub_gpushare.py, loaded as it is), and one shared
+simulated node.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tornado.websocket import websocket_connect
 from jupyter_gpushare.sim.shared import SharedSimNode
 
 ROOT = Path(__file__).resolve().parents[1]
-SNIPPET = ROOT / "docs" / "deploy" / "jupyterhub_gpushare.py"
+SNIPPET = ROOT / "jupyter_gpushare" / "hub" / "jupyterhub_gpushare.py"  # as shipped
 PASSWORD = "gpushare-test"
 MiB = 1 << 20
 

@@ -3,11 +3,17 @@ room made across users for a waiting restore. ``python -m jupyter_gpushare.hub``
 
 from __future__ import annotations
 
-__all__ = ["GPUShareHub", "main"]
+from pathlib import Path
+
+#: the jupyterhub_config.py lines that add the service, its role and the servers' link:
+#: ``load_subconfig(SNIPPET)`` in jupyterhub_config.py
+SNIPPET = str(Path(__file__).with_name("jupyterhub_gpushare.py"))
+
+__all__ = ["SNIPPET", "GPUShareHub", "main"]
 
 
 def __getattr__(name: str):  # jupyterhub is imported only when the service is used
-    if name in __all__:
+    if name in ("GPUShareHub", "main"):
         from . import app
 
         return getattr(app, name)

@@ -1,6 +1,8 @@
 # jupyter-gpushare for a JupyterHub on one machine (TLJH, SystemdSpawner, DockerSpawner, ...).
 #
-# Add it to jupyterhub_config.py:      load_subconfig("/etc/jupyterhub/jupyterhub_gpushare.py")
+# This file ships in the package; load it from jupyterhub_config.py with
+#     from jupyter_gpushare.hub import SNIPPET
+#     load_subconfig(SNIPPET)
 # or copy its lines there. It adds:
 # - the gpushare service (python -m jupyter_gpushare.hub), managed by the Hub, with a role
 #   that has only the scopes it needs;
@@ -13,7 +15,7 @@
 import os
 import sys
 
-c = get_config()  # noqa: F821 (defined by JupyterHub when it loads this file)
+c = get_config()  # type: ignore[name-defined]  # noqa: F821 (JupyterHub defines it)
 
 # Where the service listens (a port free on this machine), and where it reaches the users'
 # servers: the proxy's address (JupyterHub's bind_url; default http://127.0.0.1:8000).
