@@ -204,3 +204,22 @@ def test_the_rules_hold_for_any_node(held, need, free, shares_on):
         assert c.idle_seconds >= CFG.over_share_idle_timeout
         if not book.within("alice", 0, need * GiB):  # alice over: only over-share owners go
             assert book.over(h.user, 0)
+
+
+# -- the service's options ----------------------------------------------------------------------
+def test_every_hub_option_is_documented_and_bad_values_name_it():
+    from traitlets import TraitError
+    from traitlets.config import Config
+
+    from jupyter_gpushare.hub.app import GPUShareHub
+    from jupyter_gpushare.hub_link import GPUShareHubLink
+
+    for cls in (GPUShareHub, GPUShareHubLink):
+        for name, trait in cls.class_own_traits(config=True).items():
+            assert len(trait.help) > 60 and "Default" in trait.help, f"{cls.__name__}.{name}"
+    for name, value in (("shares", {"alice": "lots"}), ("poll_interval", 0),
+                        ("over_share_idle_timeout", -1), ("idle_utilization", 101),
+                        ("concurrency", 0)):
+        with pytest.raises(TraitError, match=name):
+            GPUShareHub(config=Config({"GPUShareHub": {name: value}}))
+    assert GPUShareHub(config=Config({"GPUShareHub": {"shares": {"group:gpu": "40GiB per node"}}})).shares
