@@ -10,6 +10,7 @@ Options as ``c.GPUShareHub.NAME`` in ``gpushare_hub_config.py`` (or on the comma
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import secrets
@@ -80,13 +81,19 @@ class GPUShareHub(Application):
         return os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101")
 
     listen_ip = Unicode(
-        help="""The address to listen on. Default: the host of service_url ("" = all
-        interfaces, as a Kubernetes pod needs).""",
+        help="""The address to listen on. Default: the host of service_url when it is an IP
+        address or localhost, else "" = all interfaces (a name such as "hub" in Kubernetes is
+        the pod's service, reached from other pods).""",
     ).tag(config=True)
 
     @default("listen_ip")
     def _default_listen_ip(self) -> str:
-        return urlparse(self.service_url).hostname or ""
+        host = urlparse(self.service_url).hostname or ""
+        try:
+            ipaddress.ip_address(host)
+            return host
+        except ValueError:
+            return host if host == "localhost" else ""
 
     prefix = Unicode(
         help="""The service's URL prefix on the Hub. Default: the environment variable
