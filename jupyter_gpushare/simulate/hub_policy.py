@@ -14,6 +14,7 @@ Register it in ``settings.POLICIES`` as
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 from .. import crossuser
@@ -40,7 +41,7 @@ class GPUShareHub(GPUShare):
         for wait in {self.config.pressure_idle_timeout, self.hub.over_share_idle_timeout}:
             due = k.last_activity + wait
             tick = math.ceil(due / self.service_poll - 1e-9) * self.service_poll
-            sim.schedule(max(tick, sim.now), lambda gpu=k.gpu: self._service_poll(sim, gpu))
+            sim.schedule(max(tick, sim.now), partial(self._service_poll, sim, k.gpu))
 
     def _service_poll(self, sim: Simulation, gpu: int) -> None:
         for waiting in list(self.waiting.get(gpu, ())):
