@@ -35,6 +35,7 @@ from .events import KERNEL_SCHEMA_ID
 log = logging.getLogger(__name__)
 
 URL_ENV = "JUPYTER_GPUSHARE_HUB_URL"
+PUSH_ANSWER_WITHIN = 600.0  # s: releases of tens of GB run at a few GB/s
 
 
 class GPUShareHubLink(Configurable):
@@ -106,12 +107,13 @@ class HubLink:
             await asyncio.sleep(self.options.refresh_interval)
 
     # -- requests ---------------------------------------------------------------------------
-    async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any] | None:
+    async def _call(self, method: str, path: str, body: Any = None,
+                    answer_within: float | None = None) -> dict[str, Any] | None:
         request = HTTPRequest(
             self.url + path, method=method,
             headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
             body=None if body is None else json.dumps(body),
-            request_timeout=self.options.timeout, connect_timeout=self.options.timeout,
+            request_timeout=answer_within or self.options.timeout, connect_timeout=self.options.timeout,
         )
         try:
             response = await AsyncHTTPClient().fetch(request)
@@ -132,8 +134,10 @@ class HubLink:
 
     async def push(self, kernel_ids: list[str]) -> dict[str, Any] | None:
         """Tell the service that restores of ``kernel_ids`` wait; note its answer."""
+        # the service answers once its releases are done: moving a big state takes a while
         answer = await self._call("POST", "api/waiting",
-                                  {"server": self.server_name, "kernels": kernel_ids})
+                                  {"server": self.server_name, "kernels": kernel_ids},
+                                  answer_within=max(self.options.timeout, PUSH_ANSWER_WITHIN))
         if answer is None:
             return None
         waits: dict[str, Any] = answer["waits"] if isinstance(answer.get("waits"), dict) else {}

@@ -86,7 +86,9 @@ class Coordinator:
         self.discovery_error: str | None = None
         self._gpu_locks: dict[int, asyncio.Lock] = {}
         self._poll_lock = asyncio.Lock()
+        self._push_locks: dict[tuple[str, str], asyncio.Lock] = {}
         self._last_poll: float | None = None
+        self._last_discovery = -1e9  # clock.monotonic() of the last unscheduled discovery
         self.released_for_others = 0
 
     # -- reading the servers -------------------------------------------------------------------
@@ -222,12 +224,18 @@ class Coordinator:
         """A server of ``user`` says restores of ``kernel_ids`` wait. Only that server's own
         kernels are considered (a push cannot name someone else's), and only what its status,
         read now, says is waiting."""
+        lock = self._push_locks.setdefault((user, server), asyncio.Lock())
+        async with lock:  # one at a time per server: a flood of pushes queues, it does not fan out
+            return await self._on_push(user, server, kernel_ids)
+
+    async def _on_push(self, user: str, server: str, kernel_ids: Iterable[str]) -> dict[str, Any]:
         entry = self.entries.get((user, server))
-        if entry is None:  # a server started since the last poll
+        if entry is None and clock.monotonic() - self._last_discovery > 1.0:
+            self._last_discovery = clock.monotonic()  # a server started since the last poll
             await self.poll_once()
             entry = self.entries.get((user, server))
-            if entry is None:
-                return {"released": [], "waits": {}, "me": self.me(user)}
+        if entry is None:
+            return {"released": [], "waits": {}, "me": self.me(user)}
         await self._read(entry)
         self._rebuild()
         released: list[dict[str, Any]] = []
