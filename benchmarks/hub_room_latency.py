@@ -87,8 +87,13 @@ class Hub:
             await asyncio.sleep(0.2)
 
     async def status(self, user: str, kid: str) -> dict[str, Any]:
-        body = await self.call(f"/user/{user}/api/gpushare/status")
-        return next(k for k in body["kernels"] if k["id"] == kid)
+        """The kernel in its server's status, once the server's poll has seen it."""
+        while True:
+            body = await self.call(f"/user/{user}/api/gpushare/status")
+            found = [k for k in body["kernels"] if k["id"] == kid]
+            if found:
+                return found[0]
+            await asyncio.sleep(0.1)
 
     async def metric(self, name: str) -> float:
         text = await self.call("/services/gpushare/metrics")
@@ -143,7 +148,8 @@ class Kernel:
 async def round_(hub: Hub, waiter: str, owner: str) -> tuple[float, float]:
     a = await Kernel(hub, waiter).start()
     await a.run(HOLD)
-    await asyncio.sleep(1.0)  # a poll of its server counts the memory
+    while (await hub.status(waiter, a.id))["gpu_memory_bytes"] < SIZE * MiB:
+        await asyncio.sleep(0.1)  # a poll of its server counts the memory
     await hub.call(f"/user/{waiter}/api/gpushare/kernels/{a.id}/release", "POST")
     b = await Kernel(hub, owner).start()
     await b.run(HOLD)
