@@ -39,7 +39,13 @@ class ServiceHandler(HubOAuthenticated, web.RequestHandler):
 
     async def prepare(self) -> None:
         """Who is calling, asked of the Hub without blocking the loop."""
-        model = await self.hub_auth.get_user(self, sync=False)
+        try:
+            model = await self.hub_auth.get_user(self, sync=False)
+        except web.HTTPError:
+            raise
+        except Exception as e:  # the Hub is down or restarting: not the caller's fault, not ours
+            log.warning("gpushare hub: cannot identify a caller: %s", e)
+            raise web.HTTPError(502, "the Hub did not answer; try again in a moment") from None
         if model:
             try:
                 model = self.check_hub_user(model)
