@@ -22,7 +22,7 @@ from typing import Any
 
 from .channel import AgentConnection, Handler, Refused
 from .controller import ControllerError
-from .sim.node import SimNode
+from .sim.node import NodeLedger
 from .telemetry.simulated import process_alive
 
 log = logging.getLogger(__name__)
@@ -128,11 +128,12 @@ class AgentOps:
         self,
         controller: Any,
         tracker: Any,
-        node: SimNode | None,
+        node: NodeLedger | None,
         poll: Callable[[], Awaitable[None]],
         kernel_view: Callable[[str], dict[str, Any]],
         backend: str,
         connections: Callable[[], Mapping[str, AgentConnection]],
+        hub_view: Callable[[], dict[str, Any] | None] = lambda: None,
     ):
         self.controller = controller
         self.tracker = tracker
@@ -141,6 +142,7 @@ class AgentOps:
         self.kernel_view = kernel_view
         self.backend = backend
         self.connections = connections
+        self.hub_view = hub_view
 
     def handlers(self) -> dict[str, Handler]:
         return {
@@ -210,7 +212,7 @@ class AgentOps:
         return conn.report if conn else None
 
     # -- simulated GPU accounting -----------------------------------------------------------------
-    def _sim(self) -> SimNode:
+    def _sim(self) -> NodeLedger:
         if self.node is None:
             raise RuntimeError("the server is not running the simulated backend")
         return self.node
@@ -264,7 +266,7 @@ class AgentOps:
         conn.report = check_report(msg)  # a bad report raises: the previous one stays
 
     def status(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"kernel": self._view(conn.kernel_id), "backend": self.backend}
+        return {"kernel": self._view(conn.kernel_id), "backend": self.backend, "hub": self.hub_view()}
 
     async def restore(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         trigger = msg.get("trigger", "agent")

@@ -36,7 +36,7 @@ from traitlets import (
     validate,
 )
 
-from . import metrics, selection, server_hooks
+from . import hub_link, metrics, selection, server_hooks
 from .agent_ops import AgentOps, check_reply
 from .channel import AgentServer, socket_path
 from .controller import Controller
@@ -48,7 +48,8 @@ from .policy import Policy, PolicyConfig
 from .provisioner import LaunchSettings
 from .reclaim import MethodContext, ReclaimMethod
 from .sim.node import DEFAULT_GPUS as DEFAULT_SIMULATED_GPUS
-from .sim.node import SimNode
+from .sim.node import NodeLedger
+from .sim.shared import NODE_ENV
 from .telemetry import Telemetry, TelemetrySettings
 from .telemetry.simulated import SimulatedTelemetry
 from .tracker import Tracker
@@ -107,6 +108,19 @@ class GPUShareApp(ExtensionApp):
         if any(v <= 0 for v in value):
             raise TraitError("GPUShareApp.simulated_gpus: each GPU's memory must be > 0 bytes")
         return value
+
+    simulated_node = Unicode(
+        help="""A file that holds the simulated node's state, shared by every Jupyter server on
+        this machine that names the same file (a JupyterHub of several users), so they see the
+        same simulated GPUs as they would see the same real ones. The first server creates it
+        with simulated_gpus; the others use the sizes in it. Default: the environment variable
+        JUPYTER_GPUSHARE_SIMULATED_NODE, else "" = a node private to this server. Used only by
+        the simulated backend.""",
+    ).tag(config=True)
+
+    @default("simulated_node")
+    def _default_simulated_node(self) -> str:
+        return os.environ.get(NODE_ENV, "")
 
     poll_interval = Float(
         2.0,
@@ -298,7 +312,7 @@ class GPUShareApp(ExtensionApp):
     _teardown: ExitStack | None = None  # closes what was built, undoes what was changed
     _poll_task: asyncio.Task[None] | None = None
     telemetry: Telemetry | None = None
-    node: SimNode | None = None
+    node: NodeLedger | None = None
     backend_name = ""
     backend_reason = ""
     method_name = "off"
@@ -351,6 +365,7 @@ class GPUShareApp(ExtensionApp):
 
     def _build(self, teardown: ExitStack) -> None:
         """Everything that can fail, each piece closed by ``teardown``."""
+        self.hub_link: hub_link.HubLink | None = None
         self._started = asyncio.Event()
         self._poll_lock = asyncio.Lock()
         self._next_poll: asyncio.Future[None] | None = None
@@ -370,6 +385,7 @@ class GPUShareApp(ExtensionApp):
             self.controller, self.tracker, self.node, poll=self.poll_once,
             kernel_view=lambda kid: kernel_view(self.controller, kid), backend=self.backend_name,
             connections=lambda: self.channel.connections,
+            hub_view=lambda: self.hub_link.view() if self.hub_link is not None else None,
         )
         directory = self.socket_dir or jupyter_runtime_dir()
         self.socket_path = socket_path(directory, next(_instances))
@@ -388,9 +404,10 @@ class GPUShareApp(ExtensionApp):
         except OSError as e:
             raise ExtensionOff(_off(f"cannot create the agent socket {self.socket_path}: {e}")) from e
         teardown.callback(self.channel.close_now)
+        self.hub_link = hub_link.connect(self.config, self.controller, self.refresh)
 
     def _open_telemetry(self, teardown: ExitStack) -> None:
-        settings = TelemetrySettings(tuple(self.simulated_gpus))
+        settings = TelemetrySettings(tuple(self.simulated_gpus), self.simulated_node)
         try:
             chosen = selection.open_telemetry(self.backend, self.telemetry_class, settings,
                                               teardown)
@@ -495,6 +512,8 @@ class GPUShareApp(ExtensionApp):
             return
         self._poll_task = asyncio.ensure_future(self._poll_loop())
         self._phase = "running"
+        if self.hub_link is not None:
+            self.hub_link.start(self.server.event_logger)
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         await self._start()
@@ -546,6 +565,8 @@ class GPUShareApp(ExtensionApp):
             return
         try:
             await self._stop_polling()
+            if self.hub_link is not None:
+                await self.hub_link.stop()
             await self.controller.shutdown()
         except Exception:
             self.log.exception("gpushare: stopping the extension")
@@ -581,6 +602,8 @@ class GPUShareApp(ExtensionApp):
         if self._poll_task is not None:
             self._poll_task.cancel()
             self._poll_task = None
+        if self.hub_link is not None:
+            self.hub_link.stop_now()
         self.controller.closing = True
         self.channel.close_now()
         self._unload()
@@ -640,7 +663,8 @@ class GPUShareApp(ExtensionApp):
         assert self.telemetry is not None
         tstatus = self.telemetry.status()
         return status_view(self.controller, self.backend_name, self.method_name,
-                           tstatus.available, tstatus.reason if not tstatus.available else "")
+                           tstatus.available, tstatus.reason if not tstatus.available else "",
+                           hub=self.hub_link.view() if self.hub_link is not None else None)
 
 
 def _off(why: str) -> str:

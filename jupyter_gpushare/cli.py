@@ -61,6 +61,10 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ip", default="127.0.0.1",
                         help="address JupyterLab listens on (default: 127.0.0.1)")
     parser.add_argument("--no-browser", action="store_true", help="do not open a browser")
+    parser.add_argument("--hub", action="store_true",
+                        help="a local JupyterHub with three users on one shared simulated node "
+                             "and the gpushare service (needs jupyterhub and "
+                             "configurable-http-proxy)")
 
 
 def jupyter_options(extra: list[str], parser: argparse.ArgumentParser) -> list[str]:
@@ -80,6 +84,10 @@ def jupyter_options(extra: list[str], parser: argparse.ArgumentParser) -> list[s
 
 
 def demo(args: argparse.Namespace, lab_args: list[str]) -> int:
+    if args.hub:  # a local JupyterHub of three users on one shared simulated node
+        from .demo.hub import run
+
+        return run(Path(args.dir).resolve(), args.port, args.idle_timeout)
     from .demo import NAME, write_demo
 
     if args.backend == "auto":

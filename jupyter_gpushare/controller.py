@@ -121,6 +121,7 @@ class KernelState:
     error: str | None = None
     retryable: bool = True
     waiting: str | None = None  # why a restore waits, None when it does not
+    waiting_note: str | None = None  # what the node-wide service says about that wait
     release_failed_at: float | None = None
     idle_timeout: float | None = None  # per-kernel override (kernelspec metadata, magic)
     background: str | None = None  # the agent saw threads use the GPU outside cells (sticky)
@@ -408,7 +409,7 @@ class Controller:
                 op.on_end()
             if st.op is op:
                 st.op = None
-            st.waiting = None
+            st.waiting = st.waiting_note = None
             if st.drop_after_op:
                 why, st.drop_after_op = st.drop_after_op, None
                 self.drop_held(st.kernel_id, why)
@@ -458,6 +459,33 @@ class Controller:
         if not outcome.ok:
             raise ControllerError(409, outcome.message, outcome.retryable)
         return st
+
+    async def release_if_idle(self, kernel_id: str, idle_for: float, reason: str) -> KernelState:
+        """Release as an automatic release would, for someone outside this server (the
+        node-wide service): only a kernel the policy may take, idle for at least ``idle_for``
+        seconds (409 says why not). Nobody working is released this way."""
+        st = self.get(kernel_id)
+        rec = self.tracker.kernels.get(kernel_id)
+        if rec is None or not rec.gpu_memory_bytes or st.held is not None or st.op is not None:
+            raise ControllerError(409, f"kernel is {st.state}: nothing to release")
+        c = self.candidate(st, rec, clock.now())
+        if not policy.eligible(c, self.config) or self.live_state(kernel_id) == "busy":
+            why = ("pinned" if c.pinned else "busy running a cell" if c.busy or self.live_state(kernel_id) == "busy"
+                   else "using the GPU" if c.max_utilization > self.config.idle_utilization
+                   else st.release_blocked or "not released automatically (idle timeout 0, too "
+                   "small, or no method)")
+            raise ControllerError(409, f"kernel is {why}: not released for another user")
+        if c.idle_seconds < idle_for:
+            raise ControllerError(409, f"kernel was used {c.idle_seconds:.0f} s ago (less than "
+                                       f"{idle_for:g} s): not released for another user")
+        return await self.release(kernel_id, reason=reason, automatic=True)
+
+    def restore_need(self, kernel_id: str) -> dict[int, int]:
+        """Bytes per GPU a waiting restore needs free (empty when no restore waits)."""
+        st = self.states.get(kernel_id)
+        if st is None or st.held is None or not st.waiting:
+            return {}
+        return self._need(st.held)
 
     def _start_release(self, st: KernelState, reason: str, automatic: bool, by_kernel: bool) -> Operation:
         """Check what can be checked at once, then start the release (409s say why not)."""

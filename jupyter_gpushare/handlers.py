@@ -71,14 +71,17 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def parse_seconds(raw: str) -> float:
-    """``history?seconds=``: a JSON number in (0, MAX_HISTORY_SECONDS]."""
+def parse_seconds(raw: str, name: str = "seconds", low_open: bool = True) -> float:
+    """``history?seconds=``: a JSON number in (0, MAX_HISTORY_SECONDS] (``[0, ...]`` when
+    ``low_open`` is false)."""
     shown = raw if len(raw) <= 40 else raw[:40] + "..."
     if not JSON_NUMBER.match(raw):
-        raise BadRequest(f"seconds must be a number, got {shown!r}")
+        raise BadRequest(f"{name} must be a number, got {shown!r}")
     seconds = float(raw)
-    if not 0 < seconds <= MAX_HISTORY_SECONDS:  # also refuses 1e999 (inf)
-        raise BadRequest(f"seconds must be in (0, {MAX_HISTORY_SECONDS}], got {shown}")
+    low_ok = 0 < seconds if low_open else 0 <= seconds
+    if not (low_ok and seconds <= MAX_HISTORY_SECONDS):  # also refuses 1e999 (inf)
+        bracket = "(" if low_open else "["
+        raise BadRequest(f"{name} must be in {bracket}0, {MAX_HISTORY_SECONDS}], got {shown}")
     return seconds
 
 
@@ -153,9 +156,15 @@ class ReleaseHandler(GPUShareHandler):
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
+        raw = self.get_argument("if_idle_for", None, strip=False)
+        idle_for = None if raw is None else parse_seconds(raw, "if_idle_for", low_open=False)
         await self.gpushare.ready()
         controller = self.gpushare.controller
-        await controller.release(kernel_id, reason="requested over REST")
+        if idle_for is None:
+            await controller.release(kernel_id, reason="requested over REST")
+        else:  # the node-wide service making room: only what an automatic release may take
+            await controller.release_if_idle(kernel_id, idle_for, reason="requested by the "
+                                             "gpushare service to make room for another user")
         self.write_json(kernel_view(controller, kernel_id))
 
 

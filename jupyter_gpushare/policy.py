@@ -71,10 +71,17 @@ def _quiet(c: Candidate, cfg: PolicyConfig, utilization: float | None = None) ->
         and not opted_out and c.releasable
 
 
+def eligible(c: Candidate, cfg: PolicyConfig) -> bool:
+    """May be released for room at all (idle time aside): resident, not busy, not pinned, not
+    opted out, quiet on the GPU over the pressure window, holds enough, a method can act on
+    it. The one definition of "a person working": the node-wide service uses it too."""
+    return _quiet(c, cfg, c.pressure_utilization)
+
+
 def _quiet_under_pressure(c: Candidate, cfg: PolicyConfig) -> bool:
     """Eligible for a pressure release or make-room: quiet over the pressure window (a kernel
     that computed before it and has idled past ``pressure_idle_timeout`` may be taken)."""
-    return c.idle_seconds >= cfg.pressure_idle_timeout and _quiet(c, cfg, c.pressure_utilization)
+    return c.idle_seconds >= cfg.pressure_idle_timeout and eligible(c, cfg)
 
 
 def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:

@@ -36,7 +36,8 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "last_restore_seconds": _round(st.last_restore_seconds, 3),
         "last_release_seconds": _round(st.last_release_seconds, 3),
         "error": st.error,
-        "waiting": st.waiting,
+        "waiting": f"{st.waiting}; {st.waiting_note}" if st.waiting and st.waiting_note else st.waiting,
+        "restore_need": {str(g): n for g, n in controller.restore_need(kernel_id).items()},
         "execution_state": rec.execution_state if rec else "unknown",
         "release_blocked": st.release_blocked,
         "host_room_bytes": _host_room(rec),
@@ -52,7 +53,8 @@ def _round(v: float | None, digits: int = 1) -> float | None:
     return None if v is None else round(v, digits)
 
 
-def status_view(controller: Controller, backend: str, method: str, available: bool, reason: str) -> dict[str, Any]:
+def status_view(controller: Controller, backend: str, method: str, available: bool, reason: str,
+                hub: dict[str, Any] | None = None) -> dict[str, Any]:
     tracker = controller.tracker
     released_per_gpu: dict[int, int] = {}
     for st in controller.states.values():
@@ -81,6 +83,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
         "restore_mode": controller.restore_mode,
         "gpus": gpus,
         "kernels": [kernel_view(controller, kid) for kid in list(tracker.kernels)],
+        "hub": hub,
     }
 
 

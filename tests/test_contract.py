@@ -112,7 +112,7 @@ KERNEL = {
     "idle_seconds": 1.0, "release_in_seconds": None, "idle_timeout": 600.0, "method": "simulated",
     "releases": 1, "restores": 0, "last_restore_seconds": None, "last_release_seconds": 0.1,
     "error": None, "waiting": None, "execution_state": "idle", "release_blocked": None,
-    "host_room_bytes": None,
+    "host_room_bytes": None, "restore_need": {},
 }
 
 
@@ -167,6 +167,7 @@ async def test_every_endpoint_answers_every_listed_status_as_the_contract_says(
     await call("GET", "history", expect=400, params={"seconds": "0"})
 
     await call("POST", "kernels", "no-such-kernel", "release", expect=404)
+    await call("POST", "kernels", a.id, "release", expect=400, params={"if_idle_for": "-1"})
     await call("POST", "kernels", "no-such-kernel", "restore", expect=404)
     await call("PUT", "kernels", "no-such-kernel", "pin", body={"pinned": True}, expect=404)
     assert "no GPU memory" in (await call("POST", "kernels", a.id, "release", expect=409))["message"]

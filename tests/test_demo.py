@@ -87,3 +87,46 @@ async def test_demo_notebook_runs_through_the_server(tmp_path, kernels, gpushare
     assert "restored, checksum matches" in text
     assert "pinned" in text
     assert gpushare_app.controller.states[k.id].pinned
+
+
+def test_hub_demo_starts_a_hub_with_three_users_and_the_service(tmp_path):
+    from .hubharness import can_run
+
+    if can_run():
+        import pytest
+
+        pytest.skip(can_run())
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_gpushare.cli", "demo", "--hub", "--port", str(port),
+         "--dir", str(tmp_path / "hub")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))},
+    )
+    lines: list[str] = []
+    try:
+        while len(lines) < 7:
+            lines.append(proc.stdout.readline())
+        text = "".join(lines)
+        assert f"JupyterHub at http://127.0.0.1:{port}" in text
+        assert "log in as alice (an admin), bob, carol; every password is 'gpushare'" in text
+        assert f"http://127.0.0.1:{port}/services/gpushare/" in text
+        for user in ("alice", "bob", "carol"):
+            assert (tmp_path / "hub" / "home" / user / "gpushare-demo.ipynb").exists()
+        login = None
+        for _ in range(600):  # the Hub, its proxy and the service start
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/hub/api", timeout=5)
+                req = urllib.request.Request(f"http://127.0.0.1:{port}/services/gpushare/")
+                login = urllib.request.urlopen(req, timeout=5).geturl()  # redirected to log in
+                break
+            except urllib.error.URLError:
+                assert proc.poll() is None, "the demo exited: " + "".join(lines) + proc.stdout.read()
+                time.sleep(0.1)
+        assert login is not None and "/hub/login" in login, login
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)

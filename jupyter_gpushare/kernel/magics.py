@@ -108,6 +108,27 @@ def status_rows(kernel: dict[str, Any], restore_mode: str = "") -> list[tuple[st
     return rows
 
 
+def hub_rows(hub: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """What the JupyterHub's gpushare service says about this user (nothing without one)."""
+    if not isinstance(hub, dict):
+        return []
+    if not hub.get("connected"):
+        return [("hub service", f"not reachable ({hub.get('error') or 'no answer yet'})")]
+    share = hub.get("share") or "none guaranteed"
+    rows = [("your share", share + (" (you are over it: your idle kernels go first)"
+                                    if hub.get("over_share") else ""))]
+    for u in hub.get("usage") or []:
+        if not isinstance(u, dict):
+            continue
+        limit = u.get("guaranteed")
+        rows.append((f"your GPU {u.get('index')} memory", format_bytes(u.get("bytes") or 0)
+                     + (f" of {format_bytes(limit)} guaranteed" if isinstance(limit, int) else "")
+                     + " (all your servers)"))
+    if hub.get("admin_url"):
+        rows.append(("admin page", str(hub["admin_url"])))
+    return rows
+
+
 @magics_class
 class GPUShareMagics(Magics):
     @line_cell_magic
@@ -212,7 +233,7 @@ class GPUShareMagics(Magics):
         if reply is not None:
             agent = agent_module.get_agent()
             mode = agent.restore_mode if agent is not None else ""
-            display(StatusView(status_rows(reply["kernel"], mode),
+            display(StatusView(status_rows(reply["kernel"], mode) + hub_rows(reply.get("hub")),
                                f"gpushare: this kernel ({reply.get('backend')} backend)"))
         return None
 

@@ -8,9 +8,11 @@ GPU. A kernel with no server (plain IPython) gets a private in-process node.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from .. import clock
 from ..units import GiB, format_bytes
@@ -39,14 +41,51 @@ class _Busy:
     open_since: float | None = None
 
 
-class SimNode:
-    """Memory and busy-time ledger of a node of simulated GPUs. Thread-safe."""
+class NodeLedger(Protocol):
+    """What a simulated node is to its users (the agent channel, the telemetry): a private
+    :class:`SimNode` or the machine's :class:`~jupyter_gpushare.sim.shared.SharedSimNode`."""
 
-    def __init__(self, capacities: tuple[int, ...] = DEFAULT_GPUS):
+    capacities: tuple[int, ...]
+    node_id: str
+
+    def uuid(self, gpu: int) -> str: ...
+    def used(self, gpu: int) -> int: ...
+    def free(self, gpu: int) -> int: ...
+    def alloc(self, pid: int, gpu: int, nbytes: int) -> None: ...
+    def release(self, pid: int, gpu: int, nbytes: int) -> None: ...
+    def held_by(self, pid: int) -> dict[int, int]: ...
+    def take_all(self, pid: int) -> dict[int, int]: ...
+    def reserve(self, pid: int, per_gpu: dict[int, int]) -> None: ...
+    def set_usage(self, pid: int, per_gpu: dict[int, int]) -> None: ...
+    def end_busy(self, pid: int) -> None: ...
+    def drop_pid(self, pid: int) -> None: ...
+    def drop_gone(self, alive: Callable[[int], bool]) -> list[int]: ...
+    def pids(self) -> dict[int, dict[int, int]]: ...
+    def busy_begin(self, pid: int, gpu: int, at: float | None = None) -> None: ...
+    def busy_end(self, pid: int, gpu: int, at: float | None = None) -> None: ...
+    def busy_fraction(self, pid: int | None, gpu: int, since: float, until: float) -> float: ...
+
+
+def gpu_uuid(node_id: str, index: int) -> str:
+    """The UUID of simulated GPU ``index`` of node ``node_id``: unique per node, as real GPU
+    UUIDs are unique per device (a service that covers several nodes keys GPUs by it)."""
+    return f"SIM-{node_id[:8]}-{index:04x}-{node_id[8:12]}-{node_id[12:16]}-{node_id[16:28]}"
+
+
+class SimNode:
+    """Memory and busy-time ledger of a node of simulated GPUs, private to one process.
+    Thread-safe. (:class:`~jupyter_gpushare.sim.shared.SharedSimNode` is the same ledger
+    shared by every server on a machine.)"""
+
+    def __init__(self, capacities: tuple[int, ...] = DEFAULT_GPUS, node_id: str | None = None):
         self.capacities = tuple(capacities)
+        self.node_id = node_id or uuid.uuid4().hex
         self._lock = threading.Lock()
         self._used: dict[int, dict[int, int]] = defaultdict(dict)  # gpu -> pid -> bytes
         self._busy: dict[tuple[int, int], _Busy] = {}
+
+    def uuid(self, gpu: int) -> str:
+        return gpu_uuid(self.node_id, gpu)
 
     # -- memory -------------------------------------------------------------------
     def _check_gpu(self, gpu: int) -> None:

@@ -53,6 +53,7 @@ class TelemetrySettings:
     """What the server hands a source when it creates one (:meth:`Telemetry.create`)."""
 
     simulated_gpus: tuple[int, ...] = ()  # bytes per GPU of the simulated node
+    simulated_node: str = ""  # the file a node shared by several servers lives in; "" = private
 
 
 class Telemetry(abc.ABC):

@@ -11,7 +11,8 @@ import os
 import psutil
 
 from .. import clock
-from ..sim.node import DEVICE_NAME, SimNode
+from ..sim.node import DEVICE_NAME, NodeLedger
+from ..sim.shared import open_node
 from .base import GPUInfo, ProcessUsage, Telemetry, TelemetrySettings, TelemetryStatus
 
 
@@ -19,20 +20,22 @@ class SimulatedTelemetry(Telemetry):
     name = "simulated"
     label = "the simulated node"
 
-    def __init__(self, node: SimNode):
+    def __init__(self, node: NodeLedger):
         self.node = node
         self._last_device: dict[int, float] = {}
         self._last_process: float | None = None
 
     @classmethod
     def create(cls, settings: TelemetrySettings) -> SimulatedTelemetry:
-        return cls(SimNode(settings.simulated_gpus))
+        return cls(open_node(settings.simulated_node, settings.simulated_gpus))
 
     def open(self) -> TelemetryStatus:
         return self.status()
 
     def close(self) -> None:
-        pass
+        close = getattr(self.node, "close", None)  # a shared node's file handle
+        if close is not None:
+            close()
 
     def status(self) -> TelemetryStatus:
         return TelemetryStatus(
@@ -53,7 +56,7 @@ class SimulatedTelemetry(Telemetry):
             out.append(
                 GPUInfo(
                     index=i,
-                    uuid=f"SIM-{i:08d}-0000-0000-0000-000000000000",
+                    uuid=self.node.uuid(i),
                     name=f"{DEVICE_NAME} {i}",
                     memory_total=capacity,
                     memory_used=self.node.used(i),

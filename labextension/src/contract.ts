@@ -63,6 +63,46 @@ export interface IStatus {
   gpus: IGPU[];
   /** One entry per kernel of this server, GPU user or not. */
   kernels: IKernel[];
+  /**
+   * The node-wide gpushare service of a JupyterHub (shares, usage, the admin page); null when this
+   * server is not linked to one.
+   */
+  hub: IHub | null;
+}
+
+/** What the gpushare hub service says about this server's user. */
+export interface IHub {
+  /** The service as this server reaches it. */
+  service_url: string;
+  /** The service answered the last request. */
+  connected: boolean;
+  /** Why the last request to the service failed; null when it answered. */
+  error: string | null;
+  /** This server's JupyterHub user. */
+  user: string;
+  /** The service's admin page (a path on the Hub); null unless the user is an admin. */
+  admin_url: string | null;
+  /**
+   * The user's guaranteed GPU memory, in words ("8.0 GiB per gpu (user alice)"); null when none is
+   * guaranteed or shares are off.
+   */
+  share: string | null;
+  /** The user's GPU memory (all their servers) on each GPU this server sees. */
+  usage: IHubUsage[];
+  /**
+   * The user holds more than their share somewhere: their idle kernels are released first and
+   * sooner to make room for others.
+   */
+  over_share: boolean;
+}
+
+export interface IHubUsage {
+  /** The GPU's index on this server. */
+  index: number;
+  /** Bytes the user's kernels hold on it now. */
+  bytes: number;
+  /** Bytes their share guarantees there (per-node shares count the whole node); null = none. */
+  guaranteed: number | null;
 }
 
 export interface IGPU {
@@ -147,6 +187,11 @@ export interface IKernel {
    * the machine's MemAvailable); null when it cannot be read.
    */
   host_room_bytes: number | null;
+  /**
+   * While a restore waits: the bytes it needs free, per GPU index (keys are strings); empty
+   * otherwise.
+   */
+  restore_need: { [key: string]: number };
 }
 
 export interface IHistory {

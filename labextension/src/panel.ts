@@ -14,6 +14,7 @@ import { el, setHidden, setText } from './dom';
 import { efficiency } from './metrics';
 import { formatDuration, formatGiBHours } from './format';
 import { GPUCard } from './gpucard';
+import { HubLine } from './hubline';
 import { IRowActions, KernelRow } from './kernelrow';
 import { GPUShareModel } from './model';
 import { ColorMap, kernelLabels } from './rules';
@@ -39,6 +40,8 @@ export class GPUSharePanel extends Widget {
     header.append(el('h2', `${CSS.header}-title`, 'GPU sharing'));
     this._summary = el('div', CSS.summary);
     header.append(this._summary);
+    this._hub = new HubLine();
+    header.append(this._hub.node);
     this._message = el('div', CSS.message);
     this._message.setAttribute('role', 'status');
     this._efficiency = el('div', CSS.efficiency);
@@ -152,6 +155,7 @@ export class GPUSharePanel extends Widget {
     if (!status) {
       return;
     }
+    this._hub.update(status.hub);
     const windowSeconds = model.historySeconds;
     setText(
       this._summary,
@@ -275,6 +279,7 @@ export class GPUSharePanel extends Widget {
   private _open: (path: string) => void;
   private _actions: IRowActions;
   private _summary: HTMLDivElement;
+  private _hub: HubLine;
   private _message: HTMLDivElement;
   private _efficiency: HTMLDivElement;
   private _effValue: HTMLDivElement;

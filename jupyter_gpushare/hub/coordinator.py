@@ -1,0 +1,433 @@
+"""The hub service's core: discover servers, read them, keep one view, make room across users.
+
+- **Poll** (every ``poll_interval``): the Hub lists the ready servers; each server's status is
+  read through the proxy; one :class:`~.view.NodeView` is built; time-integrated figures
+  (GPU-hours reclaimed, history) advance; restores seen waiting get room made for them (the
+  fallback when a push did not arrive).
+- **Push** (a server says a restore waits): that server and every server with kernels on
+  the GPUs it needs are read again at once, then room is made. About a second, not a poll.
+- **Make room**: :func:`jupyter_gpushare.crossuser.make_room` decides (the policy's rules
+  across users, plus shares); each victim is released through its own server's REST with
+  ``if_idle_for``, so its server checks again, with live data, that nobody working is taken.
+  One decision at a time per GPU. A victim that fails is logged and the others go on.
+
+One server's failure (stopped, restarting, answering garbage) is logged once and shown; it
+never stops the loop or the others. Time goes through :func:`now` (tests move the clock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import clock, crossuser, policy
+from ..fairshare import Share, shares_of
+from ..sim.node import format_bytes
+from .hubapi import HubAPI, HubAPIError
+from .metrics import HubMetrics
+from .snapshot import Snapshot, parse_status
+from .view import GpuIds, NodeView, Placed, ServerRef
+
+log = logging.getLogger(__name__)
+
+HISTORY = 720  # samples kept per GPU for the admin page's chart
+RECENT = 200  # actions kept for the admin page
+
+
+def now() -> float:
+    """The service's one clock (replaceable: tests advance ``jupyter_gpushare.clock``)."""
+    return clock.now()
+
+
+@dataclass
+class ServerEntry:
+    ref: ServerRef
+    snap: Snapshot | None = None
+    error: str | None = None
+    since: float = 0.0  # when it was first seen
+    restores_seen: dict[str, int] = field(default_factory=dict)  # kernel -> restores counted
+
+
+@dataclass
+class Settings:
+    shares: dict[str, Share]
+    policy: crossuser.HubPolicy
+    admin_url: str = "/services/gpushare/"
+
+
+@dataclass
+class Wait:
+    since: float
+    why: str | None = None
+    pushed: bool = False
+    polls: int = 0  # polls that saw it
+    last_try: float | None = None
+
+
+class Coordinator:
+    def __init__(self, api: HubAPI, settings: Settings, metrics: HubMetrics | None = None,
+                 poll_interval: float = 10.0):
+        self.api = api
+        self.poll_interval = poll_interval
+        self.settings = settings
+        self.metrics = metrics or HubMetrics()
+        self.entries: dict[tuple[str, str], ServerEntry] = {}
+        self.groups: dict[str, list[str]] = {}
+        self.ids = GpuIds()
+        self.view = NodeView([], self.ids, now())
+        self.history: dict[str, deque[tuple[float, int | None, int, float | None]]] = {}
+        self.reclaimed_hours: dict[str, float] = {}
+        self.waits: dict[tuple[str, str, str], Wait] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self.discovery_error: str | None = None
+        self._gpu_locks: dict[int, asyncio.Lock] = {}
+        self._poll_lock = asyncio.Lock()
+        self._push_locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._last_poll: float | None = None
+        self._last_discovery = -1e9  # clock.monotonic() of the last unscheduled discovery
+        self.released_for_others = 0
+
+    # -- reading the servers -------------------------------------------------------------------
+    async def poll_once(self) -> None:
+        """Discover, read every server, rebuild the view, then serve waiting restores."""
+        async with self._poll_lock:
+            started = clock.monotonic()
+            await self._discover()
+            await asyncio.gather(*(self._read(e) for e in list(self.entries.values())))
+            self._rebuild(integrate=True)
+            self.metrics.poll_seconds.observe(clock.monotonic() - started)
+        # the fallback for waits no push served: seen by an earlier poll too (a push, about a
+        # second, always comes first), and not tried in the last poll interval
+        t = now()
+        for placed in self.view.waiting():
+            wait = self.waits.get((placed.ref.user, placed.ref.name, placed.kernel.id))
+            if wait is None or wait.polls < 2:
+                continue
+            if wait.last_try is None or t - wait.last_try >= self.poll_interval:
+                await self._serve(placed, "poll")
+
+    async def _discover(self) -> None:
+        try:
+            refs = await self.api.ready_servers()
+        except Exception as e:  # the Hub restarting: keep what we knew, try again next time
+            if self.discovery_error != str(e):
+                log.warning("gpushare hub: cannot list servers: %s", e)
+            self.discovery_error = str(e)
+            return
+        self.discovery_error = None
+        seen = {r.key: r for r in refs}
+        for key in set(self.entries) - set(seen):
+            log.info("gpushare hub: server %s stopped", _name(key))
+            del self.entries[key]
+        for key, ref in seen.items():
+            entry = self.entries.get(key)
+            if entry is None or entry.ref.url != ref.url:
+                self.entries[key] = ServerEntry(ref, since=now())
+            else:
+                entry.ref = ref
+            self.groups[ref.user] = ref.groups
+
+    async def _read(self, entry: ServerEntry) -> None:
+        """Read one server; its failure is its own (logged once, shown, never acted on)."""
+        try:
+            raw = await self.api.status(entry.ref)
+            snap = parse_status(raw, now())
+        except (HubAPIError, ValueError) as e:
+            self._failed(entry, str(e))
+            return
+        except Exception as e:  # anything else a server can do to us
+            self._failed(entry, f"{type(e).__name__}: {e}")
+            return
+        if entry.error is not None:
+            log.info("gpushare hub: server %s answers again", _name(entry.ref.key))
+        entry.snap, entry.error = snap, None
+        self._count_restores(entry, snap)
+
+    def _failed(self, entry: ServerEntry, why: str) -> None:
+        if entry.error != why:
+            log.warning("gpushare hub: server %s: %s", _name(entry.ref.key), why[:300])
+        entry.snap, entry.error = None, why[:300]
+
+    def _count_restores(self, entry: ServerEntry, snap: Snapshot) -> None:
+        seen = {}
+        for k in snap.kernels:
+            before = entry.restores_seen.get(k.id)
+            seen[k.id] = k.restores
+            if before is not None and k.restores > before:
+                self.metrics.restores.inc(k.restores - before)
+                if k.last_restore_seconds is not None:
+                    self.metrics.restore_seconds.observe(k.last_restore_seconds)
+        entry.restores_seen = seen
+
+    def _rebuild(self, integrate: bool = False) -> None:
+        t = now()
+        snaps = [(e.ref, e.snap) for e in self.entries.values() if e.snap is not None]
+        self.view = NodeView(snaps, self.ids, t)
+        if integrate:
+            self._integrate(t)
+        self._note_waits(t, integrate)
+        self._export(integrate)
+
+    def _integrate(self, t: float) -> None:
+        """History and GPU-hours reclaimed (released bytes / GPU memory, over time)."""
+        dt = 0.0 if self._last_poll is None else max(0.0, t - self._last_poll)
+        self._last_poll = t
+        for gpu in self.view.gpus.values():
+            hist = self.history.setdefault(gpu.uuid, deque(maxlen=HISTORY))
+            hist.append((t, gpu.used, gpu.held, gpu.utilization))
+            if gpu.total and gpu.released_bytes and dt:
+                hours = min(1.0, gpu.released_bytes / gpu.total) * dt / 3600
+                self.reclaimed_hours[gpu.uuid] = self.reclaimed_hours.get(gpu.uuid, 0.0) + hours
+                self.metrics.reclaimed.labels(gpu.uuid, gpu.node).inc(hours)
+
+    def _note_waits(self, t: float, poll: bool) -> None:
+        current = {(p.ref.user, p.ref.name, p.kernel.id) for p in self.view.waiting()}
+        for key in set(self.waits) - current:
+            del self.waits[key]
+        for key in current - set(self.waits):
+            self.waits[key] = Wait(t)
+            self.metrics.waits.inc()
+        if poll:
+            for key in current:
+                self.waits[key].polls += 1
+        self.metrics.waiting.set(len(current))
+
+    def _export(self, full: bool) -> None:
+        m = self.metrics
+        for gpu in self.view.gpus.values():
+            labels = (gpu.uuid, gpu.node)
+            if gpu.total is not None:
+                m.memory_total.labels(*labels).set(gpu.total)
+            if gpu.used is not None:
+                m.memory_used.labels(*labels).set(gpu.used)
+            if gpu.utilization is not None:
+                m.utilization.labels(*labels).set(gpu.utilization)
+            m.held.labels(*labels).set(gpu.held)
+            m.released.labels(*labels).set(gpu.released_bytes)
+        if full:
+            ledger = self.view.ledger(self.settings.shares, self.groups)
+            m.user_memory.clear()
+            m.user_over.clear()
+            for user, per in ledger.usage.items():
+                m.user_memory.labels(user).set(sum(per.values()))
+                m.user_over.labels(user).set(int(any(ledger.over(user, g) for g in per)))
+            ok = sum(1 for e in self.entries.values() if e.error is None)
+            m.servers.labels("ok").set(ok)
+            m.servers.labels("error").set(len(self.entries) - ok)
+
+    # -- a push from a server ----------------------------------------------------------------
+    async def on_push(self, user: str, server: str, kernel_ids: Iterable[str]) -> dict[str, Any]:
+        """A server of ``user`` says restores of ``kernel_ids`` wait. Only that server's own
+        kernels are considered (a push cannot name someone else's), and only what its status,
+        read now, says is waiting."""
+        lock = self._push_locks.setdefault((user, server), asyncio.Lock())
+        async with lock:  # one at a time per server: a flood of pushes queues, it does not fan out
+            return await self._on_push(user, server, kernel_ids)
+
+    async def _on_push(self, user: str, server: str, kernel_ids: Iterable[str]) -> dict[str, Any]:
+        entry = self.entries.get((user, server))
+        if entry is None and clock.monotonic() - self._last_discovery > 1.0:
+            self._last_discovery = clock.monotonic()  # a server started since the last poll
+            await self.poll_once()
+            entry = self.entries.get((user, server))
+        if entry is None:
+            return {"released": [], "waits": {}, "me": self.me(user)}
+        await self._read(entry)
+        self._rebuild()
+        released: list[dict[str, Any]] = []
+        waits: dict[str, str] = {}
+        for kid in dict.fromkeys(kernel_ids):
+            placed = self.view.find(user, server, kid)
+            if placed is None or not placed.need:
+                continue
+            wait = self.waits.get((user, server, kid))
+            if wait is not None:
+                wait.pushed = True
+            done, why = await self._serve(placed, "push")
+            released += done
+            if why:
+                waits[kid] = why
+        return {"released": released, "waits": waits, "me": self.me(user)}
+
+    # -- making room ------------------------------------------------------------------------------
+    async def _serve(self, placed: Placed, trigger: str) -> tuple[list[dict[str, Any]], str | None]:
+        """Make room for one waiting restore; (what was released, why not)."""
+        gids = sorted(placed.need)
+        locks = [self._gpu_locks.setdefault(g, asyncio.Lock()) for g in gids]
+        for lock in locks:
+            await lock.acquire()
+        try:
+            return await self._serve_locked(placed, trigger)
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+
+    async def _serve_locked(self, placed: Placed, trigger: str) -> tuple[list[dict[str, Any]], str | None]:
+        user, server, kid = placed.ref.user, placed.ref.name, placed.kernel.id
+        # fresh numbers from everyone on those GPUs: decisions on live data, not a poll's
+        keys = self.view.servers_on(set(placed.need)) | {placed.ref.key}
+        await asyncio.gather(*(self._read(self.entries[k]) for k in keys if k in self.entries))
+        self._rebuild()
+        fresh = self.view.find(user, server, kid)
+        if fresh is None or not fresh.need or not fresh.kernel.waiting:
+            return [], None  # it got its room meanwhile (or is gone)
+        free = {g: self.view.gpus[g].free for g in fresh.need if g in self.view.gpus}
+        known = {g: f for g, f in free.items() if f is not None}
+        names = {g: f"GPU {self.view.gpus[g].index.get(fresh.ref.key, g)}" for g in fresh.need
+                 if g in self.view.gpus}
+        plan = crossuser.make_room(user, fresh.need, known, self.view.holdings(),
+                                   self.view.ledger(self.settings.shares, self.groups),
+                                   self.settings.policy, names)
+        wait = self.waits.get((user, server, kid))
+        if wait is not None:
+            wait.last_try = now()
+        if not plan.enough:
+            if wait is not None:
+                wait.why = plan.why_not
+            return [], plan.why_not
+        released = []
+        for victim in plan.victims:
+            owner = self.view.owner(victim.kernel_id)
+            if owner is None:
+                continue
+            done = await self._release_victim(owner, victim, user, trigger, wait)
+            if done is not None:
+                released.append(done)
+        if released:
+            self._rebuild()
+        return released, None if released else "the releases to make room failed; retrying"
+
+    async def _release_victim(self, owner: Placed, victim: crossuser.Victim, requester: str,
+                              trigger: str, wait: Wait | None) -> dict[str, Any] | None:
+        try:
+            code, body = await self.api.release(owner.ref, victim.kernel_id, victim.idle_for)
+        except HubAPIError as e:
+            code, body = 0, {"message": str(e)}
+        nbytes = sum(victim.bytes.values())
+        entry: dict[str, Any] = {"t": round(now(), 3), "action": "release", "user": owner.ref.user,
+                 "server": owner.ref.name, "kernel": victim.kernel_id, "for": requester,
+                 "bytes": nbytes, "reason": victim.reason, "trigger": trigger}
+        if code != 200:
+            why = str(body.get("message") or code)[:300]
+            log.info("gpushare hub: could not release %s of %s for %s: %s", victim.kernel_id,
+                     owner.ref.user, requester, why)
+            self.metrics.releases.labels("refused" if code == 409 else "failed").inc()
+            self.recent.appendleft({**entry, "action": "release refused", "reason": why})
+            return None
+        seconds = None if wait is None else max(0.0, now() - wait.since)
+        self.metrics.releases.labels("ok").inc()
+        self.metrics.released_bytes.inc(nbytes)
+        self.released_for_others += 1
+        if seconds is not None:
+            self.metrics.room_seconds.labels(trigger).observe(seconds)
+        log.info("gpushare hub: released %s of %s's kernel %s for %s (%s)",
+                 format_bytes(nbytes), owner.ref.user, victim.kernel_id, requester,
+                 victim.reason)
+        self.recent.appendleft({**entry, "seconds": None if seconds is None else round(seconds, 3)})
+        return {"user": owner.ref.user, "kernel_id": victim.kernel_id, "bytes": nbytes}
+
+    # -- admin actions -----------------------------------------------------------------------------
+    async def admin_action(self, user: str, server: str, kernel_id: str, action: str,
+                           pinned: bool = False) -> tuple[int, dict]:
+        entry = self.entries.get((user, server))
+        if entry is None:
+            return 404, {"message": f"no server {_name((user, server))} is running"}
+        try:
+            if action == "release":
+                code, body = await self.api.release(entry.ref, kernel_id, None)
+            else:
+                code, body = await self.api.pin(entry.ref, kernel_id, pinned)
+        except HubAPIError as e:
+            return 502, {"message": f"the server did not answer: {e}"}
+        self.recent.appendleft({"t": round(now(), 3), "action": f"admin {action}", "user": user,
+                                "server": server, "kernel": kernel_id, "code": code,
+                                "reason": body.get("message") if code != 200 else None})
+        await self._read(entry)
+        self._rebuild()
+        return code, body
+
+    # -- what people see -------------------------------------------------------------------------
+    def me(self, user: str, admin: bool = False) -> dict[str, Any]:
+        """One person's share and usage, by GPU UUID."""
+        ledger = self.view.ledger(self.settings.shares, self.groups)
+        shares = shares_of(user, self.groups.get(user, []), self.settings.shares)
+        ledger.shares[user] = shares  # someone with no server or kernel yet
+        usage, guaranteed = {}, {}
+        over = False
+        for gid, gpu in self.view.gpus.items():
+            usage[gpu.uuid] = ledger.used(user, gid)
+            pair = ledger.guaranteed(user, gid) if ledger.enabled else None
+            if pair is not None:
+                guaranteed[gpu.uuid] = pair[0]
+            over |= ledger.over(user, gid)
+        share = None
+        if ledger.enabled and shares:
+            share = " or ".join(f"{s.describe()} ({s.source})" for s in shares)
+        return {"user": user, "admin": admin, "admin_url": self.settings.admin_url if admin else None,
+                "share": share, "usage": usage, "guaranteed": guaranteed, "over_share": over}
+
+    def admin_view(self) -> dict[str, Any]:
+        """Everything the admin page shows."""
+        t = now()
+        ledger = self.view.ledger(self.settings.shares, self.groups)
+        nodes: dict[str, list[dict[str, Any]]] = {}
+        for gpu in sorted(self.view.gpus.values(), key=lambda g: (g.node, g.uuid)):
+            hist = list(self.history.get(gpu.uuid, ()))
+            nodes.setdefault(gpu.node, []).append({
+                "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.total,
+                "memory_used": gpu.used, "held": gpu.held, "utilization": gpu.utilization,
+                "released_bytes": gpu.released_bytes, "by_user": dict(sorted(gpu.by_user.items())),
+                "reclaimed_gpu_hours": round(self.reclaimed_hours.get(gpu.uuid, 0.0), 4),
+                "history": {"t": [round(h[0] - t, 1) for h in hist], "used": [h[1] for h in hist],
+                            "held": [h[2] for h in hist], "utilization": [h[3] for h in hist]},
+            })
+        users: dict[str, dict[str, Any]] = {}
+        for key, entry in sorted(self.entries.items()):
+            u = users.setdefault(key[0], {"name": key[0], "servers": [], "kernels": []})
+            u["servers"].append({"name": key[1], "url": entry.ref.url, "error": entry.error,
+                                 "age_seconds": None if entry.snap is None else round(t - entry.snap.at, 1)})
+        for p in self.view.placed:
+            k = p.kernel
+            users[p.ref.user]["kernels"].append({
+                "server": p.ref.name, "id": k.id, "path": k.path, "state": k.state,
+                "pinned": k.pinned, "busy": k.busy, "utilization": k.utilization,
+                "idle_seconds": round(k.idle_seconds + (0 if k.busy else p.age), 1),
+                "gpus": [{"uuid": self.view.gpus[g].uuid, "bytes": n} for g, n in p.gpu_bytes.items()],
+                "released_bytes": k.released_bytes, "waiting": k.waiting, "error": k.error,
+            })
+        for name, u in users.items():
+            me = self.me(name)
+            u.update(share=me["share"], over_share=me["over_share"],
+                     usage_bytes=sum(me["usage"].values()))
+        waits = [{"user": u, "server": s, "kernel": k, "seconds": round(t - w.since, 1),
+                  "why": w.why, "pushed": w.pushed} for (u, s, k), w in self.waits.items()]
+        return {
+            "now": round(t, 3),
+            "discovery_error": self.discovery_error,
+            "shares": bool(ledger.enabled),
+            "nodes": [{"name": n, "gpus": g} for n, g in nodes.items()],
+            "users": list(users.values()),
+            "waits": waits,
+            "recent": list(self.recent)[:50],
+            "totals": {
+                "reclaimed_gpu_hours": round(sum(self.reclaimed_hours.values()), 4),
+                "released_for_others": self.released_for_others,
+                "waiting": len(waits),
+            },
+        }
+
+
+def _name(key: tuple[str, str]) -> str:
+    return f"{key[0]}/{key[1]}" if key[1] else key[0]
+
+
+def hub_policy(pressure_idle_timeout: float, over_share_idle_timeout: float, idle_utilization: float,
+               min_release_bytes: int) -> crossuser.HubPolicy:
+    return crossuser.HubPolicy(
+        policy.PolicyConfig(idle_utilization=idle_utilization, min_release_bytes=min_release_bytes,
+                            pressure_idle_timeout=pressure_idle_timeout),
+        over_share_idle_timeout=over_share_idle_timeout)

@@ -1,0 +1,162 @@
+// The gpushare admin page: polls api/status and draws every GPU, person, kernel and wait.
+(function () {
+  'use strict';
+  const xsrf = document.querySelector('meta[name="gpushare-xsrf"]').content;
+  const colors = ['#2f6fbf', '#1d7a3a', '#8e44ad', '#c0392b', '#16a085', '#d35400', '#7f8c8d', '#2c3e50'];
+  const userColor = {};
+  function color(user) {
+    if (!(user in userColor)) userColor[user] = colors[Object.keys(userColor).length % colors.length];
+    return userColor[user];
+  }
+  function bytes(n) {
+    if (n === null || n === undefined) return '-';
+    const units = [['GiB', 2 ** 30], ['MiB', 2 ** 20], ['KiB', 2 ** 10]];
+    for (const [u, s] of units) if (Math.abs(n) >= s) return (n / s).toFixed(1) + ' ' + u;
+    return n + ' B';
+  }
+  function seconds(s) {
+    if (s === null || s === undefined) return '-';
+    if (s < 90) return s.toFixed(0) + ' s';
+    if (s < 5400) return (s / 60).toFixed(0) + ' min';
+    return (s / 3600).toFixed(1) + ' h';
+  }
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === null || v === undefined) continue;
+      if (k === 'class') node.className = v;
+      else if (k === 'style') {
+        // through the CSSOM: the page's Content-Security-Policy forbids inline style attributes
+        for (const decl of v.split(';')) {
+          const at = decl.indexOf(':');
+          if (at > 0) node.style.setProperty(decl.slice(0, at).trim(), decl.slice(at + 1).trim());
+        }
+      }
+      else if (k.startsWith('on')) node.addEventListener(k.slice(2), v);
+      else node.setAttribute(k, v);
+    }
+    for (const c of children) if (c !== null && c !== undefined) node.append(c.nodeType ? c : String(c));
+    return node;
+  }
+  function svgEl(tag, attrs) {
+    const node = document.createElementNS('http://www.w3.org/2000/svg', tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+    return node;
+  }
+  function chart(gpu) {
+    const svg = svgEl('svg', { class: 'chart', viewBox: '0 0 300 80', preserveAspectRatio: 'none',
+                               role: 'img', 'aria-label': 'memory held and SM busy over time' });
+    const h = gpu.history, n = h.t.length, total = gpu.memory_total || 1;
+    if (n < 2) return svg;
+    const t0 = h.t[0], span = (h.t[n - 1] - t0) || 1;
+    const x = (i) => ((h.t[i] - t0) / span * 300).toFixed(1);
+    const line = (values, scale, stroke) => {
+      const pts = [];
+      values.forEach((v, i) => { if (v !== null) pts.push(x(i) + ',' + (78 - Math.min(1, v / scale) * 76).toFixed(1)); });
+      svg.append(svgEl('polyline', { points: pts.join(' '), fill: 'none', stroke, 'stroke-width': 1.5 }));
+    };
+    line(h.held, total, 'var(--held)');
+    line(h.utilization, 100, 'var(--util)');
+    return svg;
+  }
+  function gpuCard(gpu) {
+    const total = gpu.memory_total || 0;
+    const bar = el('div', { class: 'bar', title: 'memory by person' });
+    let held = 0;
+    for (const [user, n] of Object.entries(gpu.by_user)) {
+      held += n;
+      bar.append(el('span', { style: `width:${100 * n / (total || 1)}%;background:${color(user)}`,
+                              title: `${user}: ${bytes(n)}` }));
+    }
+    const other = Math.max(0, (gpu.memory_used || 0) - held);
+    bar.append(el('span', { style: `width:${100 * other / (total || 1)}%;background:var(--used)`,
+                            title: `other processes: ${bytes(other)}` }));
+    const legend = el('div', { class: 'legend' });
+    for (const [user, n] of Object.entries(gpu.by_user)) {
+      legend.append(el('span', {}, el('i', { class: 'swatch', style: `background:${color(user)}` }), `${user} ${bytes(n)}`));
+    }
+    return el('div', { class: 'gpu', 'data-uuid': gpu.uuid },
+      el('div', { class: 'name' }, gpu.name),
+      el('div', { class: 'uuid' }, gpu.uuid),
+      bar, legend,
+      el('div', {}, `used ${bytes(gpu.memory_used)} of ${bytes(total)} · held by kernels ${bytes(gpu.held)} · ` +
+                    `SM busy ${gpu.utilization === null ? '-' : gpu.utilization.toFixed(0) + ' %'}`),
+      el('div', {}, `released (in host memory) ${bytes(gpu.released_bytes)} · reclaimed ${gpu.reclaimed_gpu_hours.toFixed(3)} GPU-h`),
+      chart(gpu),
+      el('div', { class: 'legend muted' },
+        el('span', {}, el('i', { class: 'swatch', style: 'background:var(--held)' }), 'held'),
+        el('span', {}, el('i', { class: 'swatch', style: 'background:var(--util)' }), 'SM busy')));
+  }
+  async function act(user, server, kernel, action) {
+    const r = await fetch('api/actions', {
+      method: 'POST', headers: { 'Content-Type': 'application/json', 'X-XSRFToken': xsrf },
+      body: JSON.stringify({ user, server, kernel, action }), credentials: 'same-origin'
+    });
+    const body = await r.json().catch(() => ({}));
+    if (!r.ok) alert(`${action} ${kernel}: ${body.message || r.status}`);
+    refresh();
+  }
+  function kernelRow(user, k) {
+    const gpus = k.gpus.map((g) => `${bytes(g.bytes)} on ${g.uuid.slice(0, 12)}`).join(', ') || '-';
+    const held = ['released', 'failed', 'releasing', 'restoring'].includes(k.state);
+    return el('tr', { 'data-kernel': k.id },
+      el('td', {}, k.server || '(default)'),
+      el('td', { title: k.id }, k.path || k.id.slice(0, 8)),
+      el('td', { class: 'state-' + k.state }, k.state + (k.pinned ? ' (pinned)' : '') + (k.busy ? ', busy' : '')),
+      el('td', {}, held ? `${bytes(k.released_bytes)} in host memory` : gpus),
+      el('td', {}, seconds(k.idle_seconds)),
+      el('td', {}, k.utilization.toFixed(0) + ' %'),
+      el('td', {}, k.waiting || k.error || ''),
+      el('td', {},
+        el('button', { onclick: () => act(user, k.server, k.id, 'release'), disabled: held ? '' : null }, 'Release'),
+        ' ',
+        el('button', { onclick: () => act(user, k.server, k.id, k.pinned ? 'unpin' : 'pin') }, k.pinned ? 'Unpin' : 'Pin')));
+  }
+  function render(data) {
+    const totals = document.getElementById('totals');
+    totals.replaceChildren(
+      el('div', { class: 'total' }, el('b', {}, data.totals.reclaimed_gpu_hours.toFixed(3)), 'GPU-hours reclaimed'),
+      el('div', { class: 'total' }, el('b', {}, data.totals.released_for_others), 'released for another person'),
+      el('div', { class: 'total' }, el('b', {}, data.totals.waiting), 'restores waiting now'),
+      el('div', { class: 'total' }, el('b', {}, data.shares ? 'on' : 'off'), 'fair shares'));
+    const error = document.getElementById('error');
+    error.hidden = !data.discovery_error;
+    error.textContent = data.discovery_error ? 'Cannot list servers: ' + data.discovery_error : '';
+    document.getElementById('nodes').replaceChildren(...data.nodes.map((node) =>
+      el('div', { class: 'node' }, el('h3', {}, node.name), el('div', { class: 'gpus' }, ...node.gpus.map(gpuCard)))));
+    const waits = document.getElementById('waits');
+    waits.replaceChildren(data.waits.length ? el('table', {},
+      el('tr', {}, ...['person', 'kernel', 'waiting for', 'why'].map((h) => el('th', {}, h))),
+      ...data.waits.map((w) => el('tr', {}, el('td', {}, w.user), el('td', {}, w.kernel.slice(0, 8)),
+        el('td', {}, seconds(w.seconds)), el('td', {}, w.why || 'making room')))) : el('p', { class: 'muted' }, 'None.'));
+    document.getElementById('users').replaceChildren(...data.users.map((u) => el('div', { class: 'user', 'data-user': u.name },
+      el('h3', {}, el('i', { class: 'swatch', style: `background:${color(u.name)}` }), u.name, ' ',
+        el('span', { class: u.over_share ? 'over' : 'muted' },
+          `${bytes(u.usage_bytes)} on GPUs; share ${u.share || 'none'}${u.over_share ? ' (over share)' : ''}`)),
+      ...u.servers.filter((s) => s.error).map((s) => el('p', { class: 'error' }, `server ${s.name || '(default)'}: ${s.error}`)),
+      u.kernels.length ? el('table', {},
+        el('tr', {}, ...['server', 'notebook', 'state', 'GPU memory', 'idle', 'SM', 'note', ''].map((h) => el('th', {}, h))),
+        ...u.kernels.map((k) => kernelRow(u.name, k))) : el('p', { class: 'muted' }, 'No kernels.'))));
+    document.getElementById('recent').replaceChildren(data.recent.length ? el('table', {},
+      el('tr', {}, ...['when', 'action', 'whose', 'for', 'size', 'reason'].map((h) => el('th', {}, h))),
+      ...data.recent.map((r) => el('tr', {},
+        el('td', {}, new Date(r.t * 1000).toLocaleTimeString()), el('td', {}, r.action),
+        el('td', {}, `${r.user} ${String(r.kernel).slice(0, 8)}`), el('td', {}, r.for || ''),
+        el('td', {}, r.bytes ? bytes(r.bytes) : ''), el('td', {}, r.reason || '')))) : el('p', { class: 'muted' }, 'None yet.'));
+    document.body.dataset.loaded = 'true';
+  }
+  async function refresh() {
+    try {
+      // the Hub's cookie auth wants the XSRF token on scripted GETs too
+      const r = await fetch('api/status', { credentials: 'same-origin', headers: { 'X-XSRFToken': xsrf } });
+      if (!r.ok) throw new Error(`api/status: ${r.status}`);
+      render(await r.json());
+    } catch (e) {
+      const error = document.getElementById('error');
+      error.hidden = false;
+      error.textContent = String(e);
+    }
+  }
+  refresh();
+  setInterval(refresh, 5000);
+})();

@@ -1,0 +1,172 @@
+"""One view of every GPU of every node, keyed by GPU UUID, built from the servers' snapshots.
+
+A GPU UUID is unique across machines, so one service covers a whole cluster: servers on
+the same machine report the same UUIDs, and what each user holds on a GPU is summed over
+all their servers. A *node* is a set of GPUs that some server sees together (a machine, as
+far as the servers can tell); per-node shares count a person's memory on all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import policy
+from ..crossuser import Holding
+from ..fairshare import Ledger, Share, shares_of
+from .snapshot import RESIDENT, KernelSnap, Snapshot
+
+
+class GpuIds:
+    """A small int per GPU UUID, stable for the service's life (the policy's GPU keys)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def __call__(self, uuid: str) -> int:
+        if uuid not in self._ids:
+            self._ids[uuid] = len(self._ids)
+        return self._ids[uuid]
+
+
+@dataclass
+class ServerRef:
+    """A ready server as the Hub lists it."""
+
+    user: str
+    name: str  # "" for the default server
+    url: str  # its path on the proxy, e.g. /user/alice/
+    groups: list[str] = field(default_factory=list)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.user, self.name)
+
+
+@dataclass
+class Placed:
+    """One kernel of one server, with its GPUs as node-wide ids."""
+
+    ref: ServerRef
+    kernel: KernelSnap
+    gpu_bytes: dict[int, int]  # gid -> bytes resident now
+    need: dict[int, int]  # gid -> bytes a waiting restore needs
+    age: float  # seconds since its server's snapshot
+
+
+@dataclass
+class GPUState:
+    gid: int
+    uuid: str
+    name: str
+    node: str
+    index: dict[tuple[str, str], int]  # server key -> its index for this GPU
+    total: int | None = None
+    used: int | None = None
+    utilization: float | None = None
+    released_bytes: int = 0  # held in host memory by released kernels, all servers
+    at: float = 0.0  # time of the snapshot the numbers come from
+    by_user: dict[str, int] = field(default_factory=dict)  # resident bytes per person
+
+    @property
+    def held(self) -> int:
+        return sum(self.by_user.values())
+
+    @property
+    def free(self) -> int | None:
+        if self.total is None or self.used is None:
+            return None
+        return self.total - self.used
+
+
+class NodeView:
+    def __init__(self, snaps: list[tuple[ServerRef, Snapshot]], ids: GpuIds, now: float):
+        self.now = now
+        self.gpus: dict[int, GPUState] = {}
+        self.placed: list[Placed] = []
+        parent: dict[int, int] = {}
+
+        def root(g: int) -> int:
+            while parent.setdefault(g, g) != g:
+                g = parent[g]
+            return g
+
+        for ref, snap in snaps:
+            local = {g.index: ids(g.uuid) for g in snap.gpus if g.uuid}
+            for g in snap.gpus:
+                if not g.uuid:
+                    continue
+                gid = local[g.index]
+                gpu = self.gpus.setdefault(gid, GPUState(gid, g.uuid, g.name, "", {}))
+                gpu.index[ref.key] = g.index
+                gpu.released_bytes += g.released_bytes
+                if snap.at >= gpu.at:  # the freshest reading of the node's numbers wins
+                    gpu.total, gpu.used, gpu.utilization, gpu.at = g.total, g.used, g.utilization, snap.at
+            gids = sorted(local.values())
+            for gid in gids[1:]:
+                parent[root(gid)] = root(gids[0])
+            for k in snap.kernels:
+                on = {local[i]: n for i, n in k.gpu_bytes.items() if i in local and n}
+                need = {local[i]: n for i, n in k.restore_need.items() if i in local and n}
+                self.placed.append(Placed(ref, k, on, need, max(0.0, now - snap.at)))
+                if k.state in RESIDENT or k.state == "untracked":
+                    for gid, n in on.items():
+                        by_user = self.gpus[gid].by_user
+                        by_user[ref.user] = by_user.get(ref.user, 0) + n
+        for gid, gpu in self.gpus.items():
+            first = min((g for g in self.gpus if root(g) == root(gid)), default=gid)
+            gpu.node = f"node-{self.gpus[first].uuid[:12]}"
+
+    # -- people --------------------------------------------------------------------------------
+    def usage(self) -> dict[str, dict[int, int]]:
+        out: dict[str, dict[int, int]] = {}
+        for gid, gpu in self.gpus.items():
+            for user, n in gpu.by_user.items():
+                out.setdefault(user, {})[gid] = n
+        return out
+
+    def ledger(self, table: dict[str, Share], groups: dict[str, list[str]]) -> Ledger:
+        users = set(groups) | {p.ref.user for p in self.placed}
+        return Ledger(
+            gpu_total={g: s.total or 0 for g, s in self.gpus.items()},
+            node_of={g: s.node for g, s in self.gpus.items()},
+            usage=self.usage(),
+            shares={u: shares_of(u, groups.get(u, []), table) for u in users},
+            enabled=bool(table),
+        )
+
+    # -- the policy's input ---------------------------------------------------------------------
+    def holdings(self) -> list[Holding]:
+        """Every kernel as the cross-user policy sees it, idle time counted to now."""
+        out = []
+        for p in self.placed:
+            k = p.kernel
+            out.append(Holding(p.ref.user, policy.Candidate(
+                kernel_id=k.id,
+                resident=k.state in RESIDENT,
+                busy=k.busy,
+                pinned=k.pinned,
+                idle_seconds=k.idle_seconds + (0.0 if k.busy else p.age),
+                max_utilization=k.utilization,
+                gpu_bytes=dict(p.gpu_bytes),
+                idle_timeout=k.idle_timeout,
+                releasable=k.releasable,
+            )))
+        return out
+
+    def find(self, user: str, server: str, kernel_id: str) -> Placed | None:
+        for p in self.placed:
+            if p.ref.key == (user, server) and p.kernel.id == kernel_id:
+                return p
+        return None
+
+    def owner(self, kernel_id: str) -> Placed | None:
+        for p in self.placed:
+            if p.kernel.id == kernel_id:
+                return p
+        return None
+
+    def waiting(self) -> list[Placed]:
+        return [p for p in self.placed if p.need and p.kernel.waiting]
+
+    def servers_on(self, gids: set[int]) -> set[tuple[str, str]]:
+        return {key for gid in gids if gid in self.gpus for key in self.gpus[gid].index}

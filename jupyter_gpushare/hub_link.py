@@ -1,0 +1,209 @@
+"""A single-user server's link to the node-wide gpushare service of its JupyterHub.
+
+Under JupyterHub, when ``GPUShareHubLink.url`` names the service, this server
+
+- **pushes** to the service the moment a restore starts waiting for GPU memory, so that the
+  service can release other users' idle kernels at once (about a second) instead of at its
+  next poll; the service's answer says what it released and, when it could not make room,
+  why ("GPU 0 is full; the other kernels on it are active"): that shows in the kernel's
+  ``waiting`` text. When it released something this server polls at once, and the waiting
+  restore, which re-checks after every poll, goes on;
+- **learns** its user's share and usage, and whether the user may open the admin page, for
+  the status API (``hub``), the lab panel and ``%gpushare``.
+
+Requests carry the server's own Hub token (``JUPYTERHUB_API_TOKEN``); the Hub lets the service
+accept it only when the server's role has ``access:services!service=gpushare``. Failures
+are logged and shown (``hub.error``), never raised: a server works alone as before, and the
+service's polling remains the fallback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from traitlets import Float, Unicode, default
+from traitlets.config import Configurable
+
+from .events import KERNEL_SCHEMA_ID
+
+log = logging.getLogger(__name__)
+
+URL_ENV = "JUPYTER_GPUSHARE_HUB_URL"
+PUSH_ANSWER_WITHIN = 600.0  # s: releases of tens of GB run at a few GB/s
+
+
+class GPUShareHubLink(Configurable):
+    """Options of a single-user server's link to the gpushare hub service
+    (``c.GPUShareHubLink.NAME`` in jupyter_server_config.py)."""
+
+    url = Unicode(
+        help="""URL of the gpushare hub service as this server reaches it, e.g.
+        http://127.0.0.1:10101/services/gpushare/ (with a trailing slash). Default: the
+        environment variable JUPYTER_GPUSHARE_HUB_URL, else "" = no service: the server
+        manages its own kernels only. Needs JUPYTERHUB_API_TOKEN (set by JupyterHub).""",
+    ).tag(config=True)
+
+    @default("url")
+    def _default_url(self) -> str:
+        return os.environ.get(URL_ENV, "")
+
+    refresh_interval = Float(
+        30.0,
+        help="""Seconds between two updates of the user's share and usage from the service.
+        Default 30. Must be > 0. (A waiting restore is pushed at once, whatever this is.)""",
+    ).tag(config=True)
+
+    timeout = Float(
+        10.0,
+        help="""Seconds a request to the service may take before it counts as failed.
+        Default 10. Must be > 0.""",
+    ).tag(config=True)
+
+
+class HubLink:
+    """The link itself; built by :func:`connect`, started and stopped by the extension."""
+
+    def __init__(self, options: GPUShareHubLink, token: str, user: str, server_name: str,
+                 controller: Any, refresh: Callable[[], Awaitable[None]]):
+        self.url = options.url if options.url.endswith("/") else options.url + "/"
+        self.options = options
+        self.token = token
+        self.user = user
+        self.server_name = server_name
+        self.controller = controller
+        self.refresh = refresh
+        self.connected = False
+        self.error: str | None = "not contacted yet"
+        self.me: dict[str, Any] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._pushes: set[asyncio.Task[Any]] = set()
+        self._event_logger: Any = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, event_logger: Any) -> None:
+        event_logger.add_listener(schema_id=KERNEL_SCHEMA_ID, listener=self._on_event)
+        self._event_logger = event_logger
+        self._task = asyncio.ensure_future(self._refresh_loop())
+
+    def stop_now(self) -> list[asyncio.Task[Any]]:
+        """Stop listening and cancel the link's tasks (without waiting); returns them."""
+        if self._event_logger is not None:
+            with contextlib.suppress(Exception):  # removed already
+                self._event_logger.remove_listener(schema_id=KERNEL_SCHEMA_ID,
+                                                   listener=self._on_event)
+            self._event_logger = None
+        tasks = [t for t in (self._task, *self._pushes) if t is not None]
+        for task in tasks:
+            task.cancel()
+        return tasks
+
+    async def stop(self) -> None:
+        await asyncio.gather(*self.stop_now(), return_exceptions=True)
+
+    async def _on_event(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        if data.get("action") == "restore_waiting":
+            task = asyncio.ensure_future(self.push([str(data.get("kernel_id", ""))]))
+            self._pushes.add(task)
+            task.add_done_callback(self._pushes.discard)
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await self.fetch_me()
+            await asyncio.sleep(self.options.refresh_interval)
+
+    # -- requests ---------------------------------------------------------------------------
+    async def _call(self, method: str, path: str, body: Any = None,
+                    answer_within: float | None = None) -> dict[str, Any] | None:
+        request = HTTPRequest(
+            self.url + path, method=method,
+            headers={"Authorization": f"token {self.token}", "Content-Type": "application/json"},
+            body=None if body is None else json.dumps(body),
+            request_timeout=answer_within or self.options.timeout, connect_timeout=self.options.timeout,
+        )
+        try:
+            response = await AsyncHTTPClient().fetch(request)
+            answer = json.loads(response.body)
+            if not isinstance(answer, dict):
+                raise ValueError("the answer is not a JSON object")
+        except Exception as e:
+            self.connected, self.error = False, f"{method} {path}: {e}"[:300]
+            log.warning("gpushare: the hub service did not answer: %s", self.error)
+            return None
+        self.connected, self.error = True, None
+        return answer
+
+    async def fetch_me(self) -> None:
+        answer = await self._call("GET", "api/me")
+        if answer is not None:
+            self.me = answer
+
+    async def push(self, kernel_ids: list[str]) -> dict[str, Any] | None:
+        """Tell the service that restores of ``kernel_ids`` wait; note its answer."""
+        # the service answers once its releases are done: moving a big state takes a while
+        answer = await self._call("POST", "api/waiting",
+                                  {"server": self.server_name, "kernels": kernel_ids},
+                                  answer_within=max(self.options.timeout, PUSH_ANSWER_WITHIN))
+        if answer is None:
+            return None
+        waits: dict[str, Any] = answer["waits"] if isinstance(answer.get("waits"), dict) else {}
+        for kid in kernel_ids:
+            st = self.controller.states.get(kid)
+            note = waits.get(kid)
+            if st is not None and st.waiting:
+                st.waiting_note = note[:300] if isinstance(note, str) else None
+        if isinstance(answer.get("me"), dict):
+            self.me = answer["me"]
+        if answer.get("released"):
+            await self.refresh()  # see the freed memory now: the waiting restore goes on
+        return answer
+
+    # -- what status shows ---------------------------------------------------------------------
+    def view(self) -> dict[str, Any]:
+        me = self.me
+        by_uuid = {g.info.uuid: g.info.index for g in self.controller.tracker.gpus.values()}
+        usage: dict[str, Any] = me["usage"] if isinstance(me.get("usage"), dict) else {}
+        guaranteed: dict[str, Any] = me["guaranteed"] if isinstance(me.get("guaranteed"), dict) else {}
+        rows = []
+        for uuid, index in sorted(by_uuid.items(), key=lambda kv: kv[1]):
+            used = usage.get(uuid, 0)
+            limit = guaranteed.get(uuid)
+            rows.append({"index": index, "bytes": used if _count(used) else 0,
+                         "guaranteed": limit if _count(limit) else None})
+        share = me.get("share")
+        admin_url = me.get("admin_url")
+        return {
+            "service_url": self.url,
+            "connected": self.connected,
+            "error": self.error,
+            "user": self.user,
+            "admin_url": admin_url if isinstance(admin_url, str) and me.get("admin") is True else None,
+            "share": share if isinstance(share, str) else None,
+            "usage": rows,
+            "over_share": me.get("over_share") is True,
+        }
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def connect(config: Any, controller: Any, refresh: Callable[[], Awaitable[None]]) -> HubLink | None:
+    """The link when this server runs under JupyterHub with the service configured, else None."""
+    options = GPUShareHubLink(config=config)
+    token = os.environ.get("JUPYTERHUB_API_TOKEN", "")
+    if not options.url:
+        return None
+    if not token:
+        log.warning("gpushare: GPUShareHubLink.url is set but JUPYTERHUB_API_TOKEN is not "
+                    "(not started by JupyterHub?): no link to the hub service")
+        return None
+    log.info("gpushare: linked to the hub service at %s", options.url)
+    return HubLink(options, token, os.environ.get("JUPYTERHUB_USER", ""),
+                   os.environ.get("JUPYTERHUB_SERVER_NAME", ""), controller, refresh)

@@ -1,0 +1,273 @@
+"""A simulated node shared by every Jupyter server on one machine.
+
+On a real GPU machine every user's server sees the same GPUs: Alice's kernels fill the
+memory Bob's restore needs. :class:`SharedSimNode` gives the simulated backend the same
+property: its ledger (bytes per GPU per process, busy intervals) lives in one SQLite file
+that each server opens, instead of in one server's memory.
+
+Why SQLite (in WAL mode) rather than a node process on a Unix socket: there is nothing to
+start, supervise or restart; a server that crashes cannot take the node with it; every
+change is one transaction, so "check the free memory, then take it" is atomic across
+processes (``BEGIN IMMEDIATE`` takes the write lock before the check); readers never wait
+for writers. A process's memory is dropped when the process is gone, whichever server
+notices first, exactly as the driver frees a dead process's memory.
+
+It keeps :class:`~jupyter_gpushare.sim.node.SimNode`'s interface, so the agent channel, the
+telemetry and the tests use either without knowing which. The node's id (and so its GPU
+UUIDs) is made when the file is created: two files are two nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from .. import clock
+from .node import NodeLedger, SimNode, SimOutOfMemoryError, format_bytes, gpu_uuid
+
+log = logging.getLogger(__name__)
+
+NODE_ENV = "JUPYTER_GPUSHARE_SIMULATED_NODE"
+BUSY_HORIZON = 3600.0  # s of closed busy intervals kept (more than any idle window)
+LOCK_TIMEOUT = 10.0  # s a transaction waits for another process's write lock
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS used (
+    gpu INTEGER NOT NULL, pid INTEGER NOT NULL, bytes INTEGER NOT NULL,
+    PRIMARY KEY (gpu, pid));
+CREATE TABLE IF NOT EXISTS busy (
+    pid INTEGER NOT NULL, gpu INTEGER NOT NULL, start REAL NOT NULL, stop REAL);
+CREATE INDEX IF NOT EXISTS busy_gpu ON busy (gpu, stop);
+"""
+
+
+class SharedSimNode:
+    """The simulated node's ledger in a SQLite file that every server on the machine opens.
+
+    The first opener creates it with ``capacities``; later openers use the capacities in the
+    file (a different ``capacities`` is logged and ignored: there is one node)."""
+
+    def __init__(self, path: str | os.PathLike[str], capacities: tuple[int, ...] | None = None):
+        self.path = str(path)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()  # one connection, used by the loop and the sampler
+        self._db = sqlite3.connect(self.path, timeout=LOCK_TIMEOUT, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.execute(f"PRAGMA busy_timeout = {int(LOCK_TIMEOUT * 1000)}")
+        self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.execute("PRAGMA synchronous = NORMAL")  # a simulation: no fsync per change
+        with self._write() as db:
+            for statement in _statements():
+                db.execute(statement)
+            rows = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            if "node_id" not in rows:
+                sizes = tuple(capacities) if capacities else SimNode().capacities
+                rows = {"node_id": uuid.uuid4().hex, "capacities": json.dumps(list(sizes))}
+                db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", rows.items())
+        self.node_id: str = rows["node_id"]
+        self.capacities: tuple[int, ...] = tuple(int(c) for c in json.loads(rows["capacities"]))
+        if capacities and tuple(capacities) != self.capacities:
+            log.warning("gpushare: the shared simulated node %s has GPUs of %s bytes; ignoring %s",
+                        self.path, list(self.capacities), list(capacities))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- transactions ------------------------------------------------------------------
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: the file's write lock is taken before anything is read."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _read(self, sql: str, args: tuple = ()) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- identity -----------------------------------------------------------------------
+    def uuid(self, gpu: int) -> str:
+        return gpu_uuid(self.node_id, gpu)
+
+    def _check_gpu(self, gpu: int) -> None:
+        if not isinstance(gpu, int) or isinstance(gpu, bool) or not 0 <= gpu < len(self.capacities):
+            raise ValueError(
+                f"invalid device {gpu!r}: this node has {len(self.capacities)} simulated GPUs"
+            )
+
+    # -- memory -------------------------------------------------------------------------
+    def used(self, gpu: int) -> int:
+        return int(self._read("SELECT COALESCE(SUM(bytes), 0) FROM used WHERE gpu = ?", (gpu,))[0][0])
+
+    def free(self, gpu: int) -> int:
+        return self.capacities[gpu] - self.used(gpu)
+
+    @staticmethod
+    def _in_use(db: sqlite3.Connection, gpu: int, except_pid: int | None = None) -> int:
+        if except_pid is None:
+            row = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM used WHERE gpu = ?", (gpu,))
+        else:
+            row = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM used WHERE gpu = ? AND pid != ?",
+                             (gpu, except_pid))
+        return int(row.fetchone()[0])
+
+    @staticmethod
+    def _add(db: sqlite3.Connection, pid: int, gpu: int, nbytes: int) -> None:
+        db.execute("INSERT INTO used (gpu, pid, bytes) VALUES (?, ?, ?) "
+                   "ON CONFLICT (gpu, pid) DO UPDATE SET bytes = bytes + excluded.bytes",
+                   (gpu, pid, nbytes))
+
+    def alloc(self, pid: int, gpu: int, nbytes: int) -> None:
+        self._check_gpu(gpu)
+        if nbytes < 0:
+            raise ValueError("negative allocation")
+        with self._write() as db:
+            in_use = self._in_use(db, gpu)
+            if in_use + nbytes > self.capacities[gpu]:
+                raise SimOutOfMemoryError(
+                    f"out of memory on simulated GPU {gpu}: tried to allocate "
+                    f"{format_bytes(nbytes)}; {format_bytes(self.capacities[gpu] - in_use)} free of "
+                    f"{format_bytes(self.capacities[gpu])}"
+                )
+            self._add(db, pid, gpu, nbytes)
+
+    def release(self, pid: int, gpu: int, nbytes: int) -> None:
+        self._check_gpu(gpu)
+        with self._write() as db:
+            db.execute("UPDATE used SET bytes = bytes - ? WHERE gpu = ? AND pid = ?", (nbytes, gpu, pid))
+            db.execute("DELETE FROM used WHERE gpu = ? AND pid = ? AND bytes <= 0", (gpu, pid))
+
+    def held_by(self, pid: int) -> dict[int, int]:
+        return {g: n for g, n in self._read("SELECT gpu, bytes FROM used WHERE pid = ? AND bytes > 0", (pid,))}
+
+    def take_all(self, pid: int) -> dict[int, int]:
+        with self._write() as db:
+            held = {g: n for g, n in db.execute(
+                "SELECT gpu, bytes FROM used WHERE pid = ? AND bytes > 0", (pid,)).fetchall()}
+            db.execute("DELETE FROM used WHERE pid = ?", (pid,))
+        return held
+
+    def reserve(self, pid: int, per_gpu: dict[int, int]) -> None:
+        for gpu in per_gpu:
+            self._check_gpu(gpu)
+        with self._write() as db:
+            for gpu, n in per_gpu.items():
+                free = self.capacities[gpu] - self._in_use(db, gpu)
+                if n > free:
+                    raise SimOutOfMemoryError(
+                        f"simulated GPU {gpu} has {format_bytes(free)} free, {format_bytes(n)} needed")
+            for gpu, n in per_gpu.items():
+                self._add(db, pid, gpu, n)
+
+    def set_usage(self, pid: int, per_gpu: dict[int, int]) -> None:
+        for gpu, n in per_gpu.items():
+            self._check_gpu(gpu)
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise ValueError(f"bytes on GPU {gpu} must be an integer >= 0, got {n!r}")
+        with self._write() as db:
+            for gpu, n in per_gpu.items():
+                others = self._in_use(db, gpu, except_pid=pid)
+                if others + n > self.capacities[gpu]:
+                    raise SimOutOfMemoryError(
+                        f"simulated GPU {gpu} cannot hold {format_bytes(n)} for pid {pid}: "
+                        f"{format_bytes(self.capacities[gpu] - others)} free")
+            db.execute("DELETE FROM used WHERE pid = ?", (pid,))
+            db.executemany("INSERT INTO used (gpu, pid, bytes) VALUES (?, ?, ?)",
+                           [(g, pid, n) for g, n in per_gpu.items() if n])
+
+    def end_busy(self, pid: int) -> None:
+        with self._write() as db:
+            db.execute("UPDATE busy SET stop = ? WHERE pid = ? AND stop IS NULL", (clock.now(), pid))
+
+    def drop_pid(self, pid: int) -> None:
+        with self._write() as db:
+            db.execute("DELETE FROM used WHERE pid = ?", (pid,))
+            db.execute("DELETE FROM busy WHERE pid = ?", (pid,))
+
+    def drop_gone(self, alive: Callable[[int], bool]) -> list[int]:
+        """Drop every pid, of any server, whose process is gone (the machine is one pid space)."""
+        known = {p for (p,) in self._read("SELECT pid FROM used UNION SELECT pid FROM busy")}
+        gone = [p for p in known if not alive(p)]
+        for pid in gone:
+            self.drop_pid(pid)
+        return gone
+
+    def pids(self) -> dict[int, dict[int, int]]:
+        out: dict[int, dict[int, int]] = defaultdict(dict)
+        for gpu, pid, n in self._read("SELECT gpu, pid, bytes FROM used WHERE bytes > 0"):
+            out[pid][gpu] = n
+        return dict(out)
+
+    # -- busy time ------------------------------------------------------------------------
+    def busy_begin(self, pid: int, gpu: int, at: float | None = None) -> None:
+        self._check_gpu(gpu)
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM busy WHERE pid = ? AND gpu = ? AND stop IS NULL",
+                          (pid, gpu)).fetchone() is None:
+                db.execute("INSERT INTO busy (pid, gpu, start) VALUES (?, ?, ?)",
+                           (pid, gpu, clock.now() if at is None else at))
+
+    def busy_end(self, pid: int, gpu: int, at: float | None = None) -> None:
+        now = clock.now()
+        with self._write() as db:
+            db.execute("UPDATE busy SET stop = ? WHERE pid = ? AND gpu = ? AND stop IS NULL",
+                       (now if at is None else at, pid, gpu))
+            db.execute("DELETE FROM busy WHERE stop IS NOT NULL AND stop < ?", (now - BUSY_HORIZON,))
+
+    def busy_fraction(self, pid: int | None, gpu: int, since: float, until: float) -> float:
+        if until <= since:
+            return 0.0
+        sql = "SELECT start, COALESCE(stop, ?) FROM busy WHERE gpu = ? AND start < ? " \
+              "AND (stop IS NULL OR stop > ?)"
+        args: tuple = (until, gpu, until, since)
+        if pid is not None:
+            sql += " AND pid = ?"
+            args += (pid,)
+        spans = [(max(s, since), min(e, until)) for s, e in self._read(sql, args)]
+        return _union_fraction(spans, since, until)
+
+
+def _statements() -> list[str]:
+    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
+
+
+def _union_fraction(spans: list[tuple[float, float]], since: float, until: float) -> float:
+    """Fraction of [since, until] covered by the union of ``spans`` (already clipped)."""
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted(spans):
+        if cur_e is None or s > cur_e:
+            if cur_e is not None and cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None and cur_s is not None:
+        total += cur_e - cur_s
+    return min(1.0, total / (until - since))
+
+
+def open_node(path: str, capacities: tuple[int, ...]) -> NodeLedger:
+    """The node a server simulates: shared through ``path``, or private when it is empty."""
+    if not path:
+        return SimNode(capacities)
+    started = time.monotonic()
+    node = SharedSimNode(path, capacities)
+    log.info("gpushare: shared simulated node %s (%d GPUs, id %s) opened in %.3f s",
+             path, len(node.capacities), node.node_id[:8], time.monotonic() - started)
+    return node

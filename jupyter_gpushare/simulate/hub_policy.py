@@ -1,0 +1,86 @@
+"""``gpushare-hub``: every user's gpushare server, plus the JupyterHub service across them.
+
+One more subclass of :class:`~jupyter_gpushare.simulate.policies.GPUShare`. A restore that
+cannot get room from its own server's kernels is pushed to the service at once, which makes
+room from other people's kernels on that GPU by calling
+:func:`jupyter_gpushare.crossuser.make_room` unchanged (the policy's rules across users,
+plus fair shares from :mod:`jupyter_gpushare.fairshare`), with candidates built as
+``GPUShare.candidate`` builds them. The releases then run in turn, as the service's do.
+
+Register it in ``settings.POLICIES`` as
+``"gpushare-hub": lambda s: GPUShareHub(s.config, s.poll_interval, s.seed)``.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+from .. import crossuser
+from ..fairshare import Ledger, parse_table, shares_of
+from .engine import RELEASED, RESIDENT, Kernel, Simulation
+from .policies import GPUShare
+
+
+class GPUShareHub(GPUShare):
+    name = "gpushare-hub"
+
+    def __init__(self, config: Any, poll_interval: float = 2.0, seed: int = 0,
+                 over_share_idle_timeout: float = 30.0, shares: dict[str, object] | None = None,
+                 service_poll: float = 10.0):
+        super().__init__(config, poll_interval, seed)
+        self.hub = crossuser.HubPolicy(config, over_share_idle_timeout)
+        self.shares = parse_table(shares or {})  # keys "u0", "u1", ... (users by index)
+        self.service_poll = service_poll  # the service's poll_interval (its default: 10 s)
+
+    def on_idle(self, sim: Simulation, k: Kernel) -> None:
+        """Besides its own server's checks: the service's poll serves waiting restores on
+        ``k``'s GPU once ``k`` may be taken for them (pushes were served when they came)."""
+        super().on_idle(sim, k)
+        for wait in {self.config.pressure_idle_timeout, self.hub.over_share_idle_timeout}:
+            due = k.last_activity + wait
+            tick = math.ceil(due / self.service_poll - 1e-9) * self.service_poll
+            sim.schedule(max(tick, sim.now), partial(self._service_poll, sim, k.gpu))
+
+    def _service_poll(self, sim: Simulation, gpu: int) -> None:
+        for waiting in list(self.waiting.get(gpu, ())):
+            self._try_restore(sim, waiting)
+
+    def _try_restore(self, sim: Simulation, k: Kernel) -> None:
+        if k.index in self.making_room or k.state != RELEASED or k.pending is None:
+            return
+        super()._try_restore(sim, k)  # its own server first: restore, or make room among its own
+        if k.index in self.making_room or k.state != RELEASED or k not in self.waiting.get(k.gpu, ()):
+            return
+        plan = self._across_users(sim, k)  # it waits: its server pushes, the service decides
+        if not plan.enough:
+            return  # it waits; its server re-checks at every poll, and so does this
+        self._stop_waiting(k)
+        by_id = {o.id: o for o in sim.kernels}
+        self.making_room.add(k.index)
+        self._release_in_turn(sim, [(by_id[v.kernel_id], v.reason) for v in plan.victims], k)
+
+    def _across_users(self, sim: Simulation, k: Kernel) -> crossuser.Plan:
+        on_gpu = [o for o in sim.kernels if o.alive and o.gpu == k.gpu]
+        holdings = [crossuser.Holding(f"u{o.user_index}", self.candidate(sim, o)) for o in on_gpu]
+        usage: dict[str, dict[int, int]] = {}
+        for o in on_gpu:
+            if o.state == RESIDENT:
+                per = usage.setdefault(f"u{o.user_index}", {})
+                per[o.gpu] = per.get(o.gpu, 0) + o.nbytes
+        gpus = sim.node_gpus(k.gpu)
+        ledger = Ledger(
+            gpu_total={g: sim.node.gpus[g].capacity for g in gpus},
+            node_of={g: str(gpus.start) for g in gpus},
+            usage=usage,
+            shares={u: shares_of(u, [], self.shares) for u in {*usage, f"u{k.user_index}"}},
+            enabled=bool(self.shares),
+        )
+        return crossuser.make_room(f"u{k.user_index}", {k.gpu: k.nbytes}, {k.gpu: sim.node.free(k.gpu)},
+                                   holdings, ledger, self.hub)
+
+    def describe(self) -> str:
+        shares = f", shares {len(self.shares)}" if self.shares else ""
+        return (super().describe().replace("gpushare:", "gpushare-hub:", 1)
+                + f", make-room across users after {self.config.pressure_idle_timeout:.0f} s idle{shares}")

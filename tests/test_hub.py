@@ -1,0 +1,371 @@
+"""The gpushare hub service with a real JupyterHub: several users' servers on one shared
+simulated node (one GPU of 512 MiB), the service configured by the shipped deployment snippet.
+
+Shares: carol is guaranteed 256 MiB; alice, bob and dave have no entry, so whatever they hold
+is over their share. dave's server cannot reach the service (its push fails): the service's
+poll must serve him. mallory's "server" answers garbage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from .hubharness import Hub, MiB, UserKernel, can_run, start_hub
+from .scenarios import hold, intact
+
+pytestmark = pytest.mark.skipif(bool(can_run()), reason=can_run() or "")
+
+SERVICE_CONFIG = """
+c.GPUShareHub.poll_interval = 1
+c.GPUShareHub.pressure_idle_timeout = 2
+c.GPUShareHub.over_share_idle_timeout = 1
+c.GPUShareHub.min_release_bytes = 0
+c.GPUShareHub.shares = {"carol": "256MiB"}
+"""
+KEEP = bool(os.environ.get("GPUSHARE_KEEP_HUB_DIR"))  # to read hub.log after a failure
+BIG = 320  # MiB: two such kernels do not fit on the 512 MiB GPU together
+GARBAGE = Path(__file__).with_name("garbage_server.py")
+
+
+@pytest.fixture(scope="module")
+def hub():
+    directory = Path(tempfile.mkdtemp(prefix="gh-", dir="/tmp"))  # short: AF_UNIX paths fit
+    hub = start_hub(
+        directory, ["alice", "bob", "carol", "dave", "mallory"], ["admin"], SERVICE_CONFIG,
+        user_env={"dave": {"JUPYTER_GPUSHARE_HUB_URL": "http://127.0.0.1:9/nowhere/"},
+                  "mallory": {"GPUSHARE_GARBAGE": "1"}},
+        user_cmd={"mallory": [sys.executable, str(GARBAGE)]}, gpus=(512 * MiB,),
+    )
+    try:
+        # alice, bob and carol's servers run for the whole module
+        asyncio.run(_start(hub, "alice", "bob", "carol"))
+        yield hub
+    finally:
+        hub.stop()
+        if not KEEP:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _start(hub: Hub, *users: str) -> None:
+    await asyncio.gather(*(hub.start_server(u) for u in users))
+
+
+@pytest.fixture
+def servers(hub):
+    return hub
+
+
+async def released_kernel(hub: Hub, user: str, mib: int, name: str = "x") -> UserKernel:
+    k = await hub.kernel(user)
+    await k.run(hold(mib, name=name, chunk=mib))
+    await hub.wait_kernel(user, k.id, lambda s: s["gpu_memory_bytes"] == mib << 20, "its memory counted")
+    code, body = await hub.gpushare(user, f"kernels/{k.id}/release", "POST", token=await hub.token_for(user))
+    assert code == 200 and body["state"] == "released", body
+    return k
+
+
+async def holding_kernel(hub: Hub, user: str, mib: int, name: str = "x") -> UserKernel:
+    k = await hub.kernel(user)
+    await k.run(hold(mib, name=name, chunk=mib))
+    await hub.wait_kernel(user, k.id, lambda s: s["gpu_memory_bytes"] == mib << 20, "its memory counted")
+    return k
+
+
+async def idle_for(hub: Hub, user: str, k: UserKernel, seconds: float) -> None:
+    await hub.wait_kernel(user, k.id, lambda s: (s["idle_seconds"] >= seconds and s["state"] == "idle")
+                          or s["idle_seconds"] >= seconds, f"{user}'s kernel idle {seconds} s")
+
+
+async def until(get, check, what: str, timeout: float = 30):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await get()
+        if check(value):
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {value}")
+        await asyncio.sleep(0.2)
+
+
+def resident(k: dict | None) -> bool:
+    """On the GPU, never released."""
+    return k is not None and k["state"] in ("active", "idle") and k["releases"] == 0
+
+
+async def shut(*kernels: UserKernel) -> None:
+    for k in kernels:
+        await k.shutdown()
+
+
+async def admin_view(hub: Hub) -> dict:
+    code, body = await hub.service("api/status", token=await hub.token_for("admin"))
+    assert code == 200, body
+    return body
+
+
+async def test_a_waiting_restore_is_pushed_and_another_users_idle_kernel_makes_room(servers):
+    hub = servers
+    alice = await released_kernel(hub, "alice", BIG, "a")
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    try:
+        await idle_for(hub, "bob", bob, 1.5)  # over his share (he has none): 1 s idle is enough
+        pushes = await hub.metric("gpushare_hub_room_seconds_count", 'trigger="push"')
+        out = await alice.run(intact("a"), timeout=60)  # waits for memory, then runs
+        assert "intact" in out["text"] and "waiting for memory" in out["text"]
+        b = await hub.kernel_status("bob", bob.id)
+        assert b["state"] == "released" and b["released_bytes"] == BIG * MiB
+        # made by the push, not by the service's poll
+        assert await hub.metric("gpushare_hub_room_seconds_count", 'trigger="push"') == pushes + 1
+        action = next(r for r in (await admin_view(hub))["recent"] if r["kernel"] == bob.id)
+        assert action["trigger"] == "push" and action["for"] == "alice" and action["user"] == "bob"
+        await bob.run(intact("b"))  # bob's next cell brings his state back, exactly
+    finally:
+        await shut(alice, bob)
+
+
+async def test_an_active_kernel_of_another_user_is_never_released(servers):
+    hub = servers
+    alice = await released_kernel(hub, "alice", BIG, "a")
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    try:
+        busy = bob.send("simgpu.burn(120, device=0)")  # bob works: busy on the GPU
+        await hub.wait_kernel("bob", bob.id, lambda s: s["execution_state"] == "busy", "bob busy")
+        cell = alice.send(intact("a"))
+        k = await hub.wait_kernel("alice", alice.id, lambda s: "active" in (s["waiting"] or ""),
+                                  "alice told why she waits")
+        assert k["waiting"].endswith("GPU 0 is full; the other kernel on it is active"), k["waiting"]
+        assert (await hub.kernel_status("alice", alice.id))["state"] == "released"
+        await asyncio.sleep(0)  # the polls go on; bob stays resident through them:
+        waits = (await admin_view(hub))["waits"]
+        assert [w["why"] for w in waits if w["kernel"] == alice.id] == [
+            "GPU 0 is full; the other kernel on it is active"]
+        assert (await hub.kernel_status("bob", bob.id))["state"] == "active"
+        alice.send("", msg_type="interrupt_request", channel="control")
+        out = await alice.wait(cell)
+        assert out["status"] == "error" and "interrupted while waiting" in str(out["error"])
+        bob.send("", msg_type="interrupt_request", channel="control")
+        await bob.wait(busy)
+        assert (await hub.kernel_status("bob", bob.id))["releases"] == 0
+    finally:
+        await shut(alice, bob)
+
+
+async def test_shares_decide_who_is_released(servers):
+    hub = servers
+    alice = await released_kernel(hub, "alice", 256, "a")
+    carol = await holding_kernel(hub, "carol", 160, "c")  # within her 256 MiB share, idle longest
+    bob = await holding_kernel(hub, "bob", 160, "b")  # no share: over it
+    try:
+        await idle_for(hub, "bob", bob, 2.5)
+        await idle_for(hub, "carol", carol, 2.5)
+        await alice.run(intact("a"), timeout=60)  # needs 256 MiB, 192 MiB free: one must go
+        assert (await hub.kernel_status("bob", bob.id))["state"] == "released"
+        assert resident(await hub.kernel_status("carol", carol.id))
+        # now bob (over his share) needs room; alice works; carol is within hers: he waits
+        busy = alice.send("simgpu.burn(120, device=0)")
+        await hub.wait_kernel("alice", alice.id, lambda s: s["execution_state"] == "busy", "alice busy")
+        cell = bob.send(intact("b"))
+        k = await hub.wait_kernel("bob", bob.id, lambda s: "share" in (s["waiting"] or ""), "bob told why")
+        assert "within its owner's share" in k["waiting"], k["waiting"]
+        assert resident(await hub.kernel_status("carol", carol.id))
+        _, me = await hub.service("api/me", token=await hub.token_for("carol"))
+        assert me["share"] == "256.0 MiB per gpu (carol)" and me["over_share"] is False
+        hub_part = await until(lambda: hub.gpushare("carol", "status"),
+                               lambda r: r[1]["hub"]["usage"][0]["bytes"], "carol's usage")
+        assert hub_part[1]["hub"]["share"] == "256.0 MiB per gpu (carol)"
+        assert hub_part[1]["hub"]["usage"] == [{"index": 0, "bytes": 160 * MiB, "guaranteed": 256 * MiB}]
+        shown = " ".join((await carol.run("%gpushare"))["text"].split())  # %gpushare says so too
+        assert "your share 256.0 MiB per gpu (carol)" in shown
+        assert "your GPU 0 memory 160.0 MiB of 256.0 MiB guaranteed (all your servers)" in shown
+        bob.send("", msg_type="interrupt_request", channel="control")
+        assert (await bob.wait(cell))["status"] == "error"
+        alice.send("", msg_type="interrupt_request", channel="control")
+        await alice.wait(busy)
+    finally:
+        await shut(alice, bob, carol)
+
+
+async def test_when_the_push_cannot_reach_the_service_the_poll_makes_room(servers):
+    hub = servers
+    await hub.start_server("dave")
+    _, status = await hub.gpushare("dave", "status")
+    assert status["hub"]["connected"] is False  # dave's server cannot reach the service
+    dave = await released_kernel(hub, "dave", BIG, "d")
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    try:
+        await idle_for(hub, "bob", bob, 1.5)
+        out = await dave.run(intact("d"), timeout=60)
+        assert "intact" in out["text"]
+        action = next(r for r in (await admin_view(hub))["recent"] if r["kernel"] == bob.id)
+        assert action["trigger"] == "poll" and action["for"] == "dave"
+    finally:
+        await shut(dave, bob)
+        await hub.stop_server("dave")
+
+
+CROSS_USER = """
+import json, os, socket, urllib.request
+token = os.environ["JUPYTERHUB_API_TOKEN"]  # this server's own token: kernels inherit it
+def call(url, body=None):
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={{"Authorization": "token " + token}},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, None
+service = {service!r}
+print("waiting", call(service + "api/waiting", {{"server": "", "kernels": [{bob!r}]}}))
+print("status", call(service + "api/status")[0])
+print("actions", call(service + "api/actions", {{"user": "bob", "server": "", "kernel": {bob!r},
+                                                  "action": "release"}})[0])
+print("proxy", call({proxy!r} + "/user/bob/api/gpushare/status")[0])
+replies = []
+for path in {sockets!r}:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(json.dumps({{"id": 0, "op": "hello", "kernel_id": {bob!r}}}).encode() + b"\\n")
+    replies.append(s.makefile().readline())
+    s.close()
+print("sockets", replies)
+"""
+
+
+async def test_one_user_cannot_read_or_act_on_anothers_kernels(servers):
+    hub = servers
+    bob = await holding_kernel(hub, "bob", 256, "b")
+    alice = await hub.kernel("alice")
+    try:
+        await idle_for(hub, "bob", bob, 1.5)  # releasable, were anyone allowed to
+        alice_token = await hub.token_for("alice")
+        # through the hub's proxy, with alice's own token
+        for method, path in (("GET", "status"), ("POST", f"kernels/{bob.id}/release"),
+                             ("PUT", f"kernels/{bob.id}/pin")):
+            code, _ = await hub.gpushare("bob", path, method, token=alice_token, ok=False,
+                                         body={"pinned": True} if method == "PUT" else None)
+            assert code == 403, (method, path, code)
+        # the service, with alice's token: not an admin, and no access to the service
+        for method, path in (("GET", "api/status"), ("POST", "api/actions"), ("GET", "metrics")):
+            code, _ = await hub.service(path, method, token=alice_token, ok=False, body={} if method == "POST" else None)
+            assert code == 403, (method, path, code)
+        # from inside alice's kernel, with her server's token (which may call the service),
+        # and on bob's agent socket
+        sockets = glob.glob(str(hub.dir / "home" / "bob" / ".local/share/jupyter/runtime/gpushare-*.sock"))
+        assert sockets, "bob's agent socket"
+        code = CROSS_USER.format(service=f"http://127.0.0.1:{hub.service_port}/services/gpushare/",
+                                 proxy=hub.url, bob=bob.id, sockets=sockets)
+        out = (await alice.run(code, timeout=60))["text"]
+        lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+        waiting = eval(lines["waiting"])  # (status, body)
+        assert waiting[0] == 200 and waiting[1]["released"] == []  # a push names only its own
+        assert (lines["status"], lines["actions"], lines["proxy"]) == ("403", "403", "403")
+        replies = [json.loads(r) for r in eval(lines["sockets"])]
+        assert replies and all(r["ok"] is False and "refused" in r["error"] for r in replies), replies
+        k = await hub.kernel_status("bob", bob.id)
+        assert resident(k) and k["pinned"] is False
+    finally:
+        await shut(alice, bob)
+
+
+async def test_the_service_keeps_working_when_servers_stop_restart_or_answer_garbage(servers):
+    hub = servers
+    admin = await hub.token_for("admin")
+    await hub.start_server("mallory")  # answers garbage at every path
+
+    async def view_has(check, what):
+        deadline = time.monotonic() + 30
+        while True:
+            v = await admin_view(hub)
+            users = {u["name"]: u for u in v["users"]}
+            if check(users):
+                return v
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: {users}")
+            await asyncio.sleep(0.2)
+
+    v = await view_has(lambda u: "mallory" in u and u["mallory"]["servers"][0]["error"], "mallory's error")
+    assert "not JSON" in {u["name"]: u for u in v["users"]}["mallory"]["servers"][0]["error"]
+    await hub.stop_server("bob")
+    await view_has(lambda u: "bob" not in u and "alice" in u, "bob gone, alice kept")
+    await hub.start_server("bob")
+    await view_has(lambda u: "bob" in u and not u["bob"]["servers"][0]["error"], "bob back")
+    assert await hub.metric("gpushare_hub_servers", 'state="error"') == 1  # mallory only
+    _, text = await hub.service("metrics", token=admin)
+    assert "gpushare_hub_gpu_memory_total_bytes" in text
+    # and it still makes room: a push right after all that
+    alice = await released_kernel(hub, "alice", BIG, "a")
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    try:
+        await idle_for(hub, "bob", bob, 1.5)
+        assert "intact" in (await alice.run(intact("a"), timeout=60))["text"]
+    finally:
+        await shut(alice, bob)
+        await hub.stop_server("mallory")
+
+
+def _chromium() -> str:
+    path = os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium")
+    return path if os.path.exists(path) else ""
+
+
+@pytest.mark.skipif(not _chromium(), reason="no Chromium (apt-get install chromium)")
+def test_the_admin_page_renders_for_admins_only_and_its_release_button_works(hub):
+    playwright = pytest.importorskip("playwright.sync_api")
+    from .hubharness import PASSWORD
+
+    async def bobs_kernel():
+        k = await holding_kernel(hub, "bob", 64, "b")
+        await idle_for(hub, "bob", k, 0.5)
+        return k
+
+    loop = asyncio.new_event_loop()  # one loop for the kernel's websocket, start to end
+    bob = loop.run_until_complete(bobs_kernel())
+    shots = Path(__file__).parent / "ui-tests" / "artifacts"
+    shots.mkdir(parents=True, exist_ok=True)
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=_chromium(),
+                                        args=["--no-sandbox", "--disable-gpu"])
+
+            def login(user):
+                page = browser.new_context().new_page()
+                page.goto(f"{hub.url}/hub/login?next=/services/gpushare/")
+                page.fill("#username_input", user)
+                page.fill("#password_input", PASSWORD)
+                page.click("#login_submit")
+                page.wait_for_load_state("load")
+                return page
+
+            page = login("admin")
+            page.wait_for_selector("body[data-loaded='true']", timeout=60_000)
+            gpu = page.locator(".gpu").first
+            assert "SIM-" in gpu.locator(".uuid").inner_text()
+            assert "held by kernels" in gpu.inner_text() and gpu.locator("svg.chart").count() == 1
+            for user in ("alice", "bob", "carol"):
+                assert page.locator(f".user[data-user='{user}']").count() == 1
+            row = page.locator(f"tr[data-kernel='{bob.id}']")
+            row.wait_for(timeout=30_000)
+            page.screenshot(path=str(shots / "hub-admin-page.png"), full_page=True)
+            row.get_by_role("button", name="Release").click()  # cookie + XSRF token
+
+            deadline = time.monotonic() + 60  # (playwright's loop runs here: ask synchronously)
+            while hub.kernel_status_now("bob", bob.id)["state"] != "released":
+                assert time.monotonic() < deadline, "the admin page's Release did not release"
+                page.wait_for_timeout(100)
+            other = login("alice")
+            assert "403" in other.content() and "for JupyterHub admins" in other.content()
+            browser.close()
+    finally:
+        loop.run_until_complete(bob.shutdown())
+        loop.close()
