@@ -98,6 +98,10 @@ class CellRecord:
         return self.start - self.arrival
 
 
+# what happened to a kernel, for whoever records it (e.g. an export in the history's shape)
+Observer = Callable[[float, "Kernel", str, dict], None]
+
+
 @dataclass
 class Counters:
     oom_failures: int = 0
@@ -113,8 +117,10 @@ class Counters:
 
 class Simulation:
     def __init__(self, workload: Workload, policy: Policy, gpu_bytes: int, gpus_per_node: int,
-                 transfer: TransferModel, nodes: int = 1, bin_seconds: float = 600.0):
+                 transfer: TransferModel, nodes: int = 1, bin_seconds: float = 600.0,
+                 observer: Observer | None = None):
         self.workload = workload
+        self.observer = observer
         self.policy = policy
         self.transfer = transfer
         self.duration = workload.duration
@@ -201,8 +207,13 @@ class Simulation:
         self.node.run(self.now, k.gpu, w.cell.duration, w.cell.utilization,
                       lambda t: self._end_cell(k, rec, t))
 
+    def note(self, k: Kernel, what: str, **data: object) -> None:
+        if self.observer is not None:
+            self.observer(self.now, k, what, data)
+
     def _end_cell(self, k: Kernel, rec: CellRecord, t: float) -> None:
         rec.end = t
+        self.note(k, "cell", start=rec.start, end=t, utilization=rec.utilization)
         k.busy = False
         k.last_activity = t
         k.compute_since_start += rec.duration
@@ -235,11 +246,13 @@ class Simulation:
         elif k.state in (RELEASED, CULLED):
             self._reclaim(-k.nbytes)
         k.state = ENDED
+        self.note(k, "ended")
         self.policy.on_memory_freed(self, k.gpu)
 
     # -- memory -----------------------------------------------------------------------------------
     def _allocate(self, k: Kernel) -> None:
         self.node.allocate(self.now, k.gpu, k.nbytes)
+        self.note(k, "memory", nbytes=k.nbytes)
         used = self.node.gpus[k.gpu].used
         if used > self.counters.peak_used.get(k.gpu, 0):
             self.counters.peak_used[k.gpu] = used
@@ -247,6 +260,7 @@ class Simulation:
 
     def _free(self, k: Kernel) -> None:
         self.node.release(self.now, k.gpu, k.nbytes)
+        self.note(k, "memory", nbytes=0)
 
     def _reclaim(self, delta: int) -> None:
         self._reclaimed_bytes += delta
@@ -258,6 +272,7 @@ class Simulation:
         if k.state != RESIDENT or k.busy:
             return False
         k.state = RELEASING
+        started = self.now
         key = reason_kind(reason)
         self.counters.release_reasons[key] = self.counters.release_reasons.get(key, 0) + 1
 
@@ -266,6 +281,7 @@ class Simulation:
             self._reclaim(k.nbytes)
             k.state = RELEASED
             self.counters.releases += 1
+            self.note(k, "released", seconds=self.now - started, reason=reason)
             self.policy.on_memory_freed(self, k.gpu)
             if then is not None:
                 then()
@@ -288,6 +304,7 @@ class Simulation:
             k.state = RESIDENT
             k.last_activity = self.now  # the controller counts a restore as activity
             self.counters.restores += 1
+            self.note(k, "restored", seconds=seconds)
             self._start_cell(k)
 
         self.schedule(self.now + seconds, restored)

@@ -227,6 +227,7 @@ class GPUShare(Policy):
         waiting = self.waiting.setdefault(k.gpu, [])
         if k not in waiting:
             waiting.append(k)
+            sim.note(k, "restore_waiting", free=free)
 
     def _release_in_turn(self, sim: Simulation, plan: list[tuple[Kernel, str]], k: Kernel) -> None:
         """The controller awaits each make-room release in turn, then checks for room again."""

@@ -8,7 +8,8 @@ morning, after lunch) or when the kernel's previous session has finished, whiche
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
+from dataclasses import dataclass, field, replace
 
 GiB = 1 << 30
 HOUR = 3600.0
@@ -63,3 +64,29 @@ class Workload:
         keep = set(self.users[:n])
         return Workload(self.duration, tuple(k for k in self.kernels if k.user in keep),
                         self.source, self.users[:n])
+
+
+def with_users(w: Workload, n: int, seed: int = 0, shift: float = 1800.0) -> Workload:
+    """``w`` for ``n`` users: its first ``n``, or, past the ones it has, copies of them.
+
+    Copy ``c`` of user ``u`` is named ``u~c`` and starts a seeded random 0-``shift`` s later
+    (its tail past the trace's end is cut), so copies do not act in lockstep.
+    """
+    if n <= len(w.users):
+        return w.first_users(n)
+    kernels = list(w.kernels)
+    names = list(w.users)
+    by_user: dict[str, list[KernelWork]] = {}
+    for k in w.kernels:
+        by_user.setdefault(k.user, []).append(k)
+    for i in range(len(w.users), n):
+        user = w.users[i % len(w.users)]
+        copy = f"{user}~{i // len(w.users)}"
+        delay = random.Random(f"{seed}:copy:{copy}").uniform(0, shift)
+        names.append(copy)
+        for k in by_user.get(user, []):
+            sessions = tuple(replace(s, start=s.start + delay) for s in k.sessions)
+            end = None if k.shutdown_at is None else k.shutdown_at + delay
+            kernels.append(KernelWork(f"{k.kernel_id}~{i // len(w.users)}", copy, k.gpu_bytes,
+                                      sessions, end))
+    return Workload(w.duration, tuple(kernels), w.source, tuple(names))
