@@ -1,4 +1,4 @@
-"""`jupyter gpushare ...`: demo and doctor."""
+"""`jupyter gpushare ...`: demo, doctor and simulate."""
 
 from __future__ import annotations
 
@@ -65,11 +65,18 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--no-browser", action="store_true")
     doc = sub.add_parser("doctor", help="what this machine supports and which method will be used")
     doc.add_argument("rest", nargs=argparse.REMAINDER)
+    sim = sub.add_parser("simulate", add_help=False,
+                         help="compare sharing policies on a simulated node: how many users fit")
+    sim.add_argument("rest", nargs=argparse.REMAINDER)
     args, extra = parser.parse_known_args(argv)
     if args.command == "doctor":
         from . import doctor
 
         return doctor.main(args.rest)
+    if args.command == "simulate":
+        from .simulate.cli import main as simulate
+
+        return simulate(args.rest + extra)
     return demo(args, extra)
 
 

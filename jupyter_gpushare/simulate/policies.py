@@ -139,7 +139,9 @@ class GPUShare(Policy):
         now = sim.now
         window = self.config.idle_timeout  # no per-kernel overrides in these workloads
         since = now - max(window, 1.0)
-        utilization = k.last_gpu_utilization if k.last_gpu_end >= since else 0.0
+        # the GPU use leaves the window once it is a full window old: the check on_idle
+        # schedules at that moment then sees the kernel quiet
+        utilization = k.last_gpu_utilization if k.last_gpu_end > since else 0.0
         if k.busy:
             utilization = max(utilization, k.running_utilization)
         resident = k.state == RESIDENT
