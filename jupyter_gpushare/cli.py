@@ -53,6 +53,11 @@ def demo(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # its options are its own: hand them over untouched
+        from .simulate.cli import main as simulate
+
+        return simulate(argv[1:])
     parser = argparse.ArgumentParser(prog="jupyter gpushare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="JupyterLab with the extension, on the real GPUs or a simulated node")
@@ -65,18 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--no-browser", action="store_true")
     doc = sub.add_parser("doctor", help="what this machine supports and which method will be used")
     doc.add_argument("rest", nargs=argparse.REMAINDER)
-    sim = sub.add_parser("simulate", add_help=False,
-                         help="compare sharing policies on a simulated node: how many users fit")
-    sim.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("simulate", help="compare sharing policies on a simulated node: how many users fit")
     args, extra = parser.parse_known_args(argv)
     if args.command == "doctor":
         from . import doctor
 
         return doctor.main(args.rest)
-    if args.command == "simulate":
-        from .simulate.cli import main as simulate
-
-        return simulate(args.rest + extra)
     return demo(args, extra)
 
 

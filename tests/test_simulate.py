@@ -9,9 +9,10 @@ from dataclasses import replace
 
 import pytest
 
+from jupyter_gpushare.cli import main
 from jupyter_gpushare.policy import PolicyConfig
 from jupyter_gpushare.simulate.capacity import run
-from jupyter_gpushare.simulate.cli import EXAMPLE, main
+from jupyter_gpushare.simulate.cli import EXAMPLE
 from jupyter_gpushare.simulate.engine import Simulation
 from jupyter_gpushare.simulate.figures import figures
 from jupyter_gpushare.simulate.generator import generate
@@ -255,7 +256,7 @@ def test_replay_rebuilds_cells_from_samples_and_restores(tmp_path):
 # -- the command line ------------------------------------------------------------------------------
 
 def test_quick_run_writes_every_policy_for_both_traces(tmp_path, capsys):
-    assert main(["--quick", "--out", str(tmp_path)]) == 0
+    assert main(["simulate", "--quick", "--out", str(tmp_path)]) == 0  # as `jupyter gpushare`
     out = capsys.readouterr().out
     assert "most users per GPU" in out and "goal (" in out
     doc = json.loads((tmp_path / "simulate.json").read_text())

@@ -55,7 +55,8 @@ def trace_statistics(w: Workload) -> dict[str, Any]:
         "kernels": len(w.kernels),
         "cells": sum(len(s.cells) for k in w.kernels for s in k.sessions),
         "barely_computing_memory_time_pct": 100.0 * barely / held if held else 0.0,
-        "train_session_idle_pct": 100.0 * (1 - train_busy / train_span) if train_span else 0.0,
+        # a replay does not know which sessions were training: None, not 0
+        "train_session_idle_pct": 100.0 * (1 - train_busy / train_span) if train_span else None,
         "kernel_lifetime_gpu_idle_pct": 100.0 * (1 - busy_total / life_total) if life_total else 0.0,
         "mean_kernel_gib": sum(k.gpu_bytes for k in w.kernels) / max(1, len(w.kernels)) / (1 << 30),
     }

@@ -29,7 +29,8 @@ def _s(v: float) -> str:
 
 
 def statistics_table(stats: dict[str, Any]) -> str:
-    rows = [[PUBLISHED[k][0], PUBLISHED[k][1], f"{stats[k]:.0f}"] for k in PUBLISHED if k in stats]
+    rows = [[PUBLISHED[k][0], PUBLISHED[k][1], "n/a" if stats.get(k) is None else f"{stats[k]:.0f}"]
+            for k in PUBLISHED]
     return table(["published figure", "target %", "this trace %"], rows)
 
 
