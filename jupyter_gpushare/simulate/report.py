@@ -77,9 +77,9 @@ def goal(capacity: dict[str, dict[str, Any]], bound: float) -> dict[str, Any]:
     g = capacity.get("gpushare")
     if not g or not base:
         return {"checked": False}
-    f = g["figures"] or {}
+    f = g["figures"] or {}  # None: no user count was served at all
     ratio = g["users_per_gpu"] / base
-    met = ratio >= 3.0 and bound <= 1.0 and f.get("work_lost_gpu_hours", 1.0) == 0.0
+    met = ratio >= 3.0 and bound <= 1.0 and f.get("work_lost_gpu_hours") == 0.0
     return {"checked": True, "met": met, "ratio": ratio, "delay_bound_s": bound,
             "work_lost_gpu_hours": f.get("work_lost_gpu_hours")}
 
@@ -88,9 +88,10 @@ def goal_line(g: dict[str, Any]) -> str:
     if not g.get("checked"):
         return "goal (>= 3x users per GPU over exclusive, p99 <= 1 s, no work lost): not checked"
     verdict = "met" if g["met"] else "NOT met"
+    lost = g["work_lost_gpu_hours"]
     return (f"goal (>= 3x users per GPU over exclusive, p99 cell delay <= 1 s, no work lost): "
             f"{verdict}: gpushare serves {g['ratio']:.2f}x exclusive's users per GPU with p99 <= "
-            f"{g['delay_bound_s']:g} s and {g['work_lost_gpu_hours']:.1f} GPU-h of work lost")
+            f"{g['delay_bound_s']:g} s" + ("" if lost is None else f" and {lost:.1f} GPU-h of work lost"))
 
 
 def plot(f: dict[str, Any], title: str, path: Path) -> str | None:
