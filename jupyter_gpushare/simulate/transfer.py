@@ -13,8 +13,9 @@
 ``sim``
     This project's own simulated release/restore (``benchmarks/sim_release_restore.py``,
     figures in benchmarks/README.md: 1 GiB restored in 0.18 s and 12 GiB in 3.02 s, released
-    in 0.36 s and 3.32 s), fitted as a line through those two points: a host-memory copy,
-    about 4 GB/s, so an upper bound for what a GPU would take.
+    in 0.36 s and 3.32 s), fitted as a line through those two points (the restore line's
+    overhead comes out at -0.08 s and is taken as 0): a host-memory copy, about 4 GB/s, so
+    an upper bound for what a GPU would take.
 
 Any other pair of numbers: ``--restore-overhead``, ``--restore-bandwidth`` and the release
 ones on the command line.
