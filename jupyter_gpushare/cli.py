@@ -1,4 +1,4 @@
-"""`jupyter gpushare COMMAND`: the demo and the doctor.
+"""`jupyter gpushare COMMAND`: the demo, the doctor and the simulator.
 
 Each command has its own help (`jupyter gpushare demo --help`); options a command does not
 know are refused with a message, never ignored.
@@ -21,7 +21,8 @@ restores it on the next cell. These commands try it and check a machine for it."
 EPILOG = """\
 run `jupyter gpushare COMMAND --help` for a command's options. examples:
   jupyter gpushare demo                 JupyterLab with the extension (simulated GPUs if none)
-  jupyter gpushare doctor               what this machine supports, what the server will use"""
+  jupyter gpushare doctor               what this machine supports, what the server will use
+  jupyter gpushare simulate --quick     how many users fit on a GPU under each sharing policy"""
 
 DEMO_DESCRIPTION = """\
 Start JupyterLab with jupyter-gpushare on this machine's GPUs or, where there is none, on a
@@ -134,6 +135,11 @@ def demo(args: argparse.Namespace, lab_args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # its options are its own: hand them over untouched
+        from .simulate.cli import main as simulate
+
+        return simulate(argv[1:])
     from . import doctor
 
     parser = argparse.ArgumentParser(prog="jupyter gpushare", description=DESCRIPTION, epilog=EPILOG,
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     doctor_parser = sub.add_parser(
         "doctor", help="what this machine supports and which backend and method the server uses")
     doctor.add_arguments(doctor_parser)
+    sub.add_parser("simulate", help="compare sharing policies on a simulated node: how many "
+                   "users fit (`jupyter gpushare simulate --help`)")
     args, extra = parser.parse_known_args(argv)
     if args.command == "doctor":
         if extra:

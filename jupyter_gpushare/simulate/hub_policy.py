@@ -7,8 +7,7 @@ room from other people's kernels on that GPU by calling
 plus fair shares from :mod:`jupyter_gpushare.fairshare`), with candidates built as
 ``GPUShare.candidate`` builds them. The releases then run in turn, as the service's do.
 
-Register it in ``settings.POLICIES`` as
-``"gpushare-hub": lambda s: GPUShareHub(s.config, s.poll_interval, s.seed)``.
+Registered in ``settings.POLICIES`` as ``gpushare-hub``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,62 @@
+"""Statistics of a workload, next to the published figures the generator is calibrated to.
+
+Computed from the workload alone, as if every kernel held its memory from its first cell to
+its shutdown (or the end of the trace) and ran its cells back to back at full speed: what
+the published traces measure (GPUs reserved, and how much of that time they compute).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .workload import Workload
+
+BARELY = 0.05  # a kernel busy on the GPU less than this share of its life "barely computes"
+
+PUBLISHED = {
+    "barely_computing_memory_time_pct": (
+        "Alibaba PAI 2020 (NSDI'22): about half of GPU memory-time is held by jobs that barely compute",
+        "about 50"),
+    "train_session_idle_pct": (
+        "Microsoft Philly (ATC'19): jobs sit fully idle 25-51 % of the time", "25-51"),
+    "kernel_lifetime_gpu_idle_pct": (
+        "NotebookOS / Adobe (ASPLOS'26): notebook sessions leave their GPUs unused most of their lifetime",
+        "most (> 50)"),
+}
+
+
+def trace_statistics(w: Workload) -> dict[str, Any]:
+    held = barely = life_total = busy_total = 0.0
+    train_span = train_busy = 0.0
+    for k in w.kernels:
+        start = k.first_start
+        t = start
+        busy = 0.0
+        for s in k.sessions:
+            t = max(t, s.start)
+            session_start, session_busy = t, 0.0
+            for c in s.cells:
+                t += c.gap + c.duration
+                if c.utilization > 0:
+                    session_busy += c.duration
+            busy += session_busy
+            if s.kind == "train":
+                train_span += t - session_start
+                train_busy += session_busy
+        end = min(w.duration, max(t, k.shutdown_at if k.shutdown_at is not None else w.duration))
+        life = max(end - start, 1.0)
+        held += k.gpu_bytes * life
+        life_total += life
+        busy_total += min(busy, life)
+        if busy / life < BARELY:
+            barely += k.gpu_bytes * life
+    return {
+        "users": len(w.users),
+        "kernels": len(w.kernels),
+        "cells": sum(len(s.cells) for k in w.kernels for s in k.sessions),
+        "barely_computing_memory_time_pct": 100.0 * barely / held if held else 0.0,
+        # a replay does not know which sessions were training: None, not 0
+        "train_session_idle_pct": 100.0 * (1 - train_busy / train_span) if train_span else None,
+        "kernel_lifetime_gpu_idle_pct": 100.0 * (1 - busy_total / life_total) if life_total else 0.0,
+        "mean_kernel_gib": sum(k.gpu_bytes for k in w.kernels) / max(1, len(w.kernels)) / (1 << 30),
+    }

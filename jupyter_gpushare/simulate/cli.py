@@ -1,0 +1,191 @@
+"""``jupyter gpushare simulate``: compare sharing policies on a workload, print and save it.
+
+Without ``--replay``: the synthetic default workload and the shipped example replay. With
+``--replay PATH`` (repeatable): an exported history of your own installation instead (a
+directory of ``NAME.history.json`` and ``NAME.events.jsonl`` files; see docs/admin-guide.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from ..policy import PolicyConfig
+from . import report
+from .calibration import trace_statistics
+from .capacity import most_users, run
+from .generator import generate
+from .replay import read_replay
+from .settings import POLICIES, Settings
+from .transfer import GB, PRESETS, TransferModel
+from .workload import Workload, with_users
+
+EXAMPLE = Path(__file__).parent / "example_trace"
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="jupyter gpushare simulate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="a smaller default workload (4 GPUs, 2 days) and search: under a minute")
+    ap.add_argument("--replay", action="append", metavar="PATH",
+                    help="an exported history to replay instead of the default workload and example")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help=f"comma-separated, of: {', '.join(POLICIES)} (default: all)")
+    node = ap.add_argument_group("the node")
+    node.add_argument("--gpus", type=int, help="GPUs per node (default 8; a replay's trace.json may say)")
+    node.add_argument("--gpu-gib", type=float, help="GiB per GPU (default 80)")
+    node.add_argument("--nodes", type=int, default=1)
+    load = ap.add_argument_group("the synthetic workload")
+    load.add_argument("--users-per-gpu", type=float, default=3.0,
+                      help="load of the side-by-side table (default 3, the goal's)")
+    load.add_argument("--days", type=int, default=5, help="from a Monday; weekdays work (default 5)")
+    load.add_argument("--seed", type=int, default=0)
+    search = ap.add_argument_group("users per GPU")
+    search.add_argument("--delay-bound", type=float, default=1.0,
+                        help="p99 cell delay (s) within which users count as served (default 1)")
+    search.add_argument("--max-users-per-gpu", type=int, default=12)
+    search.add_argument("--no-capacity", action="store_true", help="only the side-by-side table")
+    gs = ap.add_argument_group("the gpushare policy (the product's options, same defaults)")
+    defaults = PolicyConfig()
+    gs.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout)
+    gs.add_argument("--idle-utilization", type=float, default=defaults.idle_utilization)
+    gs.add_argument("--min-release-bytes", type=int, default=defaults.min_release_bytes)
+    gs.add_argument("--pressure-free-fraction", type=float, default=defaults.pressure_free_fraction)
+    gs.add_argument("--pressure-idle-timeout", type=float, default=defaults.pressure_idle_timeout)
+    gs.add_argument("--poll-interval", type=float, default=2.0)
+    tm = ap.add_argument_group("release / restore time: overhead + bytes / bandwidth")
+    tm.add_argument("--restore-model", choices=sorted(PRESETS), default="h100",
+                    help="h100: published cuda-checkpoint figures and PCIe Gen5; sim: this "
+                         "project's simulated release/restore benchmark (default h100)")
+    tm.add_argument("--restore-overhead", type=float, help="s (overrides the model's)")
+    tm.add_argument("--restore-bandwidth", type=float, help="GB/s (overrides the model's)")
+    tm.add_argument("--release-overhead", type=float, help="s (overrides the model's)")
+    tm.add_argument("--release-bandwidth", type=float, help="GB/s (overrides the model's)")
+    cull = ap.add_argument_group("the cull policy")
+    cull.add_argument("--cull-after", type=float, default=3600.0, help="s idle (default 3600)")
+    cull.add_argument("--cull-interval", type=float, default=300.0, help="s (jupyter_server's default)")
+    out = ap.add_argument_group("output")
+    out.add_argument("--out", default="gpushare-simulate",
+                     help="directory for simulate.json and the PNGs (default ./gpushare-simulate)")
+    out.add_argument("--no-png", action="store_true")
+    return ap
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    model = PRESETS[args.restore_model]
+    transfer = TransferModel(
+        model.name if all(v is None for v in (args.restore_overhead, args.restore_bandwidth,
+                                              args.release_overhead, args.release_bandwidth)) else "custom",
+        model.release_overhead if args.release_overhead is None else args.release_overhead,
+        model.release_bandwidth if args.release_bandwidth is None else args.release_bandwidth * GB,
+        model.restore_overhead if args.restore_overhead is None else args.restore_overhead,
+        model.restore_bandwidth if args.restore_bandwidth is None else args.restore_bandwidth * GB,
+    )
+    config = PolicyConfig(idle_timeout=args.idle_timeout, idle_utilization=args.idle_utilization,
+                          min_release_bytes=args.min_release_bytes,
+                          pressure_free_fraction=args.pressure_free_fraction,
+                          pressure_idle_timeout=args.pressure_idle_timeout)
+    return Settings(gpus=args.gpus or (4 if args.quick else 8), gpu_gib=args.gpu_gib or 80.0,
+                    nodes=args.nodes, transfer=transfer, config=config,
+                    poll_interval=args.poll_interval, cull_after=args.cull_after,
+                    cull_interval=args.cull_interval, delay_bound=args.delay_bound,
+                    max_users_per_gpu=min(args.max_users_per_gpu, 8) if args.quick else args.max_users_per_gpu,
+                    seed=args.seed)
+
+
+def compare(name: str, source: str, workload_for: Any, reference_users: int, s: Settings,
+            policies: list[str], capacity: bool, stats: dict[str, Any],
+            recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every policy on the same workload, and (optionally) each one's most users per GPU."""
+    reference = {p: run(workload_for(reference_users), p, s, series=True) for p in policies}
+    result: dict[str, Any] = {
+        "name": name, "source": source,
+        "node": {"nodes": s.nodes, "gpus_per_node": s.gpus, "gpu_gib": s.gpu_gib},
+        "reference_users": reference_users, "statistics": stats, "reference": reference,
+    }
+    if recorded is not None:
+        result["recorded_events"] = recorded
+    if capacity:
+        result["capacity"] = {p: most_users(p, workload_for, s) for p in policies}
+        result["goal"] = report.goal(result["capacity"], s.delay_bound)
+    return result
+
+
+def print_result(r: dict[str, Any], s: Settings) -> None:
+    node = r["node"]
+    print(f"\n== {r['name']}: {r['source']}")
+    print(f"node: {node['nodes']} x {node['gpus_per_node']} GPUs of {node['gpu_gib']:g} GiB; "
+          f"{s.transfer.describe()}")
+    if r["statistics"]:
+        print("\nthe workload against the published figures the generator is calibrated to:")
+        print(report.statistics_table(r["statistics"]))
+    print(f"\nsame workload, {r['reference_users']} users, every policy "
+          f"(exclusive: one GPU each; the others: {node['nodes'] * node['gpus_per_node']} GPUs):")
+    print(report.same_load_table(r["reference"]))
+    if "recorded_events" in r and "gpushare" in r["reference"]:
+        rec, sim = r["recorded_events"], r["reference"]["gpushare"]
+        print(f"recorded in the trace: {rec['releases']} releases, {rec['restores']} restores; "
+              f"simulated gpushare: {sim['releases']} releases, {sim['restores']} restores")
+    if "capacity" in r:
+        print(f"\nmost users per GPU with no out-of-memory failure and p99 cell delay <= "
+              f"{s.delay_bound:g} s (+ = the search's cap):")
+        print(report.capacity_table(r["capacity"]))
+        print(report.goal_line(r["goal"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()  # how long the tool ran, for the person; never the model's clock
+    args = parser().parse_args(argv)
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        parser().error(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    base = settings_from(args)
+    results = []
+    if not args.replay:
+        days = 2 if args.quick else args.days
+        most = base.max_users_per_gpu * base.total_gpus
+        synthetic = generate(most, days=days, seed=base.seed, gpu_gib=base.gpu_gib)
+        reference = max(1, round(args.users_per_gpu * base.total_gpus))
+        source = f"synthetic: {days} days from a Monday, seed {base.seed} (generator.py)"
+        results.append(compare("default workload", source, synthetic.first_users, reference, base,
+                               policies, not args.no_capacity,
+                               trace_statistics(synthetic.first_users(reference))))
+    for path in args.replay or [str(EXAMPLE)]:
+        rep = read_replay(path)
+        s = replace(base, gpus=args.gpus or int(rep.node.get("gpus", base.gpus)),
+                    gpu_gib=args.gpu_gib or float(rep.node.get("gpu_gib", base.gpu_gib)))
+        w: Workload = rep.workload
+        name = "example replay" if Path(path) == EXAMPLE else f"replay {path}"
+        results.append(compare(name, w.source, lambda n, w=w, seed=s.seed: with_users(w, n, seed),
+                               len(w.users), s, policies, not args.no_capacity,
+                               trace_statistics(w), rep.recorded))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = []
+    for r in results:
+        print_result(r, base)
+        if args.no_png:
+            continue
+        for policy, f in r["reference"].items():
+            png = out / f"{r['name'].replace(' ', '-')}-{policy}.png"
+            title = (f"{r['name']}, {policy}: {f['users']} users on {f['gpus']} GPUs of "
+                     f"{f['gpu_gib']:g} GiB - allocation vs utilization")
+            note = report.plot(f, title, png)
+            if note:
+                notes.append(note)
+                break
+    elapsed = time.perf_counter() - started
+    document = {"settings": {**{k: v for k, v in vars(args).items()}, "transfer": base.transfer.describe()},
+                "traces": results, "runtime_s": round(elapsed, 1)}
+    (out / "simulate.json").write_text(json.dumps(document, indent=1) + "\n")
+    for note in dict.fromkeys(notes):
+        print(f"\n{note}")
+    print(f"\nfigures: {out / 'simulate.json'}" + ("" if args.no_png or notes else f"; PNGs in {out}/")
+          + f"; ran in {elapsed:.0f} s")
+    return 0

@@ -1,0 +1,79 @@
+"""The figures of one finished run: what the report prints, the JSON holds and the PNG draws."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import Simulation
+from .workload import HOUR, GiB
+
+DELAYED = 1e-6  # s: a cell that started later than it arrived by more than rounding
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile (0-1) by linear interpolation; 0 for no values."""
+    if not values:
+        return 0.0
+    data = sorted(values)
+    pos = q * (len(data) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
+    """Every figure of the run; ``series`` adds allocation and utilization per time bin."""
+    c = sim.counters
+    gpus = sim.node.gpus
+    capacity = gpus[0].capacity
+    duration = sim.duration
+    # a cell still waiting at the end has waited at least this long: count it, do not hide it
+    delays = [r.delay for r in sim.cells] + [duration - a for a in c.still_waiting]
+    delayed = [d for d in delays if d > DELAYED]
+    stretch = [(r.end - r.start) / r.duration for r in sim.cells
+               if r.end is not None and r.utilization > 0 and r.duration > 0]
+    extra = sum(r.end - r.start - r.duration for r in sim.cells
+                if r.end is not None and r.utilization > 0)
+    held = sum(m.total for m in sim.node.memory)
+    busy = sum(m.total for m in sim.node.sm)
+    out: dict[str, Any] = {
+        "policy": sim.policy.name,
+        "policy_settings": sim.policy.describe(),
+        "users": len(sim.workload.users),
+        "kernels": len(sim.kernels),
+        "gpus": len(gpus),
+        "gpu_gib": capacity / GiB,
+        "hours": duration / HOUR,
+        "users_per_gpu": len(sim.workload.users) / len(gpus),
+        "cells": len(delays),
+        "cells_failed_oom": c.oom_failures,
+        "oom_failures": c.oom_failures,
+        "cells_delayed": len(delayed),
+        "cells_delayed_pct": 100.0 * len(delayed) / max(1, len(delays)),
+        "cells_still_waiting_at_end": len(c.still_waiting),
+        "delay_p50_s": quantile(delayed, 0.50),
+        "delay_p95_s": quantile(delayed, 0.95),
+        "delay_p99_s": quantile(delayed, 0.99),
+        "delay_max_s": max(delayed, default=0.0),
+        "cell_delay_p99_s": quantile(delays, 0.99),  # over all cells: the bound's figure
+        "releases": c.releases,
+        "release_reasons": dict(sorted(c.release_reasons.items())),
+        "restores": c.restores,
+        "culls": c.culls,
+        "restarts": c.restarts,
+        "work_lost_gpu_hours": c.work_lost_seconds / HOUR,
+        "reclaimed_gpu_hours": sim.reclaimed.total / capacity / HOUR,
+        "mean_allocation_pct": 100.0 * held / (len(gpus) * capacity * duration),
+        "mean_sm_utilization_pct": busy / (len(gpus) * duration),
+        "sm_sharing_stretch_p99": quantile(stretch, 0.99) if stretch else 1.0,
+        "sm_sharing_extra_hours": extra / HOUR,
+        "peak_used_pct": 100.0 * max(c.peak_used.values(), default=0) / capacity,
+    }
+    if series:
+        bins = sim.node.memory[0].bin_seconds
+        n = len(gpus)
+        mem = [sum(col) / n / capacity * 100.0 for col in zip(*(m.bin_means() for m in sim.node.memory), strict=True)]
+        sm = [sum(col) / n for col in zip(*(m.bin_means() for m in sim.node.sm), strict=True)]
+        out["series"] = {"bin_seconds": bins, "allocation_pct": [round(v, 3) for v in mem],
+                         "sm_utilization_pct": [round(v, 3) for v in sm]}
+    return out

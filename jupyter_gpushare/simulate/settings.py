@@ -1,0 +1,40 @@
+"""One run's settings, and the policies by name (one more policy = one more entry)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..policy import PolicyConfig
+from .hub_policy import GPUShareHub
+from .policies import Cull, Exclusive, GPUShare, Policy, Static
+from .transfer import PRESETS, TransferModel
+
+
+@dataclass(frozen=True)
+class Settings:
+    gpus: int = 8  # per node
+    gpu_gib: float = 80.0
+    nodes: int = 1
+    transfer: TransferModel = PRESETS["h100"]
+    config: PolicyConfig = field(default_factory=PolicyConfig)  # the product's defaults
+    poll_interval: float = 2.0
+    cull_after: float = 3600.0
+    cull_interval: float = 300.0  # jupyter_server's default
+    delay_bound: float = 1.0  # s: p99 cell delay allowed when counting users per GPU
+    max_users_per_gpu: int = 12
+    seed: int = 0
+    bin_seconds: float = 600.0
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus * self.nodes
+
+
+POLICIES: dict[str, Callable[[Settings], Policy]] = {
+    "exclusive": lambda s: Exclusive(),
+    "static": lambda s: Static(),
+    "cull": lambda s: Cull(s.cull_after, s.cull_interval),
+    "gpushare": lambda s: GPUShare(s.config, s.poll_interval, s.seed),
+    "gpushare-hub": lambda s: GPUShareHub(s.config, s.poll_interval, s.seed),
+}
