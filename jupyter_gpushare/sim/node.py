@@ -240,16 +240,21 @@ class SimNode:
                 spans.extend(b.intervals)
                 if b.open_since is not None:
                     spans.append((b.open_since, until))
-        # union of the clipped spans, so two processes busy at once count once per GPU
-        clipped = sorted((max(s, since), min(e, until)) for s, e in spans if e > since and s < until)
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in clipped:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None and cur_s is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None and cur_s is not None:
-            total += cur_e - cur_s
-        return min(1.0, total / (until - since))
+        return busy_union_fraction(spans, since, until)
+
+
+def busy_union_fraction(spans: list[tuple[float, float]], since: float, until: float) -> float:
+    """Fraction of [since, until] covered by the union of ``spans`` (clipped to it here), so
+    two processes busy at once count once per GPU."""
+    clipped = sorted((max(s, since), min(e, until)) for s, e in spans if e > since and s < until)
+    total, cur_s, cur_e = 0.0, None, None
+    for s, e in clipped:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None and cur_s is not None:
+                total += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None and cur_s is not None:
+        total += cur_e - cur_s
+    return min(1.0, total / (until - since))

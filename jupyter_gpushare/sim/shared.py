@@ -32,7 +32,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .. import clock
-from .node import NodeLedger, SimNode, SimOutOfMemoryError, format_bytes, gpu_uuid
+from .node import (
+    NodeLedger,
+    SimNode,
+    SimOutOfMemoryError,
+    busy_union_fraction,
+    format_bytes,
+    gpu_uuid,
+)
 
 log = logging.getLogger(__name__)
 
@@ -239,8 +246,11 @@ class SharedSimNode:
         if pid is not None:
             sql += " AND pid = ?"
             args += (pid,)
-        spans = [(max(s, since), min(e, until)) for s, e in self._read(sql, args)]
-        return _union_fraction(spans, since, until)
+        return busy_union_fraction(list(self._read(sql, args)), since, until)
+
+
+def _statements() -> list[str]:
+    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
 
 
 def _statements() -> list[str]:
