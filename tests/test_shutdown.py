@@ -60,7 +60,7 @@ async def test_sigterm_with_kernels_in_every_state_exits_cleanly():
         assert "Traceback" not in log, log
         assert "Task was destroyed but it is pending" not in log, log
         assert "(shutdown)" in log  # the kernel with room was restored before the end
-        assert f"at shutdown kernel {no_room.id} stays released" in log
+        assert f"at shutdown kernel {no_room.id} stays released" in log, log
         assert not [f for f in os.listdir(os.path.join(srv.tmp, "rt")) if f.endswith(".sock")]
         _, alive = psutil.wait_procs(kernels, timeout=20)
         assert not alive, [p.pid for p in alive]
