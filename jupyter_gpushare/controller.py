@@ -471,7 +471,8 @@ class Controller:
         c = self.candidate(st, rec, clock.now())
         if not policy.eligible(c, self.config) or self.live_state(kernel_id) == "busy":
             why = ("pinned" if c.pinned else "busy running a cell" if c.busy or self.live_state(kernel_id) == "busy"
-                   else "using the GPU" if c.max_utilization > self.config.idle_utilization
+                   else "using the GPU" if (c.max_utilization if c.pressure_utilization is None
+                                            else c.pressure_utilization) > self.config.idle_utilization
                    else st.release_blocked or "not released automatically (idle timeout 0, too "
                    "small, or no method)")
             raise ControllerError(409, f"kernel is {why}: not released for another user")

@@ -253,25 +253,6 @@ def _statements() -> list[str]:
     return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
 
 
-def _statements() -> list[str]:
-    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
-
-
-def _union_fraction(spans: list[tuple[float, float]], since: float, until: float) -> float:
-    """Fraction of [since, until] covered by the union of ``spans`` (already clipped)."""
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted(spans):
-        if cur_e is None or s > cur_e:
-            if cur_e is not None and cur_s is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None and cur_s is not None:
-        total += cur_e - cur_s
-    return min(1.0, total / (until - since))
-
-
 def open_node(path: str, capacities: tuple[int, ...]) -> NodeLedger:
     """The node a server simulates: shared through ``path``, or private when it is empty."""
     if not path:
