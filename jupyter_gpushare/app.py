@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import os
+import tempfile
 from contextlib import ExitStack, suppress
 from typing import Any
 
@@ -44,6 +45,7 @@ from .events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from .gate import SETTINGS_KEY
 from .handlers import handlers
 from .hostmem import HostRoom
+from .node_locks import NodeLocks
 from .policy import Policy, PolicyConfig
 from .provisioner import LaunchSettings
 from .reclaim import MethodContext, ReclaimMethod
@@ -217,6 +219,17 @@ class GPUShareApp(ExtensionApp):
         top of a kernel's bytes when those came from the kernel's own count (NVML could not
         see its processes, e.g. in a container), since that count leaves the context out.
         Default 512 MiB. 0 = reserve only the counted bytes.""",
+    ).tag(config=True)
+
+    node_lock_dir = Unicode(
+        os.path.join(tempfile.gettempdir(), "jupyter-gpushare-locks"),
+        help="""A directory every Jupyter server on this machine shares, where restores take a
+        lock file per GPU (named by the GPU's UUID), so that restores on different servers
+        (a JupyterHub's users) take turns on a GPU instead of both filling the same free
+        memory. Created mode 1777 when missing; the lock files are mode 0666. Default:
+        jupyter-gpushare-locks in the system's temporary directory. "" = restores take turns
+        only within this server. Not used with a private simulated node (no other server
+        sees it). A lock held longer than 60 s by another server is not waited for.""",
     ).tag(config=True)
 
     kernel_env = Dict(
@@ -460,7 +473,14 @@ class GPUShareApp(ExtensionApp):
             context_bytes=0 if self.node is not None else self.context_bytes,
             live_state=self._live_state,
             clear_progress=not self.keep_restore_progress,
+            node_locks=self._node_locks(),
         )
+
+    def _node_locks(self) -> NodeLocks | None:
+        private_node = self.node is not None and not self.simulated_node
+        if not self.node_lock_dir or private_node:
+            return None
+        return NodeLocks(self.node_lock_dir)
 
     def _hook_in(self, teardown: ExitStack) -> None:
         """The changes outside the extension, each undone by ``teardown``."""

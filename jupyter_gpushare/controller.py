@@ -29,6 +29,7 @@ from typing import Any
 
 from . import clock, metrics, policy
 from .hostmem import HostRoom
+from .node_locks import NodeLocks
 from .reclaim import KernelTarget, ReclaimError, ReclaimMethod
 from .reservations import Grant, Reservations
 from .states import (
@@ -190,6 +191,7 @@ class Controller:
         live_state: Callable[[str], str] | None = None,
         rules: policy.Policy | None = None,
         clear_progress: bool = True,
+        node_locks: NodeLocks | None = None,
     ):
         """
         read_free(gpus): free bytes per GPU read now (None = unknown), off the event loop.
@@ -201,6 +203,7 @@ class Controller:
         rules: the release rules (``c.GPUShareApp.policy_class``); default: ``policy.Policy``.
         clear_progress: take a restore's progress line out of the cell once it succeeded
             (cells that waited at the gate or in the agent: the line is all they hold yet).
+        node_locks: restores also take turns per GPU with other servers on the machine.
         """
         self.tracker = tracker
         self.methods = methods
@@ -221,7 +224,7 @@ class Controller:
         self.context_bytes = context_bytes
         self.live_state = live_state or (lambda kid: "unknown")
         self.states: dict[str, KernelState] = {}
-        self.reservations = Reservations()
+        self.reservations = Reservations(node_locks, uuid_of=self._gpu_uuid)
         self.host_inflight: dict[str, int] = {}  # host-memory scope -> bytes being released
         self.closing = False
         self.agent_timeout = 10.0  # s the agent has to answer whether a release may start
@@ -938,6 +941,10 @@ class Controller:
                           "in host memory until the kernel exits", kid, outcome.message)
 
     # -- plumbing -------------------------------------------------------------------------------
+    def _gpu_uuid(self, gpu: int) -> str | None:
+        rec = self.tracker.gpus.get(gpu)
+        return rec.info.uuid if rec is not None and rec.info.uuid else None
+
     async def _refresh(self) -> None:
         if self.refresh is not None:
             try:

@@ -4,23 +4,28 @@ A restore first takes the lock of every GPU it returns to (in index order, so tw
 never wait on each other crosswise), checks free memory, and only then reserves its bytes
 and moves them. While it moves, everyone else (the policy, make-room, other restores) sees
 the GPU's free memory minus what is reserved, so two restores whose states do not both fit
-can never both pass the room check.
+can never both pass the room check. With node locks (:mod:`.node_locks`), the same holds
+across every Jupyter server on the machine.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
+
+from .node_locks import NodeGrant, NodeLocks
 
 
 class Grant:
     """The GPU locks one restore holds, and the bytes it reserved under them."""
 
-    def __init__(self, ledger: Reservations, gpus: list[int]):
+    def __init__(self, ledger: Reservations, gpus: list[int], node: NodeGrant | None = None):
         self._ledger = ledger
         self.gpus = gpus
         self.reserved: dict[int, int] = {}
         self._released = False
+        self._node = node
 
     def reserve(self, need: dict[int, int]) -> None:
         for gpu, n in need.items():
@@ -37,14 +42,21 @@ class Grant:
             if not self._ledger._bytes[gpu]:
                 del self._ledger._bytes[gpu]
         self.reserved = {}
+        if self._node is not None:
+            self._node.release()
         for gpu in reversed(self.gpus):
             self._ledger._locks[gpu].release()
 
 
 class Reservations:
-    def __init__(self) -> None:
+    def __init__(self, node_locks: NodeLocks | None = None,
+                 uuid_of: Callable[[int], str | None] | None = None) -> None:
+        """``node_locks``: also take each GPU's lock file, keyed by ``uuid_of(index)`` (GPUs
+        without a UUID take none)."""
         self._bytes: defaultdict[int, int] = defaultdict(int)
         self._locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.node_locks = node_locks
+        self.uuid_of = uuid_of or (lambda gpu: None)
 
     def reserved(self, gpu: int) -> int:
         return self._bytes.get(gpu, 0)
@@ -68,8 +80,12 @@ class Reservations:
             for gpu in order:
                 await self._locks[gpu].acquire()
                 taken.append(gpu)
+            node = None
+            if self.node_locks is not None:
+                keys = [u for u in (self.uuid_of(g) for g in order) if u]
+                node = await self.node_locks.acquire(keys) if keys else None
         except BaseException:
             for gpu in reversed(taken):
                 self._locks[gpu].release()
             raise
-        return Grant(self, order)
+        return Grant(self, order, node)
