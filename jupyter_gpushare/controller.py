@@ -97,12 +97,13 @@ class Operation:
     body: asyncio.Task[Outcome] = field(init=False, repr=False)  # the work; only its waiting is stopped
     phase: str = "waiting"  # "waiting" (may be stopped) | "moving" (runs to its end)
     stop_reason: str = ""
+    stopped: bool = False  # stop() was called: the waiting loop ends even if its cancel was lost
     on_end: Callable[[], None] | None = None  # gives back what the work claimed, however it ends
 
     def stop(self, why: str) -> None:
         """Stop the work, not the task waiters await: that one still ends in an Outcome,
         even when the work is stopped before it began."""
-        self.stop_reason = why
+        self.stop_reason, self.stopped = why, True
         self.body.cancel()
 
 
@@ -763,6 +764,10 @@ class Controller:
         announced = False
         delay = WAIT_BACKOFF[0]
         while True:
+            # Python 3.11's wait_for can swallow a cancel that lands as what it waits for
+            # completes (a release ending as the server shuts down): look at the flag too
+            if op.stopped:
+                raise asyncio.CancelledError
             if st.held is not held:
                 return Outcome(False, f"{st.error or 'the held state was dropped'}", False, dropped=True)
             # a turn behind another restore on the same GPU is not `waiting` (that, and REST's
@@ -780,6 +785,9 @@ class Controller:
                 free = {g: None for g in need}
             room = {g: None if f is None else f - self._releases_may_take_back(g) for g, f in free.items()}
             short = {g: n for g, n in want.items() if room.get(g) is None or (room[g] or 0) < n}
+            if op.stopped:
+                grant.release()
+                raise asyncio.CancelledError
             if not short and st.held is held:
                 grant.reserve(want)
                 st.waiting = None

@@ -1135,3 +1135,22 @@ def test_a_victim_that_refuses_is_not_asked_again_and_again():
         m.cell_runs("k1", busy=False)
         m.time_passes(31.0, n=0)
         until(m, lambda: not m.pending(), "the restore, once k1 is idle again")
+
+
+def test_a_stop_whose_cancel_was_lost_still_ends_a_waiting_restore():
+    """Python 3.11's wait_for can swallow a cancel that lands as the event it waits on is set
+    (a release ending at the moment the server shuts down): the restore went on waiting for
+    memory, and shutdown gave up on it after 30 s with its state not reported."""
+    with machine() as m:
+        released(m, "k1")
+        m.another_process(0, 1.0)  # GPU 0 full: k1's restore waits for memory
+        m.cells_wait("k1", cells=1, progress=False, n=20)
+        assert m.controller.states["k1"].waiting
+        op = m.controller.states["k1"].op
+        assert op is not None
+        op.stopped, op.stop_reason = True, "the server is shutting down"  # the cancel was lost
+        until(m, m.waiters[-1].task.done, "the stopped restore to end")
+        assert m.controller.states["k1"].op is None and m.controller.states["k1"].waiting is None
+        assert not any(m.controller.reservations.busy(g) for g in CAPACITY)
+        m.another_process(0, 0.0)
+        restored(m, "k1")
