@@ -222,7 +222,6 @@ class GPUShareApp(ExtensionApp):
     ).tag(config=True)
 
     node_lock_dir = Unicode(
-        os.path.join(tempfile.gettempdir(), "jupyter-gpushare-locks"),
         help="""A directory every Jupyter server on this machine shares, where restores take a
         lock file per GPU (named by the GPU's UUID), so that restores on different servers
         (a JupyterHub's users) take turns on a GPU instead of both filling the same free
@@ -231,6 +230,10 @@ class GPUShareApp(ExtensionApp):
         only within this server. Not used with a private simulated node (no other server
         sees it). A lock held longer than 60 s by another server is not waited for.""",
     ).tag(config=True)
+
+    @default("node_lock_dir")
+    def _default_node_lock_dir(self) -> str:
+        return os.path.join(tempfile.gettempdir(), "jupyter-gpushare-locks")  # not at import
 
     kernel_env = Dict(
         default_value={"TF_FORCE_GPU_ALLOW_GROWTH": "true", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
