@@ -198,7 +198,7 @@ def main() -> None:
     if why:
         sys.exit(why)
     directory = Path(tempfile.mkdtemp(prefix="ghb-", dir="/tmp"))
-    port = demo_hub._free_port()
+    port = demo_hub.free_port()
     token = secrets.token_hex(16)
     SharedSimNode(directory / "simulated-node.sqlite", (1024 * MiB,)).close()  # before the demo's
     config, env = demo_hub.prepare(directory, port, idle_timeout=3600)

@@ -11,7 +11,6 @@ import asyncio
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,29 +26,14 @@ from urllib.parse import quote
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
+from jupyter_gpushare.demo.hub import free_port
+from jupyter_gpushare.demo.hub import missing as can_run  # noqa: F401  (the tests' name)
 from jupyter_gpushare.sim.shared import SharedSimNode
 
 ROOT = Path(__file__).resolve().parents[1]
 SNIPPET = ROOT / "jupyter_gpushare" / "hub" / "jupyterhub_gpushare.py"  # as shipped
 PASSWORD = "gpushare-test"
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def can_run() -> str:
-    """Why a hub cannot run here ("" = it can)."""
-    try:
-        import jupyterhub  # noqa: F401
-    except ImportError:
-        return "jupyterhub is not installed (pip install jupyterhub)"
-    if shutil.which("configurable-http-proxy") is None:
-        return "configurable-http-proxy is not installed (npm install -g configurable-http-proxy)"
-    return ""
 
 
 CONFIG = """

@@ -55,7 +55,7 @@ c.GPUShareHub.shares = {{"carol": "4GiB"}}  # carol is guaranteed 4 GiB per GPU
 """
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -88,7 +88,7 @@ def prepare(directory: Path, port: int, idle_timeout: float) -> tuple[Path, dict
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--ServerApp.allow_root=True")  # every demo server runs as this OS user
     settings = {
-        "port": port, "hub_port": _free_port(), "proxy_api_port": _free_port(),
+        "port": port, "hub_port": free_port(), "proxy_api_port": free_port(),
         "dir": str(directory), "password": PASSWORD, "users": list(USERS), "admin": ADMIN,
         "notebook": NAME, "server_args": args,
         "server_env": {"JUPYTER_GPUSHARE_SIMULATED_NODE": str(node)},
@@ -97,7 +97,7 @@ def prepare(directory: Path, port: int, idle_timeout: float) -> tuple[Path, dict
     config.write_text(CONFIG.format(settings=json.dumps(settings)), encoding="utf-8")
     (directory / "gpushare_hub_config.py").write_text(
         SERVICE_CONFIG.format(pressure=min(idle_timeout, 30)), encoding="utf-8")
-    env = {**os.environ, "JUPYTER_GPUSHARE_SERVICE_PORT": str(_free_port()),
+    env = {**os.environ, "JUPYTER_GPUSHARE_SERVICE_PORT": str(free_port()),
            "JUPYTER_GPUSHARE_PROXY_URL": f"http://127.0.0.1:{port}"}
     return config, env
 
