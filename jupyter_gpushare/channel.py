@@ -59,6 +59,9 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     return pid, uid, gid
 
 
+PRIVATE_NAME = "agent.sock"  # the socket's name in a directory made for it (removed with it)
+
+
 def socket_path(directory: str, instance: int = 1) -> str:
     """A per-server socket path short enough for AF_UNIX (108 bytes): ``gpushare-<pid>.sock``
     (``gpushare-<pid>-<n>.sock`` for the n-th server initialized in one process)."""
@@ -66,7 +69,7 @@ def socket_path(directory: str, instance: int = 1) -> str:
     path = os.path.join(directory, f"gpushare-{os.getpid()}{suffix}.sock")
     if len(path.encode()) < 100:
         return path
-    return os.path.join(tempfile.mkdtemp(prefix="gpushare-"), "agent.sock")
+    return os.path.join(tempfile.mkdtemp(prefix="gpushare-"), PRIVATE_NAME)
 
 
 def _powers_of_two(n: int) -> bool:
@@ -250,6 +253,9 @@ class AgentServer:
         if self.owns_file():
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+            if os.path.basename(self.path) == PRIVATE_NAME:  # socket_path's own directory
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(self.path))
 
     def close_now(self) -> None:
         """Stop listening and drop every agent at once, without the event loop running (a

@@ -416,3 +416,23 @@ def test_set_usage_is_all_or_nothing_and_dead_pids_are_dropped():
     assert node.drop_gone(lambda pid: pid != 102) == [102]
     assert node.pids() == {101: {0: 512 * MiB}}
     assert node.busy_fraction(102, 1, 0, time.time() + 1) == 0
+
+
+def test_a_socket_in_a_directory_made_for_it_leaves_no_directory_behind(tmp_path):
+    """A runtime directory too deep for AF_UNIX gets the socket in a private temporary
+    directory; removing the socket removes that directory too (nothing piles up in /tmp)."""
+    from jupyter_gpushare.channel import AgentServer, socket_path
+
+    async def allow(kernel_id: str, pid: int) -> None:
+        return None
+
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    path = socket_path(str(deep))
+    assert not path.startswith(str(deep)) and os.path.isdir(os.path.dirname(path))
+    server = AgentServer(path, allow, {})
+    server.bind()
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    server.close_now()
+    server.remove_file()
+    assert not os.path.exists(os.path.dirname(path))
