@@ -9,9 +9,12 @@ failed to load cannot pass as "same as stock"; the counts go to ``$GPUSHARE_PEER
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import shutil
+import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +22,10 @@ import pytest
 ENABLE = (Path(__file__).resolve().parents[2] / "jupyter-config" / "jupyter_server_config.d"
           / "jupyter_gpushare.json")
 _stats: dict = {"servers": 0, "loaded": 0, "not_loaded": []}
+
+# .ci/peer-suite sends SIGUSR1 to a run that does not end: every thread's stack to stderr
+# (its log), so a hang outside any test's timeout (at exit, say) still says where it is
+faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 @pytest.fixture(autouse=True)
