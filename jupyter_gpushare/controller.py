@@ -250,10 +250,14 @@ class Controller:
         """The kernel's idle timeout in effect (its own, else the server's; 0 = never)."""
         return policy.effective_idle_timeout(st.idle_timeout, self.config.idle_timeout)
 
-    def candidate(self, st: KernelState, rec: KernelRecord, now: float) -> policy.Candidate:
+    def candidate(self, st: KernelState, rec: KernelRecord, now: float,
+                  pressure_window: float | None = None) -> policy.Candidate:
+        """The policy's view of a kernel. ``pressure_window``: seconds over which quietness
+        on the GPU is judged for room-making (default ``pressure_idle_timeout``)."""
         # utilization windows of at least one sample
         since = now - max(self.idle_timeout(st), 1.0)
-        pressure_since = now - max(self.config.pressure_idle_timeout, 1.0)
+        window = self.config.pressure_idle_timeout if pressure_window is None else pressure_window
+        pressure_since = now - max(window, 1.0)
         return policy.Candidate(
             kernel_id=st.kernel_id,
             resident=st.held is None and st.op is None and st.resident in (ACTIVE, IDLE),
@@ -472,18 +476,23 @@ class Controller:
         rec = self.tracker.kernels.get(kernel_id)
         if rec is None or not rec.gpu_memory_bytes or st.held is not None or st.op is not None:
             raise ControllerError(409, f"kernel is {st.state}: nothing to release")
-        c = self.candidate(st, rec, clock.now())
-        if not policy.eligible(c, self.config) or self.live_state(kernel_id) == "busy":
-            why = ("pinned" if c.pinned else "busy running a cell" if c.busy or self.live_state(kernel_id) == "busy"
-                   else "using the GPU" if (c.max_utilization if c.pressure_utilization is None
-                                            else c.pressure_utilization) > self.config.idle_utilization
-                   else st.release_blocked or "not released automatically (idle timeout 0, too "
-                   "small, or no method)")
-            raise ControllerError(409, f"kernel is {why}: not released for another user")
-        if c.idle_seconds < idle_for:
+        # quiet on the GPU over the caller's window, not this server's pressure window: the
+        # service's rule (its pressure_idle_timeout) is the one that holds across users
+        c = self.candidate(st, rec, clock.now(), pressure_window=idle_for)
+        busy_now = c.busy or self.live_state(kernel_id) == "busy"
+        gpu_used = (c.max_utilization if c.pressure_utilization is None
+                    else c.pressure_utilization) > self.config.idle_utilization
+        if busy_now or c.pinned:
+            why = "busy running a cell" if busy_now else "pinned"
+        elif c.idle_seconds < idle_for:  # GPU work counts as use; "used N s ago" says when
             raise ControllerError(409, f"kernel was used {c.idle_seconds:.0f} s ago (less than "
                                        f"{idle_for:g} s): not released for another user")
-        return await self.release(kernel_id, reason=reason, automatic=True)
+        elif policy.eligible(c, self.config):
+            return await self.release(kernel_id, reason=reason, automatic=True)
+        else:
+            why = "using the GPU" if gpu_used else st.release_blocked or (
+                "not released automatically (idle timeout 0, too small, or no method)")
+        raise ControllerError(409, f"kernel is {why}: not released for another user")
 
     def restore_need(self, kernel_id: str) -> dict[int, int]:
         """Bytes per GPU a waiting restore needs free (empty when no restore waits)."""

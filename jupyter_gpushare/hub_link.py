@@ -7,7 +7,9 @@ Under JupyterHub, when ``GPUShareHubLink.url`` names the service, this server
   next poll; the service's answer says what it released and, when it could not make room,
   why ("GPU 0 is full; the other kernels on it are active"): that shows in the kernel's
   ``waiting`` text. When it released something this server polls at once, and the waiting
-  restore, which re-checks after every poll, goes on;
+  restore, which re-checks after every poll, goes on. While the restore still waits it is
+  pushed again every ``push_interval`` seconds: the service decides again on live numbers, and
+  the waiting text follows its current reason;
 - **learns** its user's share and usage, and whether the user may open the admin page, for
   the status API (``hub``), the lab panel and ``%gpushare``.
 
@@ -28,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from traitlets import Float, Unicode, default
+from traitlets import Float, TraitError, Unicode, default, validate
 from traitlets.config import Configurable
 
 from .events import KERNEL_SCHEMA_ID
@@ -66,6 +68,23 @@ class GPUShareHubLink(Configurable):
         Default 10. Must be > 0.""",
     ).tag(config=True)
 
+    push_interval = Float(
+        5.0,
+        help="""Seconds between two pushes of a restore that still waits for GPU memory. The
+        first push goes at once; each later one has the service decide again on live numbers
+        and brings back its current reason, which the cell's waiting line shows (so it never
+        keeps a reason that no longer holds, e.g. "active" after the other person stopped).
+        Default 5. Must be > 0.""",
+    ).tag(config=True)
+
+    @validate("refresh_interval", "timeout", "push_interval")
+    def _positive(self, proposal: Any) -> float:
+        value = float(proposal["value"])
+        if not value > 0:  # also NaN
+            raise TraitError(f"GPUShareHubLink.{proposal['trait'].name} must be > 0 seconds, "
+                             f"not {value!r}")
+        return value
+
 
 class HubLink:
     """The link itself; built by :func:`connect`, started and stopped by the extension."""
@@ -84,6 +103,7 @@ class HubLink:
         self.me: dict[str, Any] = {}
         self._task: asyncio.Task[None] | None = None
         self._pushes: set[asyncio.Task[Any]] = set()
+        self._following: set[str] = set()  # kernels whose waiting restore is pushed again
         self._event_logger: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -108,10 +128,24 @@ class HubLink:
         await asyncio.gather(*self.stop_now(), return_exceptions=True)
 
     async def _on_event(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
-        if data.get("action") == "restore_waiting":
-            task = asyncio.ensure_future(self.push([str(data.get("kernel_id", ""))]))
+        kernel_id = str(data.get("kernel_id", ""))
+        if data.get("action") == "restore_waiting" and kernel_id not in self._following:
+            self._following.add(kernel_id)
+            task = asyncio.ensure_future(self._follow(kernel_id))
             self._pushes.add(task)
             task.add_done_callback(self._pushes.discard)
+
+    async def _follow(self, kernel_id: str) -> None:
+        """Push a waiting restore at once, then every ``push_interval`` while it waits."""
+        try:
+            while True:
+                await self.push([kernel_id])
+                await asyncio.sleep(self.options.push_interval)
+                st = self.controller.states.get(kernel_id)
+                if st is None or not st.waiting:
+                    return
+        finally:
+            self._following.discard(kernel_id)
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -30,12 +30,13 @@ def intact(name: str = "x") -> str:
 
 
 async def rest(jp_fetch: Any, kernel_id: str, action: str, method: str = "POST",
-               body: bytes = b"") -> tuple[int, dict[str, Any]]:
+               body: bytes = b"", params: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     """(status, JSON body) of a gpushare REST action, 4xx included."""
     from tornado.httpclient import HTTPClientError
 
     try:
-        r = await jp_fetch("api", "gpushare", "kernels", kernel_id, action, method=method, body=body)
+        r = await jp_fetch("api", "gpushare", "kernels", kernel_id, action, method=method, body=body,
+                           params=params or {})
         return r.code, json.loads(r.body)
     except HTTPClientError as e:
         assert e.response is not None

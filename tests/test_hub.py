@@ -160,6 +160,32 @@ async def test_an_active_kernel_of_another_user_is_never_released(servers):
         await shut(alice, bob)
 
 
+async def test_the_waiting_line_follows_the_services_current_reason(servers):
+    """The reason a cell waits is pushed again while it waits: it changes when the other
+    kernel's does (active, then pinned), and the restore goes on once that kernel is free."""
+    hub = servers
+    alice = await released_kernel(hub, "alice", BIG, "a")
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    try:
+        busy = bob.send("simgpu.burn(120, device=0)")
+        await hub.wait_kernel("bob", bob.id, lambda s: s["execution_state"] == "busy", "bob busy")
+        cell = alice.send(intact("a"))
+        await hub.wait_kernel("alice", alice.id, lambda s: (s["waiting"] or "").endswith(
+            "the other kernel on it is active"), "alice told bob works")
+        await hub.gpushare("bob", f"kernels/{bob.id}/pin", "PUT", body={"pinned": True})
+        bob.send("", msg_type="interrupt_request", channel="control")
+        await bob.wait(busy)
+        k = await hub.wait_kernel("alice", alice.id, lambda s: (s["waiting"] or "").endswith(
+            "the other kernel on it is pinned"), "alice told bob's kernel is pinned now")
+        assert k["state"] == "released"
+        await hub.gpushare("bob", f"kernels/{bob.id}/pin", "PUT", body={"pinned": False})
+        out = await alice.wait(cell, timeout=60)  # bob idles past pressure_idle_timeout: room
+        assert out["status"] == "ok" and "intact" in out["text"], out
+        assert (await hub.kernel_status("bob", bob.id))["state"] == "released"
+    finally:
+        await shut(alice, bob)
+
+
 async def test_shares_decide_who_is_released(servers):
     hub = servers
     alice = await released_kernel(hub, "alice", 256, "a")

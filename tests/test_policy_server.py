@@ -9,7 +9,7 @@ from jupyter_gpushare import clock
 from jupyter_gpushare.policy import Decision, Policy
 
 from .helpers import kernel_status, wait_for
-from .scenarios import MiB, hold, intact, released
+from .scenarios import MiB, hold, intact, released, rest
 
 #: two 256 MiB GPUs: two kernels of 160 MiB do not fit on one together
 TINY_NODE = {"simulated_gpus": [256 * MiB, 256 * MiB]}
@@ -68,3 +68,26 @@ async def test_make_room_takes_a_kernel_that_computed_before_the_pressure_window
     assert (st[a.id].state, st[b.id].state) == ("active", "released")
     taken = next(e for e in events if e["action"] == "released" and e["kernel_id"] == b.id)
     assert taken["reason"].startswith("making room for a restore: idle for 300 s")
+
+
+@pytest.mark.parametrize("gpushare_config", [
+    {"idle_timeout": 600, "pressure_idle_timeout": 120, "min_release_bytes": 0},
+])
+async def test_a_release_for_another_user_judges_quietness_over_the_callers_window(
+    jp_fetch, kernels, gpushare_app
+):
+    """The hub service asks "release if idle for S s": the kernel must have been quiet on the
+    GPU for those S seconds, whatever this server's own (longer) pressure window says, or the
+    service's rule and the server's answer disagree and the waiting person is never served."""
+    k = await kernels.start()
+    await k.run(hold(64))
+    await k.run("simgpu.burn(0.6)")  # computes on the GPU ...
+    await gpushare_app.poll_once()
+    clock.advance(30)  # ... then idles 30 s: inside this server's 120 s pressure window
+    await gpushare_app.poll_once()
+
+    code, body = await rest(jp_fetch, k.id, "release", params={"if_idle_for": "60"})
+    assert code == 409 and "was used 30 s ago (less than 60 s)" in body["message"], body
+    code, body = await rest(jp_fetch, k.id, "release", params={"if_idle_for": "20"})
+    assert code == 200 and body["state"] == "released", body
+    assert (await k.run(intact())).stdout == "intact\n"

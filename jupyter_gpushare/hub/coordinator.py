@@ -285,10 +285,10 @@ class Coordinator:
         wait = self.waits.get((user, server, kid))
         if wait is not None:
             wait.last_try = now()
-        if not plan.enough:
+        if not plan.enough or not plan.victims:  # no room to make, or room there already
             if wait is not None:
-                wait.why = plan.why_not
-            return [], plan.why_not
+                wait.why = plan.why_not or None
+            return [], plan.why_not or None
         released = []
         for victim in plan.victims:
             owner = self.view.owner(victim.kernel_id)
@@ -299,7 +299,10 @@ class Coordinator:
                 released.append(done)
         if released:
             self._rebuild()
-        return released, None if released else "the releases to make room failed; retrying"
+        why = None if released else "the releases to make room failed; retrying"
+        if wait is not None:
+            wait.why = why
+        return released, why
 
     async def _release_victim(self, owner: Placed, victim: crossuser.Victim, requester: str,
                               trigger: str, wait: Wait | None) -> dict[str, Any] | None:
