@@ -8,6 +8,7 @@ simulated node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -85,6 +86,7 @@ class Hub:
     admin_token: str
     process: subprocess.Popen
     node_path: str
+    hub_port: int = 0  # the Hub's own API port: every process it started has it in its environment
     tokens: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -206,6 +208,42 @@ class Hub:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
                 self.process.kill()
+        # the Hub stops its servers, proxy and service on SIGTERM, unless that took too long
+        # or it died: what it started runs in sessions of its own, so find it by its environment
+        left = self._started_processes()
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = [pid for pid in left if _alive(pid)]
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def _started_processes(self) -> list[int]:
+        """Processes the Hub started (servers, their kernels, the service, the proxy)."""
+        marks = [f"127.0.0.1:{self.hub_port}/".encode(), f"--port\0{self.port}\0".encode()]
+        out = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                seen = (entry / "environ").read_bytes() + b"\0" + (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if self.hub_port and any(m in seen for m in marks):
+                out.append(int(entry.name))
+        return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0:1]
+    except OSError:
+        return False
+    return state != ["Z"]  # a zombie is gone, only not yet reaped
 
 
 @dataclass
@@ -280,8 +318,9 @@ def start_hub(directory: Path, users: list[str], admins: list[str], service_conf
     SharedSimNode(node_path, gpus).close()  # the node every user's server opens
     admin_token = secrets.token_hex(16)
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    hub_port = free_port()
     settings = {
-        "port": port, "hub_port": free_port(), "proxy_api_port": free_port(), "dir": str(directory),
+        "port": port, "hub_port": hub_port, "proxy_api_port": free_port(), "dir": str(directory),
         "password": PASSWORD, "users": users + admins, "admins": admins, "admin_token": admin_token,
         "server_args": [
             "--GPUShareApp.backend=simulated", "--GPUShareApp.poll_interval=0.2",
@@ -303,7 +342,7 @@ def start_hub(directory: Path, users: list[str], admins: list[str], service_conf
     log = open(directory / "hub.log", "wb")
     process = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
                                cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT)
-    hub = Hub(directory, port, service_port, admin_token, process, node_path)
+    hub = Hub(directory, port, service_port, admin_token, process, node_path, hub_port)
     deadline = time.monotonic() + 90
     while True:
         try:
