@@ -164,12 +164,23 @@ class AgentConnection:
             fut.set_exception(RemoteError(why))
 
     def _close(self) -> None:
-        self.closed.set()
+        # (waking a waiter schedules it on the loop: that fails once the loop has closed)
+        with contextlib.suppress(RuntimeError):
+            self.closed.set()
         for fut in self._pending.values():
             if not fut.done():
-                fut.set_exception(ConnectionError("agent disconnected"))
+                with contextlib.suppress(RuntimeError):
+                    fut.set_exception(ConnectionError("agent disconnected"))
         with contextlib.suppress(Exception):
             self.writer.close()
+        transport = self.writer.transport
+        loop = getattr(transport, "_loop", None)
+        if loop is not None and loop.is_closed():
+            # a server abandoned after its event loop ended (one left for another server in
+            # this process): close() could not schedule the socket's closing, so close it
+            # here, or the garbage collector does, with a ResourceWarning, at a random moment
+            with contextlib.suppress(Exception):
+                transport._call_connection_lost(None)  # type: ignore[attr-defined]
 
 
 class AgentServer:

@@ -436,3 +436,45 @@ def test_a_socket_in_a_directory_made_for_it_leaves_no_directory_behind(tmp_path
     server.close_now()
     server.remove_file()
     assert not os.path.exists(os.path.dirname(path))
+
+
+def test_a_server_abandoned_after_its_event_loop_ended_closes_its_agents_sockets(tmp_path):
+    """A server left for another one in the same process after its event loop has ended (as
+    pytest-jupyter leaves each test's server) closes its agents' sockets when dropped, not
+    the garbage collector later with a ResourceWarning (an error in the next test)."""
+    import gc
+    import socket
+    import warnings
+
+    from jupyter_gpushare.channel import AgentServer
+
+    async def allow(kernel_id: str, pid: int) -> None:
+        return None
+
+    path = str(tmp_path / "a.sock")
+    box = {"server": AgentServer(path, allow, {})}  # dropped below: all it held is collected
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    loop = asyncio.new_event_loop()
+
+    async def connect() -> None:
+        await box["server"].start()
+        client.connect(path)
+        client.sendall(encode({"id": 0, "op": "hello", "kernel_id": "k1", "pid": os.getpid(),
+                               "frameworks": []}))
+        deadline = time.monotonic() + 10
+        while "k1" not in box["server"].connections:
+            assert time.monotonic() < deadline, "the agent's hello was not accepted"
+            await asyncio.sleep(0.01)
+
+    try:
+        loop.run_until_complete(connect())
+    finally:
+        loop.close()  # the loop ends with the server still serving
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        box["server"].close_now()
+        box.clear()
+        gc.collect()
+    client.close()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []
