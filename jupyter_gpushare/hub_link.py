@@ -104,6 +104,7 @@ class HubLink:
         self._task: asyncio.Task[None] | None = None
         self._pushes: set[asyncio.Task[Any]] = set()
         self._following: set[str] = set()  # kernels whose waiting restore is pushed again
+        self._said: set[str] = set()  # failures logged since the service last answered
         self._event_logger: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -128,12 +129,16 @@ class HubLink:
         await asyncio.gather(*self.stop_now(), return_exceptions=True)
 
     async def _on_event(self, logger: Any, schema_id: str, data: dict[str, Any]) -> None:
+        if data.get("action") != "restore_waiting":
+            return
         kernel_id = str(data.get("kernel_id", ""))
-        if data.get("action") == "restore_waiting" and kernel_id not in self._following:
+        if kernel_id in self._following:  # a new wait before the last one's follower saw it end
+            task = asyncio.ensure_future(self.push([kernel_id]))
+        else:
             self._following.add(kernel_id)
             task = asyncio.ensure_future(self._follow(kernel_id))
-            self._pushes.add(task)
-            task.add_done_callback(self._pushes.discard)
+        self._pushes.add(task)
+        task.add_done_callback(self._pushes.discard)
 
     async def _follow(self, kernel_id: str) -> None:
         """Push a waiting restore at once, then every ``push_interval`` while it waits."""
@@ -167,9 +172,17 @@ class HubLink:
             if not isinstance(answer, dict):
                 raise ValueError("the answer is not a JSON object")
         except Exception as e:
-            self.connected, self.error = False, f"{method} {path}: {e}"[:300]
-            log.warning("gpushare: the hub service did not answer: %s", self.error)
+            error = f"{method} {path}: {e}"[:300]
+            # each failure once until the service answers again: the refresh and the pushes
+            # of a waiting restore ask every few seconds
+            (log.debug if error in self._said else log.warning)(
+                "gpushare: the hub service did not answer: %s", error)
+            self._said.add(error)
+            self.connected, self.error = False, error
             return None
+        if self._said:
+            log.info("gpushare: the hub service answers again")
+            self._said.clear()
         self.connected, self.error = True, None
         return answer
 

@@ -234,6 +234,11 @@ async def test_when_the_push_cannot_reach_the_service_the_poll_makes_room(server
         assert "intact" in out["text"]
         action = next(r for r in (await admin_view(hub))["recent"] if r["kernel"] == bob.id)
         assert action["trigger"] == "poll" and action["for"] == "dave"
+        # asked every second (refresh, pushes of the waiting restore): each failure logged once
+        log = (hub.dir / "hub.log").read_text(errors="replace")
+        said = [line.split("did not answer: ")[1].split(":")[0] for line in log.splitlines()
+                if "gpushare: the hub service did not answer: " in line]
+        assert sorted(said) == ["GET api/me", "POST api/waiting"], said
     finally:
         await shut(dave, bob)
         await hub.stop_server("dave")
