@@ -480,8 +480,6 @@ class Controller:
         # service's rule (its pressure_idle_timeout) is the one that holds across users
         c = self.candidate(st, rec, clock.now(), pressure_window=idle_for)
         busy_now = c.busy or self.live_state(kernel_id) == "busy"
-        gpu_used = (c.max_utilization if c.pressure_utilization is None
-                    else c.pressure_utilization) > self.config.idle_utilization
         if busy_now or c.pinned:
             why = "busy running a cell" if busy_now else "pinned"
         elif c.idle_seconds < idle_for:  # GPU work counts as use; "used N s ago" says when
@@ -489,8 +487,10 @@ class Controller:
                                        f"{idle_for:g} s): not released for another user")
         elif policy.eligible(c, self.config):
             return await self.release(kernel_id, reason=reason, automatic=True)
+        elif (c.pressure_utilization or 0.0) > self.config.idle_utilization:  # over S seconds
+            why = "using the GPU"
         else:
-            why = "using the GPU" if gpu_used else st.release_blocked or (
+            why = st.release_blocked or (
                 "not released automatically (idle timeout 0, too small, or no method)")
         raise ControllerError(409, f"kernel is {why}: not released for another user")
 

@@ -285,21 +285,20 @@ class Coordinator:
         wait = self.waits.get((user, server, kid))
         if wait is not None:
             wait.last_try = now()
-        if not plan.enough or not plan.victims:  # no room to make, or room there already
-            if wait is not None:
-                wait.why = plan.why_not or None
-            return [], plan.why_not or None
         released = []
-        for victim in plan.victims:
-            owner = self.view.owner(victim.kernel_id)
-            if owner is None:
-                continue
-            done = await self._release_victim(owner, victim, user, trigger, wait)
-            if done is not None:
-                released.append(done)
-        if released:
-            self._rebuild()
-        why = None if released else "the releases to make room failed; retrying"
+        if not plan.enough or not plan.victims:  # no room to make, or room there already
+            why = plan.why_not or None
+        else:
+            for victim in plan.victims:
+                owner = self.view.owner(victim.kernel_id)
+                if owner is None:
+                    continue
+                done = await self._release_victim(owner, victim, user, trigger, wait)
+                if done is not None:
+                    released.append(done)
+            if released:
+                self._rebuild()
+            why = None if released else "the releases to make room failed; retrying"
         if wait is not None:
             wait.why = why
         return released, why
