@@ -20,7 +20,7 @@ from jupyter_gpushare.simulate.policies import Cull, Exclusive, GPUShare
 from jupyter_gpushare.simulate.replay import parse_timestamp, read_replay
 from jupyter_gpushare.simulate.settings import POLICIES, Settings
 from jupyter_gpushare.simulate.transfer import PRESETS, TransferModel
-from jupyter_gpushare.simulate.workload import Cell, GiB, KernelWork, Session, Workload
+from jupyter_gpushare.simulate.workload import Cell, GiB, KernelWork, Session, Workload, with_users
 
 # a crowded node: 2 GPUs of 40 GiB for 10 users over two days, so that gpushare releases for
 # idleness, under pressure and to make room, and restores wait for memory
@@ -255,16 +255,107 @@ def test_replay_rebuilds_cells_from_samples_and_restores(tmp_path):
 
 # -- the command line ------------------------------------------------------------------------------
 
-def test_quick_run_writes_every_policy_for_both_traces(tmp_path, capsys):
-    assert main(["simulate", "--quick", "--out", str(tmp_path)]) == 0  # as `jupyter gpushare`
+def test_quick_run_writes_every_policy_for_both_traces(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a short --out, so the last line's path is not what is measured
+    assert main(["simulate", "--quick", "--out", "out"]) == 0  # as `jupyter gpushare`
     out = capsys.readouterr().out
     assert "most users per GPU" in out and "goal (" in out
-    doc = json.loads((tmp_path / "simulate.json").read_text())
+    too_wide = [line for line in out.splitlines() if len(line) > 100]
+    assert not too_wide, too_wide
+    doc = json.loads((tmp_path / "out" / "simulate.json").read_text())
     assert [t["name"] for t in doc["traces"]] == ["default workload", "example replay"]
     for trace in doc["traces"]:
         assert set(trace["reference"]) == set(POLICIES) == set(trace["capacity"])
         assert trace["capacity"]["exclusive"]["users_per_gpu"] == 1.0
         for f in trace["reference"].values():
             assert len(f["series"]["allocation_pct"]) == len(f["series"]["sm_utilization_pct"]) > 0
+    # the example replay's gpushare run keeps p99 within 1 s with a wait of an hour or more:
+    # the report says so, with the run's own figures
+    replay = doc["traces"][1]
+    f = replay["capacity"]["gpushare"]["figures"]
+    assert f["cell_delay_p99_s"] <= 1.0 and f["delay_max_s"] > 600
+    assert f["worst_cell"]["delay_s"] == f["delay_max_s"]
+    words = " ".join(out.split())
+    over = f["cells_waited_over_s"]["60"]
+    assert (f"p99 {f['cell_delay_p99_s']:.2f} s <= 1 s and 0.0 GPU-h of work lost. The p99 hides a "
+            f"tail: the worst wait, {f['delay_max_s']:,.0f} s, was one cell of kernel "
+            f"{f['worst_cell']['kernel'][:8]}") in words
+    assert f"; {over} of {f['cells']:,} cells (" in words and over >= 1
+    assert replay["goal"]["tail"] and replay["goal"]["tail"] in " ".join(out.split())
     pytest.importorskip("matplotlib")
-    assert len(list(tmp_path.glob("*.png"))) == 2 * len(POLICIES)
+    assert len(list((tmp_path / "out").glob("*.png"))) == 2 * len(POLICIES)
+
+
+def test_wide_prints_each_table_on_one_line_per_row(tmp_path, capsys):
+    args = ["simulate", "--quick", "--no-capacity", "--no-png", "--out", str(tmp_path)]
+    assert main(args) == 0
+    narrow = capsys.readouterr().out
+    assert main([*args, "--wide"]) == 0
+    wide = capsys.readouterr().out
+    header = "delay p50/p95/p99 s (delayed cells)  p99 all cells s  worst delay s  work lost GPU-h"
+    assert header not in narrow and "p99 all  worst" in narrow
+    lines = [x for x in wide.splitlines() if header in x]
+    assert len(lines) == 2 and all(x.startswith("policy") and len(x) > 100 for x in lines)
+    gpushare = [x for x in wide.splitlines() if x.startswith("gpushare ")]
+    assert len(gpushare) == 2 and all(len(x) > 100 for x in gpushare)  # both traces, one line each
+    assert "Alibaba PAI 2020 (NSDI'22): about half of GPU memory-time is held by jobs that barely " \
+           "compute" in wide
+
+
+# -- the tail the p99 hides -------------------------------------------------------------------------
+
+def tail_trace(duration: float = 500.0) -> Workload:
+    """The tiny trace's A and B, whose second cell of A waits for room (78 s, of which 6.5 s
+    restore), and C, whose 300 cells never use the GPU nor wait: one cell in 303 waits, so p99
+    over all cells is 0 while the worst wait is 78 s. Users in the order C, A, B: the capacity
+    search's 3 users are all three."""
+    a = KernelWork("a", "A", 6 * GiB, (Session(0.0, (Cell(0, 10, 50), Cell(190, 10, 50))),))
+    b = KernelWork("b", "B", 6 * GiB, (Session(155.0, (Cell(0, 10, 50),)),))
+    c = KernelWork("c", "C", 0, (Session(0.0, tuple(Cell(1.0, 0.5, 0) for _ in range(300))),))
+    return Workload(duration, (c, a, b), "tail", ("C", "A", "B"))
+
+
+TAIL = Settings(gpus=1, gpu_gib=10.0, transfer=TINY_TRANSFER, poll_interval=0.001,
+                config=PolicyConfig(idle_timeout=100, pressure_free_fraction=0,
+                                    pressure_idle_timeout=50),
+                delay_bound=1.0, max_users_per_gpu=3)
+
+
+def test_figures_name_the_worst_cell_and_count_the_tail():
+    f = run(tail_trace(), "gpushare", TAIL)
+    assert f["cells"] == 303 and f["cells_delayed"] == 1 and f["cell_delay_p99_s"] == 0.0
+    assert f["delay_max_s"] == pytest.approx(78.0, abs=0.01)
+    assert f["cells_waited_over_s"] == {"10": 1, "60": 1, "600": 0, "3600": 0}
+    worst = f["worst_cell"]
+    assert (worst["kernel"], worst["user"], worst["gpu"], worst["still_waiting_at_end"]) == \
+        ("a", "A", 0, False)
+    assert worst["arrival_h"] == pytest.approx(200 / 3600)
+    assert worst["restore_s"] == pytest.approx(6.5) and worst["delay_s"] == f["delay_max_s"]
+    # cut at 250 s, before B is released (265 s): A's cell is still waiting, 50 s after it came
+    f = run(tail_trace(250.0), "gpushare", TAIL)
+    assert f["worst_cell"]["still_waiting_at_end"] and f["worst_cell"]["kernel"] == "a"
+    assert f["delay_max_s"] == pytest.approx(50.0) == f["worst_cell"]["delay_s"]
+    assert f["cells_waited_over_s"]["10"] == 1 and f["cells_waited_over_s"]["60"] == 0
+    assert figures(simulate(tail_trace(), "exclusive", TAIL))["worst_cell"] is None
+
+
+def test_the_report_explains_a_tail_the_p99_hides(capsys):
+    from jupyter_gpushare.simulate.cli import compare, print_result
+
+    r = compare("tail trace", "hand-made", lambda n: with_users(tail_trace(), n), 3, TAIL,
+                ["exclusive", "gpushare"], True, {})
+    assert r["capacity"]["gpushare"]["users"] == 3 and r["goal"]["met"]
+    print_result(r, TAIL)
+    out = capsys.readouterr().out
+    assert all(len(line) <= 100 for line in out.splitlines())
+    words = " ".join(out.split())
+    assert ("met: gpushare serves 3.00x exclusive's users per GPU with p99 0.00 s <= 1 s and 0.0 "
+            "GPU-h of work lost. The p99 hides a tail: the worst wait, 78 s, was one cell of "
+            "kernel a (user A) on GPU 0, arriving 0.1 h into the trace, that waited 72 s for room "
+            "on its GPU, then 6.5 s for its restore; 1 of 303 cells (0.33 %) waited over 60 s."
+            ) in words
+    # a tail within ten times the bound is no tail
+    r = compare("tail trace", "hand-made", lambda n: with_users(tail_trace(), n), 3,
+                replace(TAIL, delay_bound=10.0), ["exclusive", "gpushare"], True, {})
+    assert r["capacity"]["gpushare"]["users"] == 3
+    assert r["goal"]["tail"] is None and r["tails"] == {"exclusive": None, "gpushare": None}

@@ -73,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--out", default="gpushare-simulate",
                      help="directory for simulate.json and the PNGs (default ./gpushare-simulate)")
     out.add_argument("--no-png", action="store_true")
+    out.add_argument("--wide", action="store_true",
+                     help=f"every table in full, one line per row (default: tables fit "
+                          f"{report.WIDTH} columns, with a legend for the units)")
     return ap
 
 
@@ -113,28 +116,41 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
     if capacity:
         result["capacity"] = {p: most_users(p, workload_for, s) for p in policies}
         result["goal"] = report.goal(result["capacity"], s.delay_bound)
+        result["tails"] = {p: report.tail_note(p, c, s.delay_bound)
+                           for p, c in result["capacity"].items()}
     return result
 
 
-def print_result(r: dict[str, Any], s: Settings) -> None:
+def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
     node = r["node"]
-    print(f"\n== {r['name']}: {r['source']}")
-    print(f"node: {node['nodes']} x {node['gpus_per_node']} GPUs of {node['gpu_gib']:g} GiB; "
-          f"{s.transfer.describe()}")
+
+    def say(text: str) -> None:
+        print(report.wrap(text, indent="  "))
+
+    print()
+    say(f"== {r['name']}: {r['source']}")
+    say(f"node: {node['nodes']} x {node['gpus_per_node']} GPUs of {node['gpu_gib']:g} GiB; "
+        f"{s.transfer.describe()}")
     if r["statistics"]:
         print("\nthe workload against the published figures the generator is calibrated to:")
-        print(report.statistics_table(r["statistics"]))
-    print(f"\nsame workload, {r['reference_users']} users, every policy "
-          f"(exclusive: one GPU each; the others: {node['nodes'] * node['gpus_per_node']} GPUs):")
-    print(report.same_load_table(r["reference"]))
+        print(report.statistics_table(r["statistics"], wide))
+    print()
+    say(f"same workload, {r['reference_users']} users, every policy "
+        f"(exclusive: one GPU each; the others: {node['nodes'] * node['gpus_per_node']} GPUs):")
+    print(report.same_load_table(r["reference"], wide))
     if "recorded_events" in r and "gpushare" in r["reference"]:
         rec, sim = r["recorded_events"], r["reference"]["gpushare"]
-        print(f"recorded in the trace: {rec['releases']} releases, {rec['restores']} restores; "
-              f"simulated gpushare: {sim['releases']} releases, {sim['restores']} restores")
+        say(f"recorded in the trace: {rec['releases']} releases, {rec['restores']} restores; "
+            f"simulated gpushare: {sim['releases']} releases, {sim['restores']} restores")
     if "capacity" in r:
-        print(f"\nmost users per GPU with no out-of-memory failure and p99 cell delay <= "
-              f"{s.delay_bound:g} s (+ = the search's cap):")
-        print(report.capacity_table(r["capacity"]))
+        print()
+        say(f"most users per GPU with no out-of-memory failure and p99 cell delay <= "
+            f"{s.delay_bound:g} s (+ = the search's cap):")
+        print(report.capacity_table(r["capacity"], wide))
+        in_goal = "gpushare" if r["goal"].get("tail") else None
+        for policy, note in r["tails"].items():
+            if note and policy != in_goal:
+                say(note)
         print(report.goal_line(r["goal"]))
 
 
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     notes = []
     for r in results:
-        print_result(r, base)
+        print_result(r, base, args.wide)
         if args.no_png:
             continue
         for policy, f in r["reference"].items():
@@ -185,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 "traces": results, "runtime_s": round(elapsed, 1)}
     (out / "simulate.json").write_text(json.dumps(document, indent=1) + "\n")
     for note in dict.fromkeys(notes):
-        print(f"\n{note}")
-    print(f"\nfigures: {out / 'simulate.json'}" + ("" if args.no_png or notes else f"; PNGs in {out}/")
-          + f"; ran in {elapsed:.0f} s")
+        print(f"\n{report.wrap(note)}")
+    pngs = "" if args.no_png or notes else f"; PNGs in {out}/"
+    print("\n" + report.wrap(f"figures: {out / 'simulate.json'}{pngs}; ran in {elapsed:.0f} s"))
     return 0

@@ -8,6 +8,7 @@ from .engine import Simulation
 from .workload import HOUR, GiB
 
 DELAYED = 1e-6  # s: a cell that started later than it arrived by more than rounding
+TAIL_SECONDS = (10, 60, 600, 3600)  # s: waits counted in ``cells_waited_over_s``
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -30,6 +31,7 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
     # a cell still waiting at the end has waited at least this long: count it, do not hide it
     delays = [r.delay for r in sim.cells] + [duration - a for a in c.still_waiting]
     delayed = [d for d in delays if d > DELAYED]
+    worst = _worst_cell(sim)
     stretch = [(r.end - r.start) / r.duration for r in sim.cells
                if r.end is not None and r.utilization > 0 and r.duration > 0]
     extra = sum(r.end - r.start - r.duration for r in sim.cells
@@ -56,6 +58,9 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         "delay_p99_s": quantile(delayed, 0.99),
         "delay_max_s": max(delayed, default=0.0),
         "cell_delay_p99_s": quantile(delays, 0.99),  # over all cells: the bound's figure
+        # the tail the p99 does not show: how many cells waited longer than each of these
+        "cells_waited_over_s": {str(t): sum(1 for d in delays if d > t) for t in TAIL_SECONDS},
+        "worst_cell": worst,
         "releases": c.releases,
         "release_reasons": dict(sorted(c.release_reasons.items())),
         "restores": c.restores,
@@ -77,3 +82,22 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         out["series"] = {"bin_seconds": bins, "allocation_pct": [round(v, 3) for v in mem],
                          "sm_utilization_pct": [round(v, 3) for v in sm]}
     return out
+
+
+def _worst_cell(sim: Simulation) -> dict[str, Any] | None:
+    """The cell that waited longest (started, or still waiting at the end): whose, where, how."""
+    best: tuple[float, int, float, float, bool] | None = None  # delay, kernel, arrival, restore, waiting
+    for r in sim.cells:
+        if r.delay > DELAYED and (best is None or r.delay > best[0]):
+            best = (r.delay, r.kernel, r.arrival, r.restore_seconds, False)
+    for k in sim.kernels:  # a cell still waiting at the end has waited at least this long
+        if k.pending is not None:
+            delay = sim.duration - k.pending.arrival
+            if delay > DELAYED and (best is None or delay > best[0]):
+                best = (delay, k.index, k.pending.arrival, 0.0, True)
+    if best is None:
+        return None
+    delay, index, arrival, restore, waiting = best
+    k = sim.kernels[index]
+    return {"kernel": k.id, "user": k.work.user, "gpu": k.gpu, "arrival_h": arrival / HOUR,
+            "delay_s": delay, "restore_s": restore, "still_waiting_at_end": waiting}

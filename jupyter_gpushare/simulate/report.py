@@ -2,22 +2,48 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from .calibration import PUBLISHED
+from .figures import TAIL_SECONDS
+
+WIDTH = 100  # columns the terminal report fits in (``--wide``: tables as wide as they come)
+TAIL_FACTOR = 10.0  # a worst wait this many times the delay bound (and >= 10 s) gets a sentence
 
 
-def table(headers: list[str], rows: list[list[Any]]) -> str:
-    """A plain-text table, columns right-aligned except the first."""
+def table(headers: list[str], rows: list[list[Any]], width: int | None = None) -> str:
+    """A plain-text table, columns right-aligned except the first; with ``width``, a first
+    column that would make it wider is wrapped onto more lines."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    head = 1  # lines of the header
+    if width is not None:
+        first = max(16, width - sum(widths[1:]) - 2 * (len(widths) - 1))
+        if widths[0] > first:
+            widths[0] = first
+            wrapped = []
+            for i, r in enumerate(cells):
+                parts = textwrap.wrap(r[0], first, break_on_hyphens=False) or [""]
+                wrapped.append([parts[0], *r[1:]])
+                wrapped.extend([part, *([""] * (len(r) - 1))] for part in parts[1:])
+                if i == 0:
+                    head = len(parts)
+            cells = wrapped
+    return "\n".join([_line(r, widths) for r in cells[:head]] + ["  ".join("-" * w for w in widths)]
+                     + [_line(r, widths) for r in cells[head:]])
 
-    def line(r: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(r, widths, strict=True)))
 
-    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+def _line(r: list[str], widths: list[int]) -> str:
+    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+
+
+def wrap(text: str, width: int = WIDTH, indent: str = "") -> str:
+    """Prose for the terminal: lines of at most ``width`` columns."""
+    return textwrap.fill(text, width, subsequent_indent=indent, break_on_hyphens=False,
+                         break_long_words=False)  # a path stays whole, to be copied
 
 
 def _ratio(value: float, base: float) -> str:
@@ -28,33 +54,54 @@ def _s(v: float) -> str:
     return f"{v:.2f}" if v < 100 else f"{v:.0f}"
 
 
-def statistics_table(stats: dict[str, Any]) -> str:
+def _n(v: float) -> str:
+    """A count or a long time, readable: 3,980."""
+    return f"{v:,.0f}"
+
+
+def statistics_table(stats: dict[str, Any], wide: bool = False) -> str:
     rows = [[PUBLISHED[k][0], PUBLISHED[k][1], "n/a" if stats.get(k) is None else f"{stats[k]:.0f}"]
             for k in PUBLISHED]
-    return table(["published figure", "target %", "this trace %"], rows)
+    return table(["published figure", "target %", "this trace %"], rows, None if wide else WIDTH)
 
 
-def same_load_table(results: dict[str, dict[str, Any]]) -> str:
+def same_load_table(results: dict[str, dict[str, Any]], wide: bool = False) -> str:
+    """Every policy on the same workload: one wide table, or (the default) two that fit
+    ``WIDTH`` columns, cells and delays then memory and SMs, with a legend for the units."""
     base = results.get("exclusive")
-    rows = []
+    delays, use, full = [], [], []
     for name, f in results.items():
-        rows.append([
-            name, f["gpus"], f"{f['users_per_gpu']:.2f}", f["oom_failures"],
-            f"{f['cells_delayed_pct']:.2f}",
-            f"{_s(f['delay_p50_s'])} / {_s(f['delay_p95_s'])} / {_s(f['delay_p99_s'])}",
-            _s(f["cell_delay_p99_s"]), f"{f['work_lost_gpu_hours']:.1f}",
-            f"{f['reclaimed_gpu_hours']:.0f}", f"{f['mean_allocation_pct']:.1f}",
-            f"{f['mean_sm_utilization_pct']:.1f}",
-            _ratio(f["mean_sm_utilization_pct"], base["mean_sm_utilization_pct"]) if base else "-",
-            f"{f['sm_sharing_stretch_p99']:.2f}",
-        ])
-    return table(["policy", "GPUs", "users/GPU", "OOM cells", "delayed %",
-                  "delay p50/p95/p99 s (delayed cells)", "p99 all cells s", "work lost GPU-h",
-                  "reclaimed GPU-h", "mean alloc %", "mean SM %", "SM x excl.", "slowdown p99"],
-                 rows)
+        d = [name, f["gpus"], f"{f['users_per_gpu']:.2f}", f["oom_failures"],
+             f"{f['cells_delayed_pct']:.2f}"]
+        u = [f"{f['work_lost_gpu_hours']:.1f}", f"{f['reclaimed_gpu_hours']:.0f}",
+             f"{f['mean_allocation_pct']:.1f}", f"{f['mean_sm_utilization_pct']:.1f}",
+             _ratio(f["mean_sm_utilization_pct"], base["mean_sm_utilization_pct"]) if base else "-",
+             f"{f['sm_sharing_stretch_p99']:.2f}"]
+        quantiles = [_s(f["delay_p50_s"]), _s(f["delay_p95_s"]), _s(f["delay_p99_s"])]
+        tail = [_s(f["cell_delay_p99_s"]), _s(f["delay_max_s"])]
+        full.append([*d, " / ".join(quantiles), *tail, *u])
+        delays.append(d + quantiles + tail)
+        use.append([name, *u])
+    if wide:
+        return table(["policy", "GPUs", "users/GPU", "OOM cells", "delayed %",
+                      "delay p50/p95/p99 s (delayed cells)", "p99 all cells s", "worst delay s",
+                      "work lost GPU-h", "reclaimed GPU-h", "mean alloc %", "mean SM %",
+                      "SM x excl.", "slowdown p99"], full)
+    legend = ("OOM: cells failed for lack of GPU memory. Delays in s: p50/p95/p99 of the delayed "
+              "cells; p99 all: over every cell (the bound's figure); worst: the longest wait. "
+              "lost: work to re-run; reclaimed: GPU-h of memory off the GPU; alloc / SM: mean "
+              "memory held / SMs busy; slowdown: p99 stretch of a cell from sharing SMs.")
+    return "\n".join([
+        table(["policy", "GPUs", "users/GPU", "OOM", "delayed %", "p50", "p95", "p99",
+               "p99 all", "worst"], delays),
+        "",
+        table(["policy", "lost GPU-h", "reclaimed GPU-h", "alloc %", "SM %", "SM x excl.",
+               "slowdown p99"], use),
+        wrap(legend),
+    ])
 
 
-def capacity_table(capacity: dict[str, dict[str, Any]]) -> str:
+def capacity_table(capacity: dict[str, dict[str, Any]], wide: bool = False) -> str:
     base = capacity.get("exclusive", {}).get("users_per_gpu", 0.0)
     rows = []
     for name, c in capacity.items():
@@ -66,8 +113,70 @@ def capacity_table(capacity: dict[str, dict[str, Any]]) -> str:
             _s(f.get("delay_max_s", 0.0)), f"{f.get('work_lost_gpu_hours', 0.0):.1f}",
             f"{f.get('mean_allocation_pct', 0.0):.1f}", f"{f.get('mean_sm_utilization_pct', 0.0):.1f}",
         ])
-    return table(["policy", "most users/GPU", "x exclusive", "users", "p99 all cells s",
-                  "delayed %", "worst delay s", "work lost GPU-h", "mean alloc %", "mean SM %"], rows)
+    if wide:
+        return table(["policy", "most users/GPU", "x exclusive", "users", "p99 all cells s",
+                      "delayed %", "worst delay s", "work lost GPU-h", "mean alloc %",
+                      "mean SM %"], rows)
+    return "\n".join([
+        table(["policy", "users/GPU", "x excl.", "users", "p99 all", "delayed %", "worst",
+               "lost GPU-h", "alloc %", "SM %"], rows),
+        wrap("users/GPU: the most served (+ = the search's cap); the run at that count: delays "
+             "in s (p99 all: over every cell; worst: the longest wait), lost: work to re-run, "
+             "alloc / SM: mean memory held / SMs busy."),
+    ])
+
+
+def tail_threshold(worst: float, bound: float) -> int | None:
+    """Which of ``figures.TAIL_SECONDS`` to count a tail's cells over: 60 s where it lies between
+    the bound and the worst wait, else the nearest one that does; None if none does."""
+    between = [t for t in TAIL_SECONDS if bound < t < worst]
+    if not between:
+        return None
+    return min((t for t in between if t >= 60), default=max(between))
+
+
+def _short(kernel_id: str) -> str:
+    """A kernel id as people quote it: a UUID's first 8 characters (a copy keeps its ~N)."""
+    base, tilde, copy = kernel_id.partition("~")
+    return (base[:8] if len(base) > 12 else base) + tilde + copy
+
+
+def _pct(v: float) -> str:
+    return f"{v:.2g}" if v < 10 else f"{v:.0f}"
+
+
+def tail_note(name: str, c: dict[str, Any], bound: float, lead: bool = True) -> str | None:
+    """A sentence where a policy's run at its most users has a worst wait far above the delay
+    bound (which its p99 keeps to): whose cell, where, why, and how many cells waited that
+    long. None where there is no such tail. ``lead``: begin with the policy and its p99."""
+    f = c.get("figures") or {}
+    worst = f.get("delay_max_s", 0.0)
+    if not f or worst <= max(TAIL_FACTOR * bound, 10.0):
+        return None
+    p99 = f["cell_delay_p99_s"]
+    text = f"the worst wait, {_n(worst)} s, "
+    cell = f.get("worst_cell")
+    if cell:
+        text += (f"was one cell of kernel {_short(cell['kernel'])} (user {cell['user']}) on GPU "
+                 f"{cell['gpu']}, arriving {cell['arrival_h']:.1f} h into the trace, that ")
+        if cell["still_waiting_at_end"]:
+            text += "was still waiting for room on its GPU when the trace ended"
+        elif cell["restore_s"] > 0:
+            text += (f"waited {_n(worst - cell['restore_s'])} s for room on its GPU, then "
+                     f"{cell['restore_s']:.1f} s for its restore")
+        else:
+            text += "waited for its kernel"
+    else:
+        text += "is far above the bound"
+    over = tail_threshold(worst, bound)
+    if over is not None:
+        n, cells = f["cells_waited_over_s"][str(over)], f["cells"]
+        text += (f"; {_n(n)} of {_n(cells)} cells ({_pct(100.0 * n / max(1, cells))} %) waited "
+                 f"over {over} s")
+    if lead:
+        within = "within" if p99 <= bound else "above"
+        text = f"{name} at {c['users']} users: p99 {_s(p99)} s, {within} the {bound:g} s bound; {text}"
+    return text + "."
 
 
 def goal(capacity: dict[str, dict[str, Any]], bound: float) -> dict[str, Any]:
@@ -81,17 +190,25 @@ def goal(capacity: dict[str, dict[str, Any]], bound: float) -> dict[str, Any]:
     ratio = g["users_per_gpu"] / base
     met = ratio >= 3.0 and bound <= 1.0 and f.get("work_lost_gpu_hours") == 0.0
     return {"checked": True, "met": met, "ratio": ratio, "delay_bound_s": bound,
-            "work_lost_gpu_hours": f.get("work_lost_gpu_hours")}
+            "p99_s": f.get("cell_delay_p99_s"), "worst_delay_s": f.get("delay_max_s"),
+            "work_lost_gpu_hours": f.get("work_lost_gpu_hours"),
+            "tail": tail_note("gpushare", g, bound, lead=False)}
 
 
 def goal_line(g: dict[str, Any]) -> str:
     if not g.get("checked"):
-        return "goal (>= 3x users per GPU over exclusive, p99 <= 1 s, no work lost): not checked"
+        return wrap("goal (>= 3x users per GPU over exclusive, p99 <= 1 s, no work lost): "
+                    "not checked")
     verdict = "met" if g["met"] else "NOT met"
-    lost = g["work_lost_gpu_hours"]
-    return (f"goal (>= 3x users per GPU over exclusive, p99 cell delay <= 1 s, no work lost): "
-            f"{verdict}: gpushare serves {g['ratio']:.2f}x exclusive's users per GPU with p99 <= "
-            f"{g['delay_bound_s']:g} s" + ("" if lost is None else f" and {lost:.1f} GPU-h of work lost"))
+    lost, p99 = g["work_lost_gpu_hours"], g.get("p99_s")
+    delay = (f"p99 {_s(p99)} s <= {g['delay_bound_s']:g} s" if p99 is not None
+             else f"p99 <= {g['delay_bound_s']:g} s")
+    text = (f"goal (>= 3x users per GPU over exclusive, p99 cell delay <= 1 s, no work lost): "
+            f"{verdict}: gpushare serves {g['ratio']:.2f}x exclusive's users per GPU with {delay}"
+            + ("" if lost is None else f" and {lost:.1f} GPU-h of work lost"))
+    if g.get("tail"):
+        text += f". The p99 hides a tail: {g['tail']}"
+    return wrap(text)
 
 
 def plot(f: dict[str, Any], title: str, path: Path) -> str | None:
