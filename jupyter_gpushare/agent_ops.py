@@ -266,7 +266,12 @@ class AgentOps:
         conn.report = check_report(msg)  # a bad report raises: the previous one stays
 
     def status(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        return {"kernel": self._view(conn.kernel_id), "backend": self.backend, "hub": self.hub_view()}
+        """The kernel's view, asked from one of its cells (``%gpushare``). That cell is use
+        too: the idle clock starts again when it ends, so the next automatic release is
+        counted from there (``release_in_after_cell``), not from the idle time shown."""
+        after = self._controller_call(self.controller.release_in, conn.kernel_id, 0.0)
+        return {"kernel": self._view(conn.kernel_id), "backend": self.backend, "hub": self.hub_view(),
+                "release_in_after_cell": None if after is None else round(after, 1)}
 
     async def restore(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         trigger = msg.get("trigger", "agent")

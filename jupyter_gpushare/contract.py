@@ -44,6 +44,11 @@ class Operation:
         body = self.spec.get("requestBody")
         return None if body is None else resolve(body).get("x-max-bytes")
 
+    def request_body_required(self) -> bool:
+        """Whether a request must have a body (OpenAPI's default: no)."""
+        body = self.spec.get("requestBody")
+        return body is not None and bool(resolve(body).get("required", False))
+
     def request_body_schema(self) -> dict[str, Any] | None:
         body = self.spec.get("requestBody")
         if body is None:

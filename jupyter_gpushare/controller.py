@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import clock, metrics, policy
@@ -271,11 +271,18 @@ class Controller:
             releasable=self.choose_method(st.kernel_id) is not None and st.release_blocked is None,
         )
 
-    def release_in(self, kernel_id: str) -> float | None:
+    def release_in(self, kernel_id: str, idle_seconds: float | None = None) -> float | None:
+        """Seconds until the automatic release if nothing changes (None: never).
+
+        ``idle_seconds``: count from that idle time instead of the kernel's own (0: from now,
+        as for a cell that runs now: a cell is use, so the idle clock starts again at its end)."""
         st, rec = self.states.get(kernel_id), self.tracker.kernels.get(kernel_id)
         if st is None or rec is None:
             return None
-        return self.rules.seconds_until_release(self.candidate(st, rec, clock.now()))
+        c = self.candidate(st, rec, clock.now())
+        if idle_seconds is not None:
+            c = replace(c, idle_seconds=idle_seconds, busy=False)
+        return self.rules.seconds_until_release(c)
 
     def seen_free(self) -> dict[int, int]:
         """Free memory per GPU from the last sample, minus what restores reserved."""
@@ -804,16 +811,19 @@ class Controller:
             grant.release()
             if not short:
                 continue  # dropped meanwhile: the check at the top says so
+            shortfall = [(f"{format_bytes(n)} on GPU {g}",
+                          f"{format_bytes(max(room[g] or 0, 0))} free" if room.get(g) is not None
+                          else "free memory unknown") for g, n in short.items()]
             st.waiting = "waiting for memory: needs " + ", ".join(
-                f"{format_bytes(n)} on GPU {g} ("
-                + (f"{format_bytes(max(room[g] or 0, 0))} free)" if room.get(g) is not None
-                   else "free memory unknown)")
-                for g, n in short.items())
+                f"{needs} ({free})" for needs, free in shortfall)
             if not wait:
                 return Outcome(False, st.waiting)
             if not announced:
                 announced = True
-                self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=st.waiting)
+                # the event's reason has no parentheses (the lab's toast adds its own) and
+                # does not repeat "waiting for memory" (the toast says it waits)
+                why = "needs " + "; ".join(f"{needs}, {free}" for needs, free in shortfall)
+                self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=why)
                 await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
                             "(interrupt to stop waiting)")
             if await self._make_room(st, want, free):

@@ -146,8 +146,30 @@ def _check_pid_namespace(p: NVMLProbe) -> Check:
     return Check(name, True, f"all {len(pids)} NVML pids are visible here")
 
 
+@dataclass
+class Report:
+    """The checks, and what the server will choose here (as ``--json`` gives it)."""
+
+    backend: str  # the telemetry backend the server will use
+    backend_reason: str
+    method: str  # the release method it will use ("off": none)
+    method_reason: str
+    configured_backend: str  # as configured ("auto", or a backend's name)
+    configured_method: str
+    checks: list[Check]
+
+    def as_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
 def collect(backend: str = "auto", release_method: str = "auto") -> list[Check]:
     """Run every check. ``backend`` and ``release_method`` as the server is configured."""
+    return diagnose(backend, release_method).checks
+
+
+def diagnose(backend: str = "auto", release_method: str = "auto") -> Report:
+    """Run every check and say what the server will choose (``backend`` and
+    ``release_method`` as it is configured)."""
     from .telemetry.nvml import probe as nvml_probe
 
     p = nvml_probe(log=_QUIET)
@@ -165,7 +187,9 @@ def collect(backend: str = "auto", release_method: str = "auto") -> list[Check]:
     checks.append(Check("telemetry backend", ok, f"{arrow}: {why}"))
     method = selection.choose_method(release_method, chosen, MethodContext(probe=p))
     checks.append(Check("release method", None, f"{release_method} -> {method.name}: {method.reason}"))
-    return checks
+    return Report(backend=chosen, backend_reason=why, method=method.name,
+                  method_reason=method.reason, configured_backend=backend,
+                  configured_method=release_method, checks=checks)
 
 
 _MARK = {True: " ok ", False: "FAIL", None: " -- "}
@@ -189,7 +213,8 @@ each line: [ ok ] fine, [FAIL] a problem to act on, [ -- ] information or not ap
 examples:
   jupyter gpushare doctor
   jupyter gpushare doctor --backend nvml --release-method driver
-  jupyter gpushare doctor --json | jq '.[] | select(.ok == false)'"""
+  jupyter gpushare doctor --json | jq '.backend, .method'
+  jupyter gpushare doctor --json | jq '.checks[] | select(.ok == false)'"""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,7 +232,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the release method as the server is configured (default: auto)",
     )
     parser.add_argument("--json", action="store_true",
-                        help="print the checks as a JSON list of {name, ok, detail}")
+                        help="print a JSON object: the chosen backend and method with their "
+                             "reasons (backend, backend_reason, method, method_reason, "
+                             "configured_backend, configured_method) and the checks (a list "
+                             "of {name, ok, detail})")
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -217,11 +245,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             backend = selection.backend_from_environment()
         except selection.SettingError as e:
             parser.error(str(e))
-    checks = collect(backend, args.release_method)
+    report = diagnose(backend, args.release_method)
     if args.json:
-        print(json.dumps([asdict(c) for c in checks], indent=2))
+        print(json.dumps(report.as_json(), indent=2))
     else:
-        print(format_report(checks))
+        print(format_report(report.checks))
     return 0
 
 

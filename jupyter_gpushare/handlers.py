@@ -152,16 +152,38 @@ class HistoryHandler(GPUShareHandler):
         self.write_json(history_view(app.tracker, seconds, app.poll_interval))
 
 
+#: who may say they ask for a release or restore (the optional body's ``trigger``), and the
+#: release reason each gives; no trigger: ``rest``
+CLIENT_TRIGGERS = {"panel": "requested from the panel"}
+ACTION_BODY = 'body must be empty, {} or {"trigger": "panel"}'
+
+
+def parse_action_body(raw: bytes) -> str:
+    """The optional body of a release or restore: who asks (``rest`` without one)."""
+    if not raw:
+        return "rest"
+    body = parse_json_object(raw)
+    if set(body) - {"trigger"}:
+        raise BadRequest(ACTION_BODY)
+    if "trigger" not in body:
+        return "rest"
+    trigger = body["trigger"]
+    if not isinstance(trigger, str) or trigger not in CLIENT_TRIGGERS:
+        raise BadRequest(ACTION_BODY)
+    return trigger
+
+
 class ReleaseHandler(GPUShareHandler):
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
         raw = self.get_argument("if_idle_for", None, strip=False)
         idle_for = None if raw is None else parse_seconds(raw, "if_idle_for", low_open=False)
+        trigger = parse_action_body(self.request.body or b"")
         await self.gpushare.ready()
         controller = self.gpushare.controller
         if idle_for is None:
-            await controller.release(kernel_id, reason="requested over REST")
+            await controller.release(kernel_id, reason=CLIENT_TRIGGERS.get(trigger, "requested over REST"))
         else:  # the node-wide service making room: only what an automatic release may take
             await controller.release_if_idle(kernel_id, idle_for, reason="requested by the "
                                              "gpushare service to make room for another user")
@@ -172,12 +194,13 @@ class RestoreHandler(GPUShareHandler):
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
+        trigger = parse_action_body(self.request.body or b"")
         await self.gpushare.ready()
         controller = self.gpushare.controller
         st = controller.get(kernel_id)
         if not st.is_held:
             raise ControllerError(409, f"kernel is {st.state}, not released")
-        task = asyncio.ensure_future(controller.restore(kernel_id, trigger="rest"))
+        task = asyncio.ensure_future(controller.restore(kernel_id, trigger=trigger))
         task.add_done_callback(_consume)  # after a 202 nobody awaits it: its outcome is in status
         while not task.done():
             await asyncio.wait({task}, timeout=0.1)

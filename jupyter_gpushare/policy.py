@@ -89,7 +89,8 @@ def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:
     automatic_release_on = timeout > 0
     idle_long_enough = c.idle_seconds >= timeout
     if automatic_release_on and idle_long_enough and _quiet(c, cfg):
-        return Decision(c.kernel_id, f"idle for {c.idle_seconds:.0f} s (idle_timeout {timeout:.0f} s)")
+        # no parentheses: the lab's toasts put the reason in parentheses themselves
+        return Decision(c.kernel_id, f"idle for {c.idle_seconds:.0f} s, idle_timeout {timeout:.0f} s")
     return None
 
 

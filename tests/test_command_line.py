@@ -54,10 +54,14 @@ def test_unknown_options_are_refused(argv, words, capsys):
 def test_doctor_json_and_backend_through_jupyter_gpushare():
     out = run_cli("doctor", "--json", "--backend", "nvml")
     assert out.returncode == 0, out.stderr
-    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    report = json.loads(out.stdout)
+    assert (report["configured_backend"], report["backend"]) == ("nvml", "nvml")
+    assert report["backend_reason"].startswith("configured")
+    checks = {c["name"]: c for c in report["checks"]}
     backend = checks["telemetry backend"]
     assert backend["detail"].startswith("nvml: configured") and backend["ok"] in (True, False)
     assert checks["release method"]["detail"].startswith("auto -> ")
+    assert checks["release method"]["detail"] == f"auto -> {report['method']}: {report['method_reason']}"
 
 
 def test_doctor_refuses_a_bad_backend_environment_variable(capsys, monkeypatch):

@@ -39,6 +39,9 @@ def test_the_contract_is_valid_openapi_and_lists_exactly_the_servers_routes():
     assert served == {(op.method, op.path) for op in contract.operations()}
     pin = contract.operation("/kernels/k/pin", "PUT")
     assert pin.request_body_max_bytes() == MAX_BODY_BYTES  # the limit the handler enforces
+    for action in ("release", "restore"):  # an optional body: who asks
+        op = contract.operation(f"/kernels/k/{action}", "POST")
+        assert op.request_body_max_bytes() == MAX_BODY_BYTES and not op.request_body_required()
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,6 +172,7 @@ async def test_every_endpoint_answers_every_listed_status_as_the_contract_says(
     await call("POST", "kernels", "no-such-kernel", "release", expect=404)
     await call("POST", "kernels", a.id, "release", expect=400, params={"if_idle_for": "-1"})
     await call("POST", "kernels", "no-such-kernel", "restore", expect=404)
+    await call("POST", "kernels", a.id, "restore", expect=400, body={"trigger": "someone"})
     await call("PUT", "kernels", "no-such-kernel", "pin", body={"pinned": True}, expect=404)
     assert "no GPU memory" in (await call("POST", "kernels", a.id, "release", expect=409))["message"]
     assert "not released" in (await call("POST", "kernels", a.id, "restore", expect=409))["message"]
@@ -203,8 +207,8 @@ async def test_every_endpoint_answers_every_listed_status_as_the_contract_says(
     await a.run("assert a.checksum() == a_sum")
 
     await gpushare_app.poll_once()
-    body = await call("POST", "kernels", a.id, "release", expect=200)
-    body = await call("POST", "kernels", a.id, "restore", expect=200)
+    body = await call("POST", "kernels", a.id, "release", expect=200, body={"trigger": "panel"})
+    body = await call("POST", "kernels", a.id, "restore", expect=200, body={"trigger": "panel"})
     assert body["state"] == "active" and body["restores"] == 2
 
     listed = {(op.method, op.path, status) for op in contract.operations() for status in op.statuses}

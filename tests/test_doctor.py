@@ -149,13 +149,42 @@ def test_format_report_marks():
     assert text.splitlines()[1:] == ["[ ok ] a    fine", "[FAIL] bbb  broken", "[ -- ] c    info"]
 
 
-def test_real_machine_json():
-    # whatever this machine is (no GPU in CI, a GPU node elsewhere), doctor runs and exits 0
+def doctor_json(*args: str, env: dict | None = None) -> dict:
+    """`--json` from the real command, the backend configured by ``env`` alone."""
+    clean = {k: v for k, v in os.environ.items() if k != "JUPYTER_GPUSHARE_BACKEND"}
     out = subprocess.run(
-        [sys.executable, "-m", "jupyter_gpushare.doctor", "--json"],
-        capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "jupyter_gpushare.doctor", "--json", *args],
+        capture_output=True, text=True, timeout=120, env={**clean, **(env or {})},
     )
     assert out.returncode == 0, out.stderr
-    names = [c["name"] for c in json.loads(out.stdout)]
-    assert names[-2:] == ["telemetry backend", "release method"]
     assert out.stderr == ""
+    return json.loads(out.stdout)
+
+
+def test_real_machine_json():
+    # whatever this machine is (no GPU in CI, a GPU node elsewhere), doctor runs and exits 0
+    report = doctor_json()
+    names = [c["name"] for c in report["checks"]]
+    assert names[-2:] == ["telemetry backend", "release method"]
+    assert set(report) == {"backend", "backend_reason", "method", "method_reason",
+                           "configured_backend", "configured_method", "checks"}
+    assert (report["configured_backend"], report["configured_method"]) == ("auto", "auto")
+    # the chosen backend and method as fields of their own, the same the lines say
+    detail = {c["name"]: c["detail"] for c in report["checks"]}
+    assert report["backend"] in ("nvml", "simulated") and report["backend_reason"]
+    assert detail["telemetry backend"] == f"auto -> {report['backend']}: {report['backend_reason']}"
+    assert report["method"] and report["method_reason"]
+    assert detail["release method"] == f"auto -> {report['method']}: {report['method_reason']}"
+
+
+def test_json_gives_the_configured_and_the_chosen_backend_and_method():
+    """The simulated backend, configured by the environment as the server reads it: the
+    simulated method, whatever the machine has."""
+    report = doctor_json(env={"JUPYTER_GPUSHARE_BACKEND": "simulated"})
+    assert (report["configured_backend"], report["backend"]) == ("simulated", "simulated")
+    assert report["backend_reason"] == "configured"
+    assert (report["configured_method"], report["method"]) == ("auto", "simulated")
+    assert "simulated" in report["method_reason"]
+    report = doctor_json("--backend", "simulated", "--release-method", "off")
+    assert (report["configured_method"], report["method"]) == ("off", "off")
+    assert report["method_reason"] == "release_method = off: GPU memory is tracked, never released"

@@ -3,15 +3,18 @@ the server reports over REST), and in a plain IPython with no server."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
+from jupyter_gpushare import clock
 from jupyter_gpushare.kernel.magics import GPUShareMagics
 
-from .helpers import kernel_status
+from .helpers import kernel_status, rest, wait_for
 
 MiB = 1 << 20
 SERVER_IDLE = 600.0
@@ -39,6 +42,20 @@ def html_of(ex) -> str:
     return "".join(d.get("data", {}).get("text/html", "") for d in ex.displays)
 
 
+def restore_lines(ex) -> list[str]:
+    """What a cell shows about restores, as it reads in the end: its printed lines and its
+    progress lines (each display id as last updated)."""
+    final: dict[str, str] = {}
+    for d in ex.displays:
+        if "gpushare-progress" not in d.get("data", {}).get("text/html", ""):
+            continue  # the status table
+        text = d["data"].get("text/plain", "")
+        display_id = d.get("transient", {}).get("display_id") or f"#{len(final)}"
+        final[display_id] = text
+    shown = [*ex.stdout.splitlines(), *final.values()]
+    return [line for line in shown if line.startswith("gpushare:") and "restor" in line]
+
+
 async def test_status_shows_state_memory_and_release_time_as_html_and_text(
     jp_fetch, kernels, gpushare_app
 ):
@@ -60,10 +77,15 @@ async def test_status_shows_state_memory_and_release_time_as_html_and_text(
         assert row in text, row
     assert "256.0 MiB on GPU 0" in text
     assert "method                  simulated" in text
-    assert "in 10 min" in text  # idle_timeout 600 s, just used
+    # idle_timeout 600 s, from the end of this cell (a cell is use)
+    assert "next automatic release  in 10 min, counted from the end of this cell" in text
     html = html_of(ex)
     assert html.startswith("<table class='gpushare-status'>")
     assert "<th style='text-align:left'>GPU memory</th><td style='text-align:left'>256.0 MiB on GPU 0" in html
+    # code is code in HTML, plain in text: never a literal backtick
+    assert "restore mode            eager: before the next cell runs, whatever it does (even 1 + 1)" in text
+    assert "whatever it does (even <code>1 + 1</code>)" in html
+    assert "`" not in text and "`" not in html
 
 
 async def test_pin_unpin_idle_timeout_change_what_rest_reports(jp_fetch, kernels, gpushare_app, events):
@@ -117,11 +139,12 @@ async def test_release_then_status_then_restore_in_one_cell(jp_fetch, kernels, g
     assert "state                   released" in shown
     assert "host memory (released)  256.0 MiB" in shown
     assert "restore mode            eager: before the next cell runs" in shown
-    assert "gpushare: resident again after" in ex.stdout
+    assert "`" not in ex.stdout  # "(even 1 + 1)", plainly
     progress = [d["data"]["text/plain"] for d in ex.displays if "gpushare-progress" in
                 d["data"].get("text/html", "")]
     assert progress[0].startswith("gpushare: restoring 256.0 MiB to GPU 0")
     assert progress[-1].startswith("gpushare: restored 256.0 MiB in")
+    assert restore_lines(ex) == [progress[-1]]  # one line for one restore: what moved, how long
     st = gpushare_app.controller.states[k.id]
     assert (st.state, st.releases, st.restores) == ("active", 1, 1)
     released = next(e for e in events if e["action"] == "released")
@@ -152,12 +175,78 @@ async def test_gpushare_cells_on_a_released_kernel_do_not_restore_in_eager_mode(
     info = await kernel_status(jp_fetch, k.id)
     assert (info["state"], info["restores"]) == ("released", 0)
     ex = await k.run("%gpushare restore")
-    assert "resident again" in ex.stdout
-    assert any(d["data"]["text/plain"].startswith("gpushare: restored 256.0 MiB")
-               for d in ex.displays)
+    clean(ex)
+    (line,) = restore_lines(ex)
+    assert re.fullmatch(r"gpushare: restored 256\.0 MiB in \d+\.\d\d s", line), line
     assert [e["reason"] for e in events if e["action"] == "restored"] == ["magic"]
     info = await kernel_status(jp_fetch, k.id)
     assert (info["state"], info["restores"]) == ("active", 1)
+
+
+@pytest.mark.parametrize("gpushare_config", [{"idle_timeout": 150, "poll_interval": 3600}])
+async def test_idle_and_next_release_come_from_the_clock_the_policy_uses(
+    jp_fetch, kernels, gpushare_app, events
+):
+    """`%gpushare` shows the idle time before its cell and the next automatic release counted
+    from the end of its cell (the cell is use: the policy's idle clock starts again there),
+    to the second; the release then comes when it said, with a reason the lab can wrap.
+    (Polls only when the test says: a poll while the cell runs sees it busy.)"""
+    k = await kernels.start()
+    await k.run(HOLD_256)
+    await gpushare_app.poll_once()
+    await asyncio.sleep(2.2)
+    await gpushare_app.poll_once()
+    ex = await k.run("%gpushare")
+    clean(ex)
+    idle = re.search(r"idle +(\d+) s before this cell \(every cell counts as use, this one too\)", ex.text)
+    assert idle and 2 <= int(idle.group(1)) <= 4, ex.text
+    assert "next automatic release  in 2 min 30 s, counted from the end of this cell" in ex.text
+    assert "idle timeout            2 min 30 s" in ex.text
+
+    # what the policy sees once the cell has ended: idle from the cell, the release 150 s on
+    await gpushare_app.poll_once()
+    info = await kernel_status(jp_fetch, k.id)
+    assert info["idle_seconds"] < 2
+    assert info["idle_seconds"] + info["release_in_seconds"] == pytest.approx(150, abs=0.2)
+
+    clock.advance(140)  # 150 s after the idle time shown, not after the cell: still resident
+    await gpushare_app.poll_once()
+    st = gpushare_app.controller.states[k.id]
+    assert (st.state, st.op, st.releases) == ("idle", None, 0)
+    clock.advance(12)  # 150 s after the cell
+    await gpushare_app.poll_once()
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "released",
+                   what="the automatic release")
+    (released,) = [e for e in events if e["action"] == "released"]
+    assert re.fullmatch(r"idle for 15\d s, idle_timeout 150 s", released["reason"]), released
+    await k.run("assert x.checksum() == x_sum")
+
+
+@pytest.mark.parametrize("gpushare_config", [{"simulated_gpus": [512 * MiB, 512 * MiB]}])
+async def test_restore_that_joins_another_says_itself_what_it_moved(
+    jp_fetch, kernels, gpushare_app
+):
+    """A `%gpushare restore` that waits for a restore asked elsewhere (over REST, waiting for
+    memory: no line in this cell) prints the one line itself."""
+    a = await kernels.start()
+    await a.run(HOLD_256)
+    await gpushare_app.poll_once()
+    code, _ = await rest(jp_fetch, "POST", "kernels", a.id, "release")
+    assert code == 200
+    b = await kernels.start()  # just used: never released to make room
+    await b.run("from jupyter_gpushare.sim import simgpu\nfill = simgpu.zeros((384 * 1024 ** 2 // 4,))")
+    await gpushare_app.poll_once()
+    code, body = await rest(jp_fetch, "POST", "kernels", a.id, "restore")
+    assert code == 202 and body["waiting"], body  # no room yet: it waits
+    msg_id = a.send("%gpushare restore")
+    await asyncio.sleep(0.5)
+    assert a.executions[msg_id].status == ""  # the magic waits for that restore
+    await b.run("del fill")
+    ex = await a.wait(msg_id)
+    clean(ex)
+    (line,) = restore_lines(ex)
+    assert re.fullmatch(r"gpushare: restored 256\.0 MiB in \d+\.\d\d s", line), line
+    assert ex.stdout == line + "\n"
 
 
 async def test_release_after_runs_the_cell_shows_its_value_then_releases(

@@ -53,7 +53,7 @@ class Agent:
         self._offloaded: list[Any] = []  # framework adapters holding offloaded state
         self._remote: RemoteBackend | None = None  # simulated GPU accounted on the server
         self._hooked = False  # pre_run_cell registered
-        self._last_shown: dict[str, Any] = {}
+        self._last_shown: dict[str, tuple[str, str]] = {}  # display id -> (cell's msg_id, text)
 
     # -- connection -------------------------------------------------------------------
     def start(self) -> None:
@@ -270,11 +270,17 @@ class Agent:
             "transient": {"display_id": display_id},
         }
         msg_type = "update_display_data" if display_id in self._last_shown else "display_data"
-        self._last_shown[display_id] = text
+        self._last_shown[display_id] = (_msg_id(parent), text)
         while len(self._last_shown) > _MAX_SHOWN:
             self._last_shown.pop(next(iter(self._last_shown)))
         kernel.session.send(kernel.iopub_socket, msg_type, content, parent=parent)
         return {}
+
+    def shown_in(self, parent: dict[str, Any]) -> dict[str, str]:
+        """The progress lines shown in the output of the cell ``parent`` (as they read now),
+        by display id: what the server said there, so a magic need not say it again."""
+        cell = _msg_id(parent)
+        return {d: text for d, (p, text) in list(self._last_shown.items()) if cell and p == cell}
 
     def _clear(self, msg: dict[str, Any]) -> dict[str, Any]:
         """Take the progress line ``display_id`` out of the cell ``parent`` again: the cell's
@@ -340,6 +346,14 @@ def _sim_resume() -> dict[str, Any]:
     if dev.state == sim_device.LOCKED:
         dev.unlock()
     return out
+
+
+def _msg_id(parent: dict[str, Any]) -> str:
+    """The msg_id of a cell's parent message (the message, or its header alone)."""
+    header = parent.get("header")
+    if not isinstance(header, dict):
+        header = parent
+    return str(header.get("msg_id") or "")
 
 
 def _esc(text: str) -> str:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import ast
 import html
 import math
+import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -32,9 +34,10 @@ from ..protocol import RemoteError
 from ..units import format_bytes
 from . import agent as agent_module
 
-#: what brings a released kernel back, per restore_mode, as the magics say it
+#: what brings a released kernel back, per restore_mode, as the magics say it (`code` shows
+#: as code in HTML and plainly in text)
 RESTORE_MODES = {
-    "eager": "before the next cell runs, whatever it does (`1 + 1` too)",
+    "eager": "before the next cell runs, whatever it does (even `1 + 1`)",
     "lazy": "before the next cell that may use the GPU (others run at once)",
 }
 
@@ -42,14 +45,30 @@ USAGE = ("usage: %gpushare [status | release | restore | pin | unpin | idle-time
          "allow-background [off]]  or  %%gpushare release-after")
 
 
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def plain(text: str) -> str:
+    """``text`` for a plain-text output: `code` without its backticks."""
+    return _CODE.sub(r"\1", text)
+
+
+def as_html(text: str) -> str:
+    """``text`` escaped for HTML, `code` as <code>."""
+    return _CODE.sub(r"<code>\1</code>", html.escape(text))
+
+
 def _fmt_seconds(s: float | None) -> str:
+    """Seconds as a person reads them, to the second below 90 min (two times shown side by
+    side, "idle" and "next automatic release", add up as they are written)."""
     if s is None:
         return "-"
     s = float(s)
     if s < 90:
         return f"{s:.0f} s"
     if s < 5400:
-        return f"{s / 60:.0f} min"
+        minutes, seconds = divmod(round(s), 60)
+        return f"{minutes} min" + (f" {seconds} s" if seconds else "")
     return f"{s / 3600:.1f} h"
 
 
@@ -70,28 +89,46 @@ class StatusView:
 
     def __repr__(self) -> str:
         width = max(len(k) for k, _ in self.rows)
-        return "\n".join([self.title, *(f"  {k:<{width}}  {v}" for k, v in self.rows)])
+        return "\n".join([plain(self.title),
+                          *(f"  {plain(k):<{width}}  {plain(v)}" for k, v in self.rows)])
 
     def _repr_html_(self) -> str:
         body = "".join(
-            f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
-            f"{html.escape(v)}</td></tr>" for k, v in self.rows
+            f"<tr><th style='text-align:left'>{as_html(k)}</th><td style='text-align:left'>"
+            f"{as_html(v)}</td></tr>" for k, v in self.rows
         )
-        return f"<table class='gpushare-status'><caption>{html.escape(self.title)}</caption>{body}</table>"
+        return f"<table class='gpushare-status'><caption>{as_html(self.title)}</caption>{body}</table>"
 
 
-def status_rows(kernel: dict[str, Any], restore_mode: str = "") -> list[tuple[str, str]]:
+def _idle_rows(kernel: dict[str, Any], after_cell: Any) -> list[tuple[str, str]]:
+    """Idle time and next automatic release, from the one idle clock the server's policy uses.
+
+    ``after_cell``: seconds to the release counted from the end of the cell that asks (the
+    server's ``release_in_after_cell``; that cell is use, so the clock starts again there);
+    ``...`` when the server did not say (then the release is counted from the idle time)."""
+    idle = _fmt_seconds(kernel.get("idle_seconds"))
+    if after_cell is ...:
+        release_in = kernel.get("release_in_seconds")
+        return [("idle", idle), ("next automatic release",
+                                 "never" if release_in is None else f"in {_fmt_seconds(release_in)}")]
+    return [("idle", f"{idle} before this cell (every cell counts as use, this one too)"),
+            ("next automatic release", "never" if after_cell is None
+             else f"in {_fmt_seconds(after_cell)}, counted from the end of this cell")]
+
+
+def status_rows(kernel: dict[str, Any], restore_mode: str = "",
+                after_cell: Any = ...) -> list[tuple[str, str]]:
     util = kernel.get("sm_utilization")
+    idle, release = _idle_rows(kernel, after_cell)
     rows = [
         ("state", kernel.get("state", "?") + (" (pinned)" if kernel.get("pinned") else "")),
         ("GPU memory", format_bytes(kernel.get("gpu_memory_bytes") or 0)
          + (f" on GPU {', '.join(map(str, kernel.get('gpus') or []))}" if kernel.get("gpus") else "")),
         ("host memory (released)", format_bytes(kernel.get("released_bytes") or 0)),
         ("utilization", "-" if util is None else f"{util:.0f} % SM"),
-        ("idle", _fmt_seconds(kernel.get("idle_seconds"))),
+        idle,
         ("method", str(kernel.get("method") or "none")),
-        ("next automatic release", "never" if kernel.get("release_in_seconds") is None
-         else f"in {_fmt_seconds(kernel.get('release_in_seconds'))}"),
+        release,
         ("idle timeout", _fmt_idle_timeout(kernel.get("idle_timeout"))),
         ("releases / restores", f"{kernel.get('releases', 0)} / {kernel.get('restores', 0)}"),
     ]
@@ -199,7 +236,10 @@ class GPUShareMagics(Magics):
             return None, why
         return agent.client, ""
 
-    def _ask(self, op: str, **args: Any) -> dict[str, Any] | None:
+    def _ask(self, op: str, *, said: Callable[[], bool] | None = None,
+             **args: Any) -> dict[str, Any] | None:
+        """Ask the server; None (and a line that says why) when it fails. ``said``: True when
+        the failure was shown in the cell already (a restore's progress line)."""
         client, why = self._client()
         if client is None:
             print(f"gpushare: no server: {why}")
@@ -207,7 +247,10 @@ class GPUShareMagics(Magics):
         try:
             reply = client.request(op, timeout=None, **args)
         except (RemoteError, OSError, TimeoutError) as e:
-            print(f"gpushare: {op} failed: {e}")
+            if said is None or not said():
+                text = str(e)  # the server's "restore failed: ..." is not prefixed twice
+                print(f"gpushare: {text}" if text.startswith(f"{op} failed")
+                      else f"gpushare: {op} failed: {text}")
             return None
         agent = agent_module.get_agent()
         kernel = reply.get("kernel")
@@ -233,7 +276,8 @@ class GPUShareMagics(Magics):
         if reply is not None:
             agent = agent_module.get_agent()
             mode = agent.restore_mode if agent is not None else ""
-            display(StatusView(status_rows(reply["kernel"], mode) + hub_rows(reply.get("hub")),
+            rows = status_rows(reply["kernel"], mode, reply.get("release_in_after_cell", ...))
+            display(StatusView(rows + hub_rows(reply.get("hub")),
                                f"gpushare: this kernel ({reply.get('backend')} backend)"))
         return None
 
@@ -246,7 +290,7 @@ class GPUShareMagics(Magics):
             when = RESTORE_MODES.get(agent.restore_mode if agent is not None else "eager",
                                      RESTORE_MODES["eager"])
             print(f"gpushare: released {format_bytes(k.get('released_bytes') or 0)} to host memory "
-                  f"in {time.monotonic() - started:.2f} s; it comes back {when}")
+                  f"in {time.monotonic() - started:.2f} s; it comes back {plain(when)}")
 
     def _restore(self) -> None:
         before = self._ask("status")
@@ -256,10 +300,24 @@ class GPUShareMagics(Magics):
             print("gpushare: this kernel's GPU state is already resident")
             return
         parent = getattr(self.shell, "parent_header", None) or {}
+        agent = agent_module.get_agent()
+        shown_before = set(agent.shown_in(parent)) if agent is not None and parent else set()
+
+        def shown(start: str) -> bool:
+            """This restore's progress line in this cell reads ``start...``."""
+            now = agent.shown_in(parent) if agent is not None and parent else {}
+            return any(t.startswith(start) for d, t in now.items() if d not in shown_before)
+
         started = time.monotonic()
-        reply = self._ask("restore", trigger="magic", parent=parent)
-        if reply is not None:
-            print(f"gpushare: resident again after {time.monotonic() - started:.2f} s")
+        # The server shows the restore's progress in this cell, one line updated in place
+        # (waiting, restoring, then "restored X in S s" or "restore failed, ..."): that line
+        # is the answer. Said here only when it is not there (this restore joined one asked
+        # elsewhere, whose line is in that cell).
+        reply = self._ask("restore", trigger="magic", parent=parent,
+                          said=lambda: shown("gpushare: restore failed"))
+        if reply is not None and not shown("gpushare: restored "):
+            moved = format_bytes(before["kernel"].get("released_bytes") or 0)
+            print(f"gpushare: restored {moved} in {time.monotonic() - started:.2f} s")
 
     def _pin(self, pinned: bool) -> None:
         if self._ask("pin", pinned=pinned) is not None:
