@@ -234,9 +234,12 @@ class SimNode:
             return 0.0
         spans: list[tuple[float, float]] = []
         with self._lock:
-            for (p, g), b in self._busy.items():
-                if g != gpu or (pid is not None and p != pid):
-                    continue
+            if pid is not None:  # one entry: a poll asks this of every kernel
+                one = self._busy.get((pid, gpu))
+                entries = [one] if one is not None else []
+            else:
+                entries = [b for (_, g), b in self._busy.items() if g == gpu]
+            for b in entries:
                 spans.extend(b.intervals)
                 if b.open_since is not None:
                     spans.append((b.open_since, until))
