@@ -10,7 +10,16 @@ with the product's defaults and the ``h100`` transfer model, sampled every 10 s 
 tracker samples (memory held at the sample; SM % averaged over the interval). Kernel ids are
 random UUIDs and no notebook paths are written, as an anonymized export would have it.
 
+It also writes the small multi-GPU example in the documented trace format
+(docs/trace-format.md), ``jupyter_gpushare/simulate/example_multigpu.json``: 8 synthetic users
+for one weekday on a node of 8 GPUs of 80 GiB, shaped like the production interactive-GPU
+notebook traces that have been published: sessions of 1, 2, 4 or 8 GPUs (about 40 % of them
+4 or 8), living for hours and idle most of it; cells of minutes; about a third of cells use
+no GPU; median SM use under 10 %, with a few heavy runs; bytes per GPU that vary from cell
+to cell within a session, some cells freeing what they allocated.
+
     python benchmarks/make_example_trace.py [--out jupyter_gpushare/simulate/example_trace]
+        [--multi-gpu jupyter_gpushare/simulate/example_multigpu.json]
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import argparse
 import gzip
 import io
 import json
+import math
 import random
 import uuid
 from datetime import datetime, timezone
@@ -26,7 +36,7 @@ from pathlib import Path
 
 from jupyter_gpushare.policy import PolicyConfig
 from jupyter_gpushare.simulate.engine import Kernel, Simulation
-from jupyter_gpushare.simulate.generator import generate
+from jupyter_gpushare.simulate.generator import Profile, generate
 from jupyter_gpushare.simulate.policies import GPUShare
 from jupyter_gpushare.simulate.transfer import PRESETS
 from jupyter_gpushare.simulate.workload import HOUR, GiB
@@ -119,13 +129,88 @@ def timestamp(t: float) -> str:
     return datetime.fromtimestamp(EPOCH + t, timezone.utc).isoformat() + "Z"
 
 
+MULTI_USERS, MULTI_SEED, MULTI_GPUS = 8, 21, 8
+
+
+def multi_gpu_trace(seed: int = MULTI_SEED) -> dict:
+    """The multi-GPU example, as a trace document (docs/trace-format.md)."""
+    rng = random.Random(seed)
+    sessions = []
+    for u in range(MULTI_USERS):
+        user = f"user{u + 1:02d}"
+        t = 8 * HOUR + rng.uniform(0, 2.5 * HOUR)  # arrives
+        leave = t + rng.uniform(6, 9.5) * HOUR
+        n = 0
+        while t < leave - HOUR:
+            n += 1
+            gpus = rng.choices([1, 2, 4, 8], weights=[35, 25, 25, 15])[0]
+            base = rng.uniform(2, 24) * GiB  # what its model and data take per GPU
+            stop = min(leave, t + rng.uniform(2, 7) * HOUR)
+            cells, at, held = [], t + rng.uniform(30, 300), 0
+            while True:
+                cpu = rng.random() < 1 / 3
+                heavy = not cpu and rng.random() < 0.08
+                duration = (rng.uniform(8, 30) * 60 if heavy
+                            else min(45 * 60, rng.lognormvariate(math.log(90), 1.0)))
+                if at + duration > stop - 60:
+                    break
+                if cpu:
+                    cell = {"start": round(at, 1), "duration": round(duration, 1), "gpus": 0,
+                            "bytes_per_gpu": held, "sm": 0}
+                else:
+                    need = int(base * rng.uniform(0.3, 1.0 if not heavy else 1.4))
+                    sm = rng.uniform(50, 95) if heavy else min(100.0, rng.lognormvariate(math.log(7), 0.9))
+                    width = gpus if rng.random() < 0.8 else 1
+                    cell = {"start": round(at, 1), "duration": round(duration, 1), "gpus": width,
+                            "bytes_per_gpu": need, "sm": round(sm, 1)}
+                    held = max(held, need)
+                    if rng.random() < 0.1:  # frees what it allocated (del, empty_cache)
+                        held = int(base * 0.3)
+                        cell["bytes_after"] = min(held, need)
+                        held = cell["bytes_after"]
+                cells.append(cell)
+                at += duration + rng.lognormvariate(math.log(4 * 60), 1.1)  # think time
+            if cells:
+                sessions.append({"id": f"{user}-s{n}", "user": user, "start": round(t, 1),
+                                 "stop": None if rng.random() < 0.25 else round(stop, 1),
+                                 "gpus": gpus, "cells": cells})
+            t = stop + rng.uniform(5, 60) * 60
+    return {"format": "jupyter-gpushare-trace", "version": 1,
+            "description": (f"multi-GPU example: {MULTI_USERS} synthetic users, one weekday, "
+                            "sessions of 1-8 GPUs (benchmarks/make_example_trace.py)"),
+            "duration": 24 * HOUR, "node": {"gpus": MULTI_GPUS, "gpu_gib": GPU_GIB},
+            "sessions": sessions}
+
+
+def write_trace(doc: dict, path: Path) -> None:
+    """The document with one cell a line, so that an error's line number points at it."""
+    head = {k: v for k, v in doc.items() if k != "sessions"}
+    lines = ["{"] + [f"  {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    lines.append('  "sessions": [')
+    for i, s in enumerate(doc["sessions"]):
+        meta = ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in s.items() if k != "cells")
+        lines.append(f"    {{{meta}, \"cells\": [")
+        lines += [f"      {json.dumps(c)}{',' if j < len(s['cells']) - 1 else ''}"
+                  for j, c in enumerate(s["cells"])]
+        lines.append("    ]}" + ("," if i < len(doc["sessions"]) - 1 else ""))
+    lines += ["  ]", "}"]
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(Path(__file__).parent.parent / "jupyter_gpushare" / "simulate" / "example_trace"))
+    here = Path(__file__).parent.parent / "jupyter_gpushare" / "simulate"
+    ap.add_argument("--out", default=str(here / "example_trace"))
+    ap.add_argument("--multi-gpu", default=str(here / "example_multigpu.json"))
     args = ap.parse_args()
+    write_trace(multi_gpu_trace(), Path(args.multi_gpu))
+    print(f"wrote {args.multi_gpu}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    workload = generate(USERS, days=1, seed=SEED, gpu_gib=GPU_GIB)
+    # the profile the shipped example was recorded with (before CPU-only cells were a third
+    # and kernels grew): the same files on every run
+    profile = Profile(cpu_cell_share=0.4, start_fraction=1.0)
+    workload = generate(USERS, days=1, seed=SEED, profile=profile, gpu_gib=GPU_GIB)
     rec = Recorder()
     Simulation(workload, GPUShare(PolicyConfig(), seed=SEED), GPU_GIB * GiB, GPUS, PRESETS["h100"],
                observer=rec).run()

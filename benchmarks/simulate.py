@@ -1,10 +1,12 @@
-"""How many notebook users fit per GPU, per sharing policy: the trace-driven simulator (issue 11).
+"""How many GPUs notebook users need, per sharing policy: the trace-driven simulator (issues 11, 19).
 
 The same program as ``jupyter gpushare simulate`` (``jupyter_gpushare/simulate/``): a seeded
-discrete-event simulation of a GPU node shared by notebook users, every policy on the same
-workload (``exclusive``, ``static``, ``cull``, ``gpushare``), then the synthetic default
-workload and the shipped example replay; tables with ratios against ``exclusive`` from the
-same run, ``gpushare-simulate/simulate.json`` and a PNG per policy.
+discrete-event simulation of GPU machines shared by notebook users, every policy on the same
+workload (``exclusive``, ``static``, ``cull``, ``gpushare``, ``gpushare-hub``): the synthetic
+default workload and the shipped example replay, or ``--trace FILE`` (docs/trace-format.md).
+The headline: per policy, the fewest GPUs that serve every user and their GPU-hours against
+reserving GPUs per session, under the ``driver`` and ``pinned`` transfer models; then users
+per GPU; ``gpushare-simulate/simulate.json`` and a PNG per policy.
 
     python benchmarks/simulate.py [--quick] [any option of jupyter gpushare simulate --help]
 """

@@ -69,12 +69,19 @@ def test_the_crowded_node_exercises_releases_and_waiting_restores(crowded):
 
 
 def test_a_released_kernels_cell_waits_at_least_the_restore(crowded):
-    sim = simulate(crowded, "gpushare")
+    restored_bytes: list[int] = []
+
+    def watch(t, k, what, data):
+        if what == "restored":
+            restored_bytes.append(k.nbytes)
+
+    sim = simulate(crowded, "gpushare", observer=watch)
     restored = [r for r in sim.cells if r.restore_seconds > 0]
-    assert len(restored) > 10
+    assert len(restored) > 10 and len(restored) == len(restored_bytes)
     model = CROWDED.transfer
-    for r in restored:
-        nbytes = sim.kernels[r.kernel].nbytes
+    # cells start in the order their restores end: each waited its own kernel's restore
+    by_start = sorted(restored, key=lambda r: r.start)
+    for r, nbytes in zip(by_start, restored_bytes, strict=True):
         assert r.restore_seconds == pytest.approx(model.restore_seconds(nbytes))
         assert r.delay >= r.restore_seconds - 1e-9
 
@@ -257,15 +264,17 @@ def test_replay_rebuilds_cells_from_samples_and_restores(tmp_path):
 
 def test_quick_run_writes_every_policy_for_both_traces(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a short --out, so the last line's path is not what is measured
-    assert main(["simulate", "--quick", "--out", "out"]) == 0  # as `jupyter gpushare`
+    # the former transfer model (restores of ~1 s): the example replay's long tail to explain
+    assert main(["simulate", "--quick", "--out", "out", "--restore-model", "h100"]) == 0
     out = capsys.readouterr().out
-    assert "most users per GPU" in out and "goal (" in out
+    assert "most users per GPU" in out and "goal (" in out and "HEADLINE: fewest GPUs" in out
     too_wide = [line for line in out.splitlines() if len(line) > 100]
     assert not too_wide, too_wide
     doc = json.loads((tmp_path / "out" / "simulate.json").read_text())
     assert [t["name"] for t in doc["traces"]] == ["default workload", "example replay"]
     for trace in doc["traces"]:
         assert set(trace["reference"]) == set(POLICIES) == set(trace["capacity"])
+        assert trace["fewest_gpus"]["models"] == ["h100", "driver", "pinned"]
         assert trace["capacity"]["exclusive"]["users_per_gpu"] == 1.0
         for f in trace["reference"].values():
             assert len(f["series"]["allocation_pct"]) == len(f["series"]["sm_utilization_pct"]) > 0
@@ -292,7 +301,7 @@ def test_wide_prints_each_table_on_one_line_per_row(tmp_path, capsys):
     narrow = capsys.readouterr().out
     assert main([*args, "--wide"]) == 0
     wide = capsys.readouterr().out
-    header = "delay p50/p95/p99 s (delayed cells)  p99 all cells s  worst delay s  work lost GPU-h"
+    header = "delay p50/p95/p99 s (delayed cells)  p99 all cells s  worst delay s  GPU-h paid"
     assert header not in narrow and "p99 all  worst" in narrow
     lines = [x for x in wide.splitlines() if header in x]
     assert len(lines) == 2 and all(x.startswith("policy") and len(x) > 100 for x in lines)
@@ -359,3 +368,350 @@ def test_the_report_explains_a_tail_the_p99_hides(capsys):
                 replace(TAIL, delay_bound=10.0), ["exclusive", "gpushare"], True, {})
     assert r["capacity"]["gpushare"]["users"] == 3
     assert r["goal"]["tail"] is None and r["tails"] == {"exclusive": None, "gpushare": None}
+
+
+# -- the workload model: GPUs per kernel, memory per cell, CPU-only cells (issue 19) ----------
+
+GPUSHARE_BY_HAND = PolicyConfig(idle_timeout=100, pressure_free_fraction=0, pressure_idle_timeout=50)
+
+
+def by_hand(workload: Workload, policy, gpus: int = 1, gpu_gib: float = 10.0, **kw) -> Simulation:
+    return Simulation(workload, policy, int(gpu_gib * GiB), gpus, TINY_TRANSFER, **kw).run()
+
+
+def test_a_two_gpu_kernel_moves_both_gpus_in_parallel_and_its_cells_wait_for_both():
+    """Two GPUs of 10 GiB; X (user A) holds 6 GiB on each of GPUs 0 and 1; Y (user B, whose
+    round-robin turn comes after A's two GPUs: GPU 2 mod 2 = 0) holds 6 GiB. Moving 6 GiB
+    takes 6.5 s; moving X's 12 GiB one after the other would take 12.5 s.
+
+    - 0-10: X's cell on both GPUs. 110: X idle 100 s, released: both GPUs at once, 6.5 s.
+    - 155: Y allocates 6 GiB on GPU 0, cell 155-165.  200: X's cell: GPU 1 has 10 GiB free,
+      GPU 0 only 4: it waits for both (make_room may take only A's own kernels: none).
+    - 265: Y idle 100 s, released; GPU 0 free at 271.5: X restores both GPUs in 6.5 s and
+      its cell runs 278-288 on both. Delay 78 s = 71.5 s waiting for GPU 0 + 6.5 s.
+    """
+    x = KernelWork("x", "A", 6 * GiB, (Session(0.0, (Cell(0, 10, 50, gpus=2),
+                                                      Cell(190, 10, 50, gpus=2))),), gpus=2)
+    y = KernelWork("y", "B", 6 * GiB, (Session(155.0, (Cell(0, 10, 50, gpus=1),)),))
+    moves: list[tuple[str, str, float]] = []
+    held: list[tuple[float, int, int]] = []
+
+    def watch(t, k, what, data):
+        if what in ("released", "restored"):
+            moves.append((k.id, what, data["seconds"]))
+        if what == "memory":
+            held.append((t, sim_ref[0].node.gpus[0].used, sim_ref[0].node.gpus[1].used))
+
+    sim_ref: list[Simulation] = []
+    sim = Simulation(Workload(500.0, (x, y), "two GPUs", ("A", "B")),
+                     GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), 10 * GiB, 2, TINY_TRANSFER,
+                     observer=watch)
+    sim_ref.append(sim)
+    sim.run()
+    kx, ky = sim.kernels
+    assert kx.gpus == [0, 1] and ky.gpus == [0]
+    one_gpu = TINY_TRANSFER.restore_seconds(6 * GiB)
+    assert one_gpu == pytest.approx(6.5) and TINY_TRANSFER.restore_seconds(12 * GiB) > 12
+    assert moves[:3] == [("x", "released", pytest.approx(6.5)), ("y", "released", pytest.approx(6.5)),
+                         ("x", "restored", pytest.approx(6.5))]
+    second = [r for r in sim.cells if r.kernel == 0][1]
+    assert second.gpus == 2 and second.restore_seconds == pytest.approx(one_gpu)
+    assert second.arrival == pytest.approx(200.0) and second.start == pytest.approx(278.0, abs=0.01)
+    # when it arrived, GPU 1 had room (nothing on it): it was GPU 0 it waited for
+    assert [h for h in held if h[0] <= 200][-1][1:] == (6 * GiB, 0)
+    # both GPUs held X's 6 GiB from the restore on
+    t, g0, g1 = [h for h in held if h[0] < 272][-1]
+    assert t == pytest.approx(271.5, abs=0.01) and (g0, g1) == (6 * GiB, 6 * GiB)
+
+
+def test_a_cell_of_two_gpus_ends_with_its_slower_gpu():
+    """X computes on GPUs 0 and 1 (100 s at 100 % SM); Y computes 100 s at 100 % on GPU 1 at
+    the same time: GPU 1 runs both at half speed, so X's cell ends at 200 s, not 100 s."""
+    x = KernelWork("x", "A", GiB, (Session(0.0, (Cell(0, 100, 100, gpus=2),)),), gpus=2)
+    y = KernelWork("y", "B", GiB, (Session(0.0, (Cell(0, 100, 100, gpus=1),)),))
+    sim = by_hand(Workload(400.0, (x, y), "overlap", ("A", "B")), Cull(), gpus=2)
+    assert sim.kernels[1].gpus == [0]  # B's turn comes after A's two GPUs: 2 mod 2
+    rx, ry = sorted(sim.cells, key=lambda r: r.kernel)
+    assert rx.end == pytest.approx(200.0) and ry.end == pytest.approx(200.0)
+    f = figures(sim)
+    assert f["gpu_cell_slowdown_p99"] == pytest.approx(2.0)
+
+
+def test_a_cell_that_allocates_grows_the_kernel_and_one_that_frees_shrinks_it():
+    """One 10 GiB GPU. The kernel starts with 2 GiB; its second cell needs 5 GiB (it grows,
+    and the cache keeps it); its third needs 8 GiB and frees down to 3 GiB after; its fourth
+    asks for 12 GiB: out of memory, the cell fails and the kernel keeps its 3 GiB."""
+    cells = (Cell(0, 1, 50, gpus=1), Cell(10, 1, 50, gpus=1, nbytes=5 * GiB),
+             Cell(10, 1, 0, gpus=0), Cell(10, 1, 50, gpus=1, nbytes=8 * GiB, keeps=3 * GiB),
+             Cell(10, 1, 50, gpus=1, nbytes=12 * GiB), Cell(10, 1, 50, gpus=1))
+    k = KernelWork("k", "A", 2 * GiB, (Session(0.0, cells),))
+    used: list[int] = []
+
+    def watch(t, kernel, what, data):
+        if what == "memory":
+            used.append(data["nbytes"])
+
+    sim = Simulation(Workload(200.0, (k,), "grow", ("A",)), Exclusive(), 10 * GiB, 1,
+                     TINY_TRANSFER, observer=watch).run()
+    assert [u // GiB for u in used] == [2, 5, 8, 3]
+    assert sim.node.gpus[0].used == 3 * GiB and sim.kernels[0].held == 3 * GiB
+    assert sim.counters.oom_failures == sim.counters.oom_growth == 1
+    assert len(sim.cells) == 5  # the failed one never ran
+    # a release and a restore move what the kernel holds now, not what it started with
+    k2 = KernelWork("k", "A", 2 * GiB, (Session(0.0, (Cell(0, 1, 50, gpus=1, nbytes=5 * GiB),
+                                                      Cell(200, 1, 50, gpus=1))),))
+    sim = by_hand(Workload(400.0, (k2,), "grown restore", ("A",)),
+                  GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001))
+    restored = [r for r in sim.cells if r.restore_seconds > 0]
+    assert [r.restore_seconds for r in restored] == [pytest.approx(TINY_TRANSFER.restore_seconds(5 * GiB))]
+
+
+def lazy_trace() -> Workload:
+    """A kernel of 6 GiB: a GPU cell at 0-10, released at 110 (idle 100 s), then a CPU-only
+    cell at 200 (5 s) and a GPU cell 50 s after it."""
+    k = KernelWork("k", "A", 6 * GiB, (Session(0.0, (Cell(0, 10, 50, gpus=1), Cell(190, 5, 0, gpus=0),
+                                                      Cell(50, 10, 50, gpus=1))),))
+    return Workload(400.0, (k,), "lazy", ("A",))
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])
+def test_cpu_only_cells_skip_the_restore_in_lazy_mode(mode):
+    sim = by_hand(lazy_trace(), GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), restore_mode=mode)
+    _, cpu, gpu = sorted(sim.cells, key=lambda r: r.arrival)
+    assert cpu.gpus == 0 and gpu.gpus == 1 and cpu.arrival == pytest.approx(200.0)
+    if mode == "eager":  # the CPU-only cell waits for the restore; the GPU cell finds it back
+        assert cpu.delay == pytest.approx(6.5) and cpu.restore_seconds == pytest.approx(6.5)
+        assert gpu.delay == 0.0
+    else:  # it runs at once, the state stays on the host; the GPU cell restores it
+        assert cpu.delay == 0.0 and cpu.restore_seconds == 0.0
+        assert gpu.arrival == pytest.approx(255.0) and gpu.delay == pytest.approx(6.5)
+    assert sim.counters.restores == 1
+    assert figures(sim)["cpu_only_cells"] == 1
+
+
+def contention() -> Workload:
+    """Two users who compute at once: 10 cells of 100 s at 80 % SM each, 10 s apart."""
+    cells = tuple(Cell(10, 100, 80, gpus=1) for _ in range(10))
+    kernels = tuple(KernelWork(f"k{u}", u, GiB, (Session(0.0, cells),)) for u in ("A", "B"))
+    return Workload(3000.0, kernels, "contention", ("A", "B"))
+
+
+def test_a_compute_overloaded_node_does_not_serve():
+    from jupyter_gpushare.simulate.capacity import fewest_gpus, serves, why_not
+
+    s = Settings(gpus=2, gpu_gib=10.0, transfer=TINY_TRANSFER)
+    shared = run(contention(), "cull", s, total_gpus=1)  # both on one GPU: 160 % asked
+    assert shared["oom_failures"] == 0 and shared["cell_delay_p99_s"] == 0.0
+    assert shared["gpu_cell_slowdown_p99"] == pytest.approx(1.6)
+    assert not serves(shared, s) and why_not(shared, s) == ["p99 slowdown 1.60 > 1.1"]
+    alone = run(contention(), "cull", s, total_gpus=2)
+    assert alone["gpu_cell_slowdown_p99"] == pytest.approx(1.0) and serves(alone, s)
+    assert serves(shared, replace(s, slowdown_bound=2.0))
+    # cut the trace where the last cells would have ended alone, but run slower shared:
+    # unfinished because of contention, counted and not served, whatever the slowdown bound
+    # shared, each cell takes 160 s: the 6th starts at 860 and would end alone at 960
+    cut = Workload(1000.0, contention().kernels, "cut", ("A", "B"))
+    f = run(cut, "cull", replace(s, slowdown_bound=10.0), total_gpus=1)
+    assert f["cells_unfinished_contention"] == 2
+    assert not serves(f, replace(s, slowdown_bound=10.0))
+    assert run(cut, "cull", s, total_gpus=2)["cells_unfinished_contention"] == 0
+    # the headline: the fewest GPUs that serve both users is two, for any sharing policy
+    h = fewest_gpus("cull", contention(), s)
+    assert h["gpus"] == 2 and [p["gpus"] for p in h["probes"]] == [1, 2]
+
+
+def test_work_lost_counts_gpu_cells_per_gpu():
+    """A kernel of 2 GPUs runs a GPU cell of 100 s on both and a CPU-only cell of 50 s, is
+    culled, and starts again: 200 GPU-s lost, not 150 s."""
+    k = KernelWork("k", "A", GiB, (Session(0.0, (Cell(0, 100, 50, gpus=2), Cell(0, 50, 0, gpus=0),
+                                                  Cell(1000, 1, 50, gpus=2))),), gpus=2)
+    sim = by_hand(Workload(2000.0, (k,), "lost", ("A",)), Cull(cull_after=300, cull_interval=10),
+                  gpus=2)
+    assert sim.counters.restarts == 1
+    assert figures(sim)["work_lost_gpu_hours"] == pytest.approx(200 / 3600)
+
+
+def test_exclusive_is_charged_only_while_a_users_kernels_live():
+    """A: two kernels alive 0-100 and 50-300 s (one GPU); B: a kernel of 2 GPUs alive
+    1000 s to the end (2000 s). Reserved: 300 x 1 + 1000 x 2 = 2300 GPU-s."""
+    a1 = KernelWork("a1", "A", GiB, (Session(0.0, (Cell(0, 10, 50),)),), shutdown_at=100.0)
+    a2 = KernelWork("a2", "A", GiB, (Session(50.0, (Cell(0, 10, 50),)),), shutdown_at=300.0)
+    b = KernelWork("b", "B", GiB, (Session(1000.0, (Cell(0, 10, 50, gpus=2),)),), gpus=2)
+    w = Workload(2000.0, (a1, a2, b), "reserved", ("A", "B"))
+    assert w.reserved_gpu_seconds() == pytest.approx(2300.0)
+    f = run(w, "exclusive", Settings(gpus=2, gpu_gib=10.0, transfer=TINY_TRANSFER))
+    assert f["gpus"] == 3 and f["gpu_hours"] == pytest.approx(2300 / 3600)
+    assert run(w, "cull", Settings(gpus=2, gpu_gib=10.0))["gpu_hours"] == pytest.approx(2 * 2000 / 3600)
+
+
+def test_load_aware_placement_counts_held_and_reserved_bytes():
+    """Two GPUs of 10 GiB. A (GPU 0 by turn) holds 5 GiB and B (GPU 1) 3 GiB; both are
+    released at 110 (idle 100 s): their bytes are reserved where they were. C starts at 200:
+    round-robin puts it on GPU 0 (its turn); load-aware on GPU 1 (10 - 3 reserved = 7 against
+    10 - 5 = 5 on GPU 0). D starts at 300 while C computes on GPU 1: GPU 0 has 10 - 5 = 5,
+    GPU 1 10 - 2 held - 3 reserved = 5: the same, so the least SM load: GPU 0."""
+    def kernel(name, user, gib, start, cell):
+        return KernelWork(name, user, int(gib * GiB), (Session(start, (cell,)),))
+
+    w = Workload(600.0, (kernel("a", "A", 5, 0.0, Cell(0, 10, 50)),
+                         kernel("b", "B", 3, 0.0, Cell(0, 10, 50)),
+                         kernel("c", "C", 2, 200.0, Cell(0, 200, 50)),
+                         kernel("d", "D", 2, 300.0, Cell(0, 10, 50))), "placement",
+                 ("A", "B", "C", "D"))
+    policy = GPUShare(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
+    rr = by_hand(w, policy, gpus=2)
+    assert [k.gpus for k in rr.kernels] == [[0], [1], [0], [1]]
+    policy = GPUShare(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
+    la = by_hand(w, policy, gpus=2, placement="load-aware")
+    assert [k.gpus for k in la.kernels] == [[0], [1], [1], [0]]
+
+
+# -- the trace format (docs/trace-format.md) ---------------------------------------------------
+
+def test_the_multi_gpu_example_trace_reads_and_runs():
+    from jupyter_gpushare.simulate.cli import MULTI_GPU_EXAMPLE
+    from jupyter_gpushare.simulate.trace import read_trace
+
+    w, node = read_trace(MULTI_GPU_EXAMPLE)
+    doc = json.loads(MULTI_GPU_EXAMPLE.read_text())
+    assert node == {"gpus": 8, "gpu_gib": 80} and w.duration == doc["duration"]
+    assert len(w.kernels) == len(doc["sessions"])
+    for k, s in zip(w.kernels, doc["sessions"], strict=True):
+        assert (k.kernel_id, k.user, k.gpus, k.shutdown_at) == (s["id"], s["user"], s["gpus"], s["stop"])
+        (session,) = k.sessions
+        t = session.start
+        for c, raw in zip(session.cells, s["cells"], strict=True):
+            t += c.gap
+            assert t == pytest.approx(raw["start"]) and c.duration == raw["duration"]
+            assert (c.n_gpus, c.nbytes, c.utilization) == (raw["gpus"], raw["bytes_per_gpu"], raw["sm"])
+            t += c.duration
+    assert {k.gpus for k in w.kernels} >= {1, 4, 8}
+    f = run(w, "gpushare", Settings(gpus=8, restore_mode="lazy"))
+    assert f["cells"] == sum(len(s["cells"]) for s in doc["sessions"]) and f["restores"] > 0
+
+
+def write_json_trace(tmp_path, cell: dict | None = None, session: dict | None = None) -> str:
+    s = {"id": "s1", "user": "ann", "start": 0, "stop": 500, "gpus": 2,
+         "cells": [{"start": 10, "duration": 5, "gpus": 2, "bytes_per_gpu": GiB, "sm": 30},
+                   {"start": 100, "duration": 5, "gpus": 0, "bytes_per_gpu": 0, "sm": 0, **(cell or {})}]}
+    s.update(session or {})
+    lines = ["{", '  "sessions": [', "    " + json.dumps({k: v for k, v in s.items() if k != "cells"})[:-1]
+             + ', "cells": [']
+    lines += ["      " + json.dumps(c) + ("," if i < len(s["cells"]) - 1 else "")
+              for i, c in enumerate(s["cells"])]
+    lines += ["    ]}", "  ]", "}"]
+    path = tmp_path / "t.json"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(("cell", "field", "words"), [
+    ({"start": "soon"}, "start", "not a number: 'soon'"),
+    ({"start": 12}, "start", "before the previous cell's end"),
+    ({"duration": -1}, "duration", "out of range"),
+    ({"gpus": 3}, "gpus", "more than its session's 2"),
+    ({"gpus": 1.5}, "gpus", "not a whole number"),
+    ({"bytes_per_gpu": None}, "bytes_per_gpu", "missing"),
+    ({"sm": 130}, "sm", "out of range (must be >= 0 and <= 100)"),
+    ({"sm": 20}, "sm", "on a cell of 0 GPUs"),
+    ({"bytes_after": 5}, "bytes_after", "more than bytes_per_gpu 0"),
+])
+def test_the_trace_reader_names_the_line_and_field_of_a_bad_cell(tmp_path, cell, field, words):
+    from jupyter_gpushare.simulate.trace import TraceError, read_trace
+
+    path = write_json_trace(tmp_path, cell=cell)
+    with pytest.raises(TraceError) as e:
+        read_trace(path)
+    assert str(e.value).startswith(f"{path}:5: field '{field}': ") and words in str(e.value)
+
+
+@pytest.mark.parametrize(("session", "field", "words"), [
+    ({"user": ""}, "user", "missing"),
+    ({"start": None}, "start", "missing"),
+    ({"stop": 50}, "stop", "before its last cell ends"),
+    ({"gpus": 0}, "gpus", "more than its session's 0"),
+    ({"cells": []}, "cells", "non-empty list"),
+])
+def test_the_trace_reader_names_the_line_and_field_of_a_bad_session(tmp_path, session, field, words):
+    from jupyter_gpushare.simulate.trace import TraceError, read_trace
+
+    path = write_json_trace(tmp_path, session=session)
+    with pytest.raises(TraceError) as e:
+        read_trace(path)
+    line = 4 if field == "gpus" else 3  # a session's own fields on its line; a cell's on its own
+    assert f"field '{field}': " in str(e.value) and words in str(e.value)
+    assert str(e.value).startswith(f"{path}:{line}: ")
+
+
+def test_the_trace_reader_names_duplicate_sessions_and_bad_json(tmp_path):
+    from jupyter_gpushare.simulate.trace import TraceError, read_trace
+
+    path = tmp_path / "t.json"
+    cell = {"start": 1, "duration": 1, "gpus": 1, "bytes_per_gpu": 1, "sm": 1}
+    session = {"id": "s", "user": "u", "start": 0, "cells": [cell]}
+    path.write_text("{\"sessions\": [\n" + json.dumps(session) + ",\n" + json.dumps(session) + "\n]}\n")
+    with pytest.raises(TraceError, match=r"t.json:3: field 'id': session 's' appears twice"):
+        read_trace(path)
+    path.write_text('{"sessions": [\n  {"id": "s",, }\n]}\n')
+    with pytest.raises(TraceError, match=r"t.json:2: not JSON: "):
+        read_trace(path)
+    path.write_text('{"users": []}\n')
+    with pytest.raises(TraceError, match=r"t.json:1: field 'sessions': missing"):
+        read_trace(path)
+
+
+CSV_HEAD = "session,user,session_start,session_stop,start,duration,gpus,bytes_per_gpu,sm\n"
+
+
+@pytest.mark.parametrize(("row", "field", "words"), [
+    ("s1,ann,0,500,100,x,1,1024,5", "duration", "not a number: 'x'"),
+    ("s1,ann,0,500,100,5,-1,1024,5", "gpus", "out of range"),
+    ("s1,bob,0,500,100,5,1,1024,5", "user", "differs from session 's1''s first row (line 2)"),
+    ("s1,ann,0,20,100,5,1,1024,5", "session_stop", "differs from"),
+    ("s1,ann,0,500,100,5,1,,5", "bytes_per_gpu", "missing"),
+    ("s2,ann,0,50,100,5,1,1024,5", "session_stop", "before its last cell ends"),
+])
+def test_the_trace_reader_names_the_line_and_field_of_a_bad_csv_row(tmp_path, row, field, words):
+    from jupyter_gpushare.simulate.trace import TraceError, read_trace
+
+    path = tmp_path / "t.csv"
+    path.write_text(CSV_HEAD + "s1,ann,0,500,10,5,1,1024,30\n" + row + "\n")
+    with pytest.raises(TraceError) as e:
+        read_trace(path)
+    assert str(e.value).startswith(f"{path}:3: field '{field}': ") and words in str(e.value)
+    path.write_text(CSV_HEAD.replace(",sm", ",sm_pct"))
+    with pytest.raises(TraceError, match=r":1: field 'sm': missing column"):
+        read_trace(path)
+
+
+def test_a_csv_trace_reads_as_its_json_twin(tmp_path):
+    from jupyter_gpushare.simulate.trace import read_trace
+
+    (tmp_path / "t.csv").write_text(CSV_HEAD + "s1,ann,0,500,10,5,2,1073741824,30\n"
+                                    "s1,ann,0,500,100,5,0,0,0\n")
+    w_csv, _ = read_trace(tmp_path / "t.csv")
+    w_json, _ = read_trace(write_json_trace(tmp_path))
+    assert w_csv.kernels == w_json.kernels and w_csv.duration == w_json.duration == 500.0
+
+
+def test_simulate_runs_a_trace_file_and_a_bad_one_is_an_error(tmp_path, capsys):
+    from jupyter_gpushare.simulate.cli import MULTI_GPU_EXAMPLE
+
+    assert main(["simulate", "--trace", str(MULTI_GPU_EXAMPLE), "--no-png", "--out", str(tmp_path),
+                 "--restore-mode", "lazy", "--placement", "load-aware"]) == 0
+    out = capsys.readouterr().out
+    assert "HEADLINE: fewest GPUs (machines of 8) that serve all 8 users" in out
+    assert all(len(line) <= 100 for line in out.splitlines())
+    doc = json.loads((tmp_path / "simulate.json").read_text())
+    (trace,) = doc["traces"]
+    h = trace["fewest_gpus"]
+    assert h["models"] == ["driver", "pinned"]
+    widest: dict[str, int] = {}
+    for s in json.loads(MULTI_GPU_EXAMPLE.read_text())["sessions"]:
+        widest[s["user"]] = max(widest.get(s["user"], 0), s["gpus"])
+    assert h["by_model"]["driver"]["exclusive"]["gpus"] == sum(widest.values())  # each their own
+    bad = write_json_trace(tmp_path, cell={"sm": "high"})
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "--trace", bad, "--no-png", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert f"{bad}:5: field 'sm': not a number: 'high'" in capsys.readouterr().err

@@ -4,7 +4,8 @@ Not to be confused with ``jupyter_gpushare.sim`` (the simulated GPU node the ser
 kernels run on where there is no GPU): this package runs no server and no kernel. It replays
 a workload (generated, or read from an installation's history) on a model of one or more GPU
 nodes, once per sharing policy, on a simulated clock, and reports what each policy gives:
-users per GPU, cell delays, work lost, allocation against utilization.
+the fewest GPUs that serve every user and their GPU-hours against reserving GPUs per session,
+users per GPU, cell delays and slowdowns, work lost, allocation against utilization.
 
 The ``gpushare`` policy calls :mod:`jupyter_gpushare.policy` unchanged, with candidates built
 the way :mod:`jupyter_gpushare.controller` builds them, so what it predicts is what the

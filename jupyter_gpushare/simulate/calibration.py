@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .workload import Workload
+from .workload import KernelWork, Workload
 
 BARELY = 0.05  # a kernel busy on the GPU less than this share of its life "barely computes"
 
@@ -22,11 +22,24 @@ PUBLISHED = {
     "kernel_lifetime_gpu_idle_pct": (
         "NotebookOS / Adobe (ASPLOS'26): notebook sessions leave their GPUs unused most of their lifetime",
         "most (> 50)"),
+    "cpu_only_cells_pct": (
+        "Production interactive-GPU notebook traces: about a third of cells use no GPU",
+        "about 33"),
 }
 
 
-def trace_statistics(w: Workload) -> dict[str, Any]:
+def peak_bytes(k: KernelWork) -> int:
+    """The most a kernel holds on all its GPUs together: its start, or its largest cell."""
+    per_gpu = max([k.gpu_bytes] + [c.nbytes for s in k.sessions for c in s.cells
+                                   if c.nbytes is not None])
+    return per_gpu * k.gpus
+
+
+def trace_statistics(w: Workload, marks_cpu_cells: bool = True) -> dict[str, Any]:
+    """``marks_cpu_cells`` False: the source cannot see CPU-only cells (a replayed history),
+    so their share is unknown (None), not 0."""
     held = barely = life_total = busy_total = 0.0
+    cells = cpu_only = 0
     train_span = train_busy = 0.0
     for k in w.kernels:
         start = k.first_start
@@ -37,7 +50,9 @@ def trace_statistics(w: Workload) -> dict[str, Any]:
             session_start, session_busy = t, 0.0
             for c in s.cells:
                 t += c.gap + c.duration
-                if c.utilization > 0:
+                cells += 1
+                cpu_only += not c.uses_gpu
+                if c.uses_gpu and c.utilization > 0:
                     session_busy += c.duration
             busy += session_busy
             if s.kind == "train":
@@ -45,18 +60,19 @@ def trace_statistics(w: Workload) -> dict[str, Any]:
                 train_busy += session_busy
         end = min(w.duration, max(t, k.shutdown_at if k.shutdown_at is not None else w.duration))
         life = max(end - start, 1.0)
-        held += k.gpu_bytes * life
+        held += peak_bytes(k) * life
         life_total += life
         busy_total += min(busy, life)
         if busy / life < BARELY:
-            barely += k.gpu_bytes * life
+            barely += peak_bytes(k) * life
     return {
         "users": len(w.users),
         "kernels": len(w.kernels),
-        "cells": sum(len(s.cells) for k in w.kernels for s in k.sessions),
+        "cells": cells,
+        "cpu_only_cells_pct": (100.0 * cpu_only / cells if cells else 0.0) if marks_cpu_cells else None,
         "barely_computing_memory_time_pct": 100.0 * barely / held if held else 0.0,
         # a replay does not know which sessions were training: None, not 0
         "train_session_idle_pct": 100.0 * (1 - train_busy / train_span) if train_span else None,
         "kernel_lifetime_gpu_idle_pct": 100.0 * (1 - busy_total / life_total) if life_total else 0.0,
-        "mean_kernel_gib": sum(k.gpu_bytes for k in w.kernels) / max(1, len(w.kernels)) / (1 << 30),
+        "mean_kernel_gib": sum(peak_bytes(k) for k in w.kernels) / max(1, len(w.kernels)) / (1 << 30),
     }

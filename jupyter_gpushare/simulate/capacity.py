@@ -1,10 +1,13 @@
-"""Runs: one policy on one workload, and the most users per GPU a policy serves.
+"""Runs: one policy on one workload; the fewest GPUs that serve a workload's users (the
+headline); and the most users per GPU a policy serves on a given node (the second table).
 
-"Serves" means: no cell failed for lack of GPU memory, and the 99th percentile of cell
-delay (the wait before a cell starts, over every cell) is within ``delay_bound``. The search
-assumes that more users never make things better (user ``i`` is the same person whatever the
-count, so adding users only adds load): it doubles users per GPU until a count fails, then
-bisects between the last that served and the first that did not.
+"Serves" means all of: no cell failed for lack of GPU memory; the 99th percentile of cell
+delay (the wait before a cell starts, over every cell) is within ``delay_bound``; the 99th
+percentile of GPU cells' slowdown (run time over the time alone on the GPU, from sharing
+SMs) is within ``slowdown_bound``; and no cell was left unfinished at the trace's end because
+sharing SMs slowed it. Both searches assume more load never makes things better (more users
+on a node, or fewer GPUs for the same users); the probes each tried are kept, so where that
+does not hold (round-robin placement can jump) it shows.
 """
 
 from __future__ import annotations
@@ -18,14 +21,75 @@ from .settings import POLICIES, Settings
 from .workload import GiB, Workload
 
 
-def run(workload: Workload, policy: str, s: Settings, series: bool = False) -> dict[str, Any]:
+def run(workload: Workload, policy: str, s: Settings, series: bool = False,
+        total_gpus: int | None = None) -> dict[str, Any]:
+    """One run; ``total_gpus``: that many GPUs (machines of ``s.gpus``) instead of the node."""
     sim = Simulation(workload, POLICIES[policy](s), int(s.gpu_gib * GiB), s.gpus, s.transfer,
-                     nodes=s.nodes, bin_seconds=s.bin_seconds)
+                     nodes=s.nodes, bin_seconds=s.bin_seconds, restore_mode=s.restore_mode,
+                     placement=s.placement, total_gpus=total_gpus)
     return figures(sim.run(), series=series)
 
 
+def why_not(f: dict[str, Any], s: Settings) -> list[str]:
+    """What keeps a run from serving; empty when it serves."""
+    out = []
+    if f["oom_failures"]:
+        out.append(f"{f['oom_failures']} cells out of memory")
+    if f["cell_delay_p99_s"] > s.delay_bound:
+        out.append(f"p99 delay {f['cell_delay_p99_s']:.2f} s > {s.delay_bound:g} s")
+    if f["gpu_cell_slowdown_p99"] > s.slowdown_bound:
+        out.append(f"p99 slowdown {f['gpu_cell_slowdown_p99']:.2f} > {s.slowdown_bound:g}")
+    if f["cells_unfinished_contention"]:
+        out.append(f"{f['cells_unfinished_contention']} cells unfinished (SMs shared)")
+    return out
+
+
 def serves(f: dict[str, Any], s: Settings) -> bool:
-    return f["oom_failures"] == 0 and f["cell_delay_p99_s"] <= s.delay_bound
+    return not why_not(f, s)
+
+
+def fewest_gpus(policy: str, workload: Workload, s: Settings) -> dict[str, Any]:
+    """The fewest GPUs (in machines of ``s.gpus``) on which ``policy`` serves every user of
+    ``workload``, with that run's figures; ``exclusive``: its own count, by definition.
+
+    Bisects between the widest kernel's GPUs and exclusive's count (which serves unless a
+    user's own kernels do not fit a GPU); None where not even that serves."""
+    probes: list[dict[str, Any]] = []
+    cache: dict[int, dict[str, Any]] = {}
+    top = sum(workload.user_gpus().values())
+    low = max((k.gpus for k in workload.kernels), default=1)
+
+    def ok(gpus: int) -> bool:
+        if gpus not in cache:
+            cache[gpus] = run(workload, policy, s, total_gpus=gpus)
+            f = cache[gpus]
+            probes.append({"gpus": gpus, "serves": serves(f, s), "why_not": why_not(f, s)})
+        return serves(cache[gpus], s)
+
+    if policy == "exclusive":
+        best: int | None = top if ok(top) else None
+    else:
+        best = None
+        lo, hi = low - 1, top  # lo fails (or is below what a kernel needs), hi is to check
+        if ok(hi):
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (lo, mid) if ok(mid) else (mid, hi)
+            best = hi
+    f = cache.get(best) if best is not None else None
+    hours = workload.duration / 3600.0
+    reserved = workload.reserved_gpu_seconds() / 3600.0
+    paid = None if f is None else f["gpu_hours"]
+    return {
+        "gpus": best,
+        "users": len(workload.users),
+        "gpu_hours": paid,
+        "reserved_gpu_hours": reserved,
+        "vs_reserved": None if paid is None or not reserved else paid / reserved,
+        "hours": hours,
+        "figures": f,
+        "probes": sorted(probes, key=lambda p: p["gpus"]),
+    }
 
 
 def most_users(policy: str, workload_for: Callable[[int], Workload], s: Settings) -> dict[str, Any]:
@@ -63,7 +127,9 @@ def most_users(policy: str, workload_for: Callable[[int], Workload], s: Settings
         best = lo
     return {
         "users": best,
-        "users_per_gpu": best / gpus,
+        # exclusive: its users over the GPUs it gave them (more than one each for wide kernels)
+        "users_per_gpu": (cache[best]["users_per_gpu"] if policy == "exclusive" and best
+                          else best / gpus),
         "capped": policy != "exclusive" and best >= s.max_users_per_gpu * gpus,
         "figures": cache.get(best),
         "probes": sorted(probes, key=lambda p: p["users"]),

@@ -1,8 +1,15 @@
 """``jupyter gpushare simulate``: compare sharing policies on a workload, print and save it.
 
-Without ``--replay``: the synthetic default workload and the shipped example replay. With
-``--replay PATH`` (repeatable): an exported history of your own installation instead (a
-directory of ``NAME.history.json`` and ``NAME.events.jsonl`` files; see docs/admin-guide.md).
+Without ``--replay`` or ``--trace``: the synthetic default workload and the shipped example
+replay. With ``--replay PATH`` (repeatable): an exported history of your own installation
+instead (a directory of ``NAME.history.json`` and ``NAME.events.jsonl`` files; see
+docs/admin-guide.md). With ``--trace FILE`` (repeatable): a trace in the documented format
+(JSON or CSV; docs/trace-format.md), written from any source.
+
+The headline: for each policy, the fewest GPUs that serve all the workload's users, and the
+GPU-hours they cost against reserving GPUs for each user's sessions; under the transfer
+model chosen and the other of ``driver`` / ``pinned``. Then the most users per GPU on the
+node, as a second table.
 """
 
 from __future__ import annotations
@@ -17,14 +24,20 @@ from typing import Any
 from ..policy import PolicyConfig
 from . import report
 from .calibration import trace_statistics
-from .capacity import most_users, run
+from .capacity import fewest_gpus, most_users, run
+from .engine import PLACEMENTS, RESTORE_MODES
 from .generator import generate
+from .policies import GPUShare
 from .replay import read_replay
 from .settings import POLICIES, Settings
+from .trace import TraceError, read_trace
 from .transfer import GB, PRESETS, TransferModel
 from .workload import Workload, with_users
 
+COMPARED_MODELS = ("driver", "pinned")  # the headline is shown under both (and the chosen one)
+
 EXAMPLE = Path(__file__).parent / "example_trace"
+MULTI_GPU_EXAMPLE = Path(__file__).parent / "example_multigpu.json"  # docs/trace-format.md
 
 
 def parser() -> argparse.ArgumentParser:
@@ -34,8 +47,18 @@ def parser() -> argparse.ArgumentParser:
                     help="a smaller default workload (4 GPUs, 2 days) and search: under a minute")
     ap.add_argument("--replay", action="append", metavar="PATH",
                     help="an exported history to replay instead of the default workload and example")
+    ap.add_argument("--trace", action="append", metavar="FILE",
+                    help="a workload trace (JSON or CSV, docs/trace-format.md) instead of the "
+                         "default workload and example")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help=f"comma-separated, of: {', '.join(POLICIES)} (default: all)")
+    ap.add_argument("--restore-mode", choices=RESTORE_MODES, default="eager",
+                    help="eager: every cell restores a released kernel first; lazy: cells that "
+                         "use no GPU run without a restore (default eager)")
+    ap.add_argument("--placement", choices=PLACEMENTS, default="round-robin",
+                    help="where sharing policies put a kernel: round-robin by user, or "
+                         "load-aware (most free memory after held and reserved bytes, then "
+                         "least SM load) at its start (default round-robin)")
     node = ap.add_argument_group("the node")
     node.add_argument("--gpus", type=int, help="GPUs per node (default 8; a replay's trace.json may say)")
     node.add_argument("--gpu-gib", type=float, help="GiB per GPU (default 80)")
@@ -45,11 +68,15 @@ def parser() -> argparse.ArgumentParser:
                       help="load of the side-by-side table (default 3, the goal's)")
     load.add_argument("--days", type=int, default=5, help="from a Monday; weekdays work (default 5)")
     load.add_argument("--seed", type=int, default=0)
-    search = ap.add_argument_group("users per GPU")
+    search = ap.add_argument_group("what serves: no OOM, both bounds, no cell unfinished")
     search.add_argument("--delay-bound", type=float, default=1.0,
                         help="p99 cell delay (s) within which users count as served (default 1)")
+    search.add_argument("--slowdown-bound", type=float, default=1.1,
+                        help="p99 slowdown of GPU cells from sharing SMs within which users "
+                             "count as served (default 1.1)")
     search.add_argument("--max-users-per-gpu", type=int, default=12)
-    search.add_argument("--no-capacity", action="store_true", help="only the side-by-side table")
+    search.add_argument("--no-capacity", action="store_true",
+                        help="only the side-by-side table (no fewest GPUs, no users per GPU)")
     gs = ap.add_argument_group("the gpushare policy (the product's options, same defaults)")
     defaults = PolicyConfig()
     gs.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout)
@@ -59,9 +86,11 @@ def parser() -> argparse.ArgumentParser:
     gs.add_argument("--pressure-idle-timeout", type=float, default=defaults.pressure_idle_timeout)
     gs.add_argument("--poll-interval", type=float, default=2.0)
     tm = ap.add_argument_group("release / restore time: overhead + bytes / bandwidth")
-    tm.add_argument("--restore-model", choices=sorted(PRESETS), default="h100",
-                    help="h100: published cuda-checkpoint figures and PCIe Gen5; sim: this "
-                         "project's simulated release/restore benchmark (default h100)")
+    tm.add_argument("--restore-model", choices=sorted(PRESETS), default="driver",
+                    help="driver: the line through cuda-checkpoint's two published H100 points "
+                         "(~5.4 GB/s restore, ~3.1 GB/s release, ~0.17 s); pinned: the framework "
+                         "method's best case, copies at the pinned PCIe Gen5 limit; h100: the "
+                         "former default; sim: this project's simulated benchmark (default driver)")
     tm.add_argument("--restore-overhead", type=float, help="s (overrides the model's)")
     tm.add_argument("--restore-bandwidth", type=float, help="GB/s (overrides the model's)")
     tm.add_argument("--release-overhead", type=float, help="s (overrides the model's)")
@@ -97,14 +126,42 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     nodes=args.nodes, transfer=transfer, config=config,
                     poll_interval=args.poll_interval, cull_after=args.cull_after,
                     cull_interval=args.cull_interval, delay_bound=args.delay_bound,
+                    slowdown_bound=args.slowdown_bound, restore_mode=args.restore_mode,
+                    placement=args.placement,
                     max_users_per_gpu=min(args.max_users_per_gpu, 8) if args.quick else args.max_users_per_gpu,
                     seed=args.seed)
+
+
+def moves_state(policy: str, s: Settings) -> bool:
+    """Whether the policy's figures depend on the transfer model (it releases and restores)."""
+    return isinstance(POLICIES[policy](s), GPUShare)
+
+
+def headline(workload: Workload, s: Settings, policies: list[str]) -> dict[str, Any]:
+    """Fewest GPUs per policy under the chosen transfer model and the compared ones (a policy
+    that never moves state is searched once: the model does not change it)."""
+    models = [s.transfer] + [PRESETS[m] for m in COMPARED_MODELS if m != s.transfer.name]
+    out: dict[str, Any] = {"models": [m.name for m in models], "by_model": {}}
+    first: dict[str, Any] = {}
+    for i, model in enumerate(models):
+        sm = replace(s, transfer=model)
+        rows = {}
+        for p in policies:
+            if i and not moves_state(p, s):
+                rows[p] = first[p]
+            else:
+                rows[p] = fewest_gpus(p, workload, sm)
+        if not i:
+            first = rows
+        out["by_model"][model.name] = rows
+    return out
 
 
 def compare(name: str, source: str, workload_for: Any, reference_users: int, s: Settings,
             policies: list[str], capacity: bool, stats: dict[str, Any],
             recorded: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every policy on the same workload, and (optionally) each one's most users per GPU."""
+    """Every policy on the same workload; (optionally) each one's fewest GPUs for all its
+    users, under each compared transfer model, and its most users per GPU on the node."""
     reference = {p: run(workload_for(reference_users), p, s, series=True) for p in policies}
     result: dict[str, Any] = {
         "name": name, "source": source,
@@ -114,6 +171,7 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
     if recorded is not None:
         result["recorded_events"] = recorded
     if capacity:
+        result["fewest_gpus"] = headline(workload_for(reference_users), s, policies)
         result["capacity"] = {p: most_users(p, workload_for, s) for p in policies}
         result["goal"] = report.goal(result["capacity"], s.delay_bound)
         result["tails"] = {p: report.tail_note(p, c, s.delay_bound)
@@ -130,22 +188,32 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
     print()
     say(f"== {r['name']}: {r['source']}")
     say(f"node: {node['nodes']} x {node['gpus_per_node']} GPUs of {node['gpu_gib']:g} GiB; "
-        f"{s.transfer.describe()}")
+        f"restore mode {s.restore_mode}; placement {s.placement}; {s.transfer.describe()}")
     if r["statistics"]:
         print("\nthe workload against the published figures the generator is calibrated to:")
         print(report.statistics_table(r["statistics"], wide))
     print()
     say(f"same workload, {r['reference_users']} users, every policy "
-        f"(exclusive: one GPU each; the others: {node['nodes'] * node['gpus_per_node']} GPUs):")
+        f"(exclusive: each user's own GPUs; the others: {node['nodes'] * node['gpus_per_node']} "
+        "GPUs):")
     print(report.same_load_table(r["reference"], wide))
     if "recorded_events" in r and "gpushare" in r["reference"]:
         rec, sim = r["recorded_events"], r["reference"]["gpushare"]
         say(f"recorded in the trace: {rec['releases']} releases, {rec['restores']} restores; "
             f"simulated gpushare: {sim['releases']} releases, {sim['restores']} restores")
+    if "fewest_gpus" in r:
+        h = r["fewest_gpus"]
+        print()
+        say(f"HEADLINE: fewest GPUs (machines of {node['gpus_per_node']}) that serve all "
+            f"{r['reference_users']} users: no out-of-memory cell, p99 cell delay <= "
+            f"{s.delay_bound:g} s, p99 slowdown of GPU cells <= {s.slowdown_bound:g}, no cell "
+            f"unfinished; transfer model {h['models'][0]} (other models: last columns):")
+        print(report.fewest_table(h, wide))
     if "capacity" in r:
         print()
-        say(f"most users per GPU with no out-of-memory failure and p99 cell delay <= "
-            f"{s.delay_bound:g} s (+ = the search's cap):")
+        say(f"most users per GPU on the node with no out-of-memory failure, p99 cell delay <= "
+            f"{s.delay_bound:g} s, p99 slowdown <= {s.slowdown_bound:g} and no cell unfinished "
+            f"(+ = the search's cap):")
         print(report.capacity_table(r["capacity"], wide))
         in_goal = "gpushare" if r["goal"].get("tail") else None
         for policy, note in r["tails"].items():
@@ -163,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
         parser().error(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
     base = settings_from(args)
     results = []
-    if not args.replay:
+    traces: list[tuple[str, Workload, dict[str, Any]]] = []
+    for path in args.trace or []:
+        try:
+            traces.append((path, *read_trace(path)))
+        except TraceError as e:
+            parser().exit(2, f"jupyter gpushare simulate: error: {e}\n")
+    if not args.replay and not args.trace:
         days = 2 if args.quick else args.days
         most = base.max_users_per_gpu * base.total_gpus
         synthetic = generate(most, days=days, seed=base.seed, gpu_gib=base.gpu_gib)
@@ -172,7 +246,18 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare("default workload", source, synthetic.first_users, reference, base,
                                policies, not args.no_capacity,
                                trace_statistics(synthetic.first_users(reference))))
-    for path in args.replay or [str(EXAMPLE)]:
+    for path, tw, node in traces:
+        s = replace(base, gpus=args.gpus or int(node.get("gpus", base.gpus)),
+                    gpu_gib=args.gpu_gib or float(node.get("gpu_gib", base.gpu_gib)))
+        widest = max(k.gpus for k in tw.kernels)
+        if widest > s.gpus:
+            parser().exit(2, f"jupyter gpushare simulate: error: {path}: a session of {widest} "
+                             f"GPUs cannot run on machines of {s.gpus} (--gpus)\n")
+        results.append(compare(f"trace {Path(path).name}", tw.source,
+                               lambda n, w=tw, seed=s.seed: with_users(w, n, seed),
+                               len(tw.users), s, policies, not args.no_capacity,
+                               trace_statistics(tw)))
+    for path in args.replay or ([] if args.trace else [str(EXAMPLE)]):
         rep = read_replay(path)
         s = replace(base, gpus=args.gpus or int(rep.node.get("gpus", base.gpus)),
                     gpu_gib=args.gpu_gib or float(rep.node.get("gpu_gib", base.gpu_gib)))
@@ -180,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         name = "example replay" if Path(path) == EXAMPLE else f"replay {path}"
         results.append(compare(name, w.source, lambda n, w=w, seed=s.seed: with_users(w, n, seed),
                                len(w.users), s, policies, not args.no_capacity,
-                               trace_statistics(w), rep.recorded))
+                               trace_statistics(w, marks_cpu_cells=False), rep.recorded))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes = []

@@ -1,10 +1,19 @@
 """The discrete-event loop: kernels, their cells, releases, restores and culls.
 
-The engine owns the mechanics that are the same under every policy (a cell runs when its
-kernel's state is on the GPU; memory is allocated, freed, moved to host and back, taking the
-transfer model's time) and asks a :class:`~.policies.Policy` for every decision (where a
-kernel goes, whether it fits, what to release, when to restore). Time is the simulation
-clock only: ``Simulation.now``.
+The engine owns the mechanics that are the same under every policy (a cell that uses the GPU
+runs when its kernel's state is on all of the kernel's GPUs; memory is allocated, grown,
+freed, moved to host and back, taking the transfer model's time per GPU, the GPUs of one
+kernel in parallel) and asks a :class:`~.policies.Policy` for every decision (where a kernel
+goes, whether it fits, what to release, when to restore). Time is the simulation clock only:
+``Simulation.now``.
+
+Restore modes: ``eager`` (every cell that arrives at a released kernel restores it first, as
+the product's gate does by default) and ``lazy`` (a cell that uses no GPU runs at once, its
+kernel's state staying on the host; only cells that use the GPU restore it).
+Placement: ``round-robin`` (user ``i``'s kernels on GPU ``i mod G``, and the next ones for a
+kernel of several GPUs) or ``load-aware`` (at each kernel's start, the GPUs of its user's
+machine with the most memory free after what is held and what released kernels placed there
+will take back, then the least SM load).
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ RESTORING = "restoring"
 CULLED = "culled"  # killed by the culler; the next cell starts it again and re-runs its work
 ENDED = "ended"  # shut down by its person
 
+RESTORE_MODES = ("eager", "lazy")
+PLACEMENTS = ("round-robin", "load-aware")
+
 
 def reason_kind(reason: str) -> str:
     """The policy module's reason without its numbers: idle, memory pressure, making room."""
@@ -56,7 +68,8 @@ class Kernel:
     work: KernelWork
     index: int
     user_index: int
-    gpu: int = 0
+    gpus: list[int] = field(default_factory=lambda: [0])  # where it runs: all on one machine
+    held: int = 0  # bytes per GPU of its state (on the GPUs or, released, on the host)
     state: str = NEW
     busy: bool = False
     running_utilization: float = 0.0  # SM % of the cell it runs now
@@ -75,8 +88,18 @@ class Kernel:
         return self.work.kernel_id
 
     @property
+    def gpu(self) -> int:
+        """Its first GPU (the machine it is on is this GPU's)."""
+        return self.gpus[0]
+
+    @property
     def nbytes(self) -> int:
-        return self.work.gpu_bytes
+        """Bytes per GPU: a release or restore moves this much on each GPU, in parallel."""
+        return self.held
+
+    @property
+    def total_bytes(self) -> int:
+        return self.held * len(self.gpus)
 
     @property
     def alive(self) -> bool:
@@ -91,6 +114,7 @@ class CellRecord:
     duration: float  # nominal
     utilization: float
     restore_seconds: float  # the restore it waited for (0: none)
+    gpus: int = 1  # GPUs it computed on (0: a CPU-only cell)
     end: float | None = None  # None: still running at the end of the trace
 
     @property
@@ -104,7 +128,8 @@ Observer = Callable[[float, "Kernel", str, dict], None]
 
 @dataclass
 class Counters:
-    oom_failures: int = 0
+    oom_failures: int = 0  # cells failed for lack of memory: at a kernel's start or growth
+    oom_growth: int = 0  # of which: a cell that allocated more than its GPUs had free
     releases: int = 0
     restores: int = 0
     culls: int = 0
@@ -118,7 +143,16 @@ class Counters:
 class Simulation:
     def __init__(self, workload: Workload, policy: Policy, gpu_bytes: int, gpus_per_node: int,
                  transfer: TransferModel, nodes: int = 1, bin_seconds: float = 600.0,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, restore_mode: str = "eager",
+                 placement: str = "round-robin", total_gpus: int | None = None):
+        """``total_gpus``: that many GPUs in machines of ``gpus_per_node`` (the last one
+        partly filled), instead of ``nodes`` full machines."""
+        if restore_mode not in RESTORE_MODES:
+            raise ValueError(f"restore mode {restore_mode!r}: one of {', '.join(RESTORE_MODES)}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement {placement!r}: one of {', '.join(PLACEMENTS)}")
+        self.restore_mode = restore_mode
+        self.placement = placement
         self.workload = workload
         self.observer = observer
         self.policy = policy
@@ -128,12 +162,19 @@ class Simulation:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         user_index = {u: i for i, u in enumerate(workload.users)}
+        width = workload.user_gpus()
+        # the GPUs before each user's, were every user given their widest kernel's in turn
+        self.user_offset = list(itertools.accumulate((width[u] for u in workload.users), initial=0))
         self.kernels = [Kernel(w, i, user_index[w.user]) for i, w in enumerate(workload.kernels)]
         self.by_user: dict[int, list[Kernel]] = {}
         for k in self.kernels:
             self.by_user.setdefault(k.user_index, []).append(k)
-        n_gpus = policy.gpu_count(len(workload.users), gpus_per_node * nodes)
+        n_gpus = policy.gpu_count(workload, gpus_per_node * nodes if total_gpus is None else total_gpus)
         self.gpus_per_node = gpus_per_node
+        wide = max((k.gpus for k in workload.kernels), default=1)
+        if wide > min(gpus_per_node, n_gpus) and policy.name != "exclusive":
+            raise ValueError(f"a kernel of {wide} GPUs cannot run on machines of "
+                             f"{min(gpus_per_node, n_gpus)} GPUs")
         self.node = Node([gpu_bytes] * n_gpus, self.duration, bin_seconds, self.schedule)
         self.reclaimed = Meter(bin_seconds, self.duration)  # bytes off the GPU of live kernels
         self._reclaimed_bytes = 0
@@ -141,7 +182,8 @@ class Simulation:
         self.counters = Counters()
         policy.setup(self)
         for k in self.kernels:
-            k.gpu = policy.place(self, k)
+            k.gpus = policy.place(self, k)
+            k.held = k.work.gpu_bytes
             if k.work.sessions:
                 s = k.work.sessions[0]
                 self.schedule(s.start + s.cells[0].gap, functools.partial(self._arrive, k))
@@ -172,14 +214,20 @@ class Simulation:
         self._dispatch(k)
 
     def _dispatch(self, k: Kernel) -> None:
+        assert k.pending is not None
         if k.state == RESIDENT:
             self._start_cell(k)
+        elif (self.restore_mode == "lazy" and not k.pending.cell.uses_gpu
+              and k.state in (RELEASED, RELEASING)):
+            self._start_cell(k)  # its process runs; its CUDA state stays where it is
         elif k.state in (NEW, CULLED):
             self._start_kernel(k)
         elif k.state != RESTORING:  # RESTORING: the cell starts when the restore is done
             self.policy.on_needs_gpu(self, k)
 
     def _start_kernel(self, k: Kernel) -> None:
+        k.held = k.work.gpu_bytes  # a (re)started process holds what it allocates at start
+        k.gpus = self.policy.place_at_start(self, k)
         if not self.policy.fits(self, k):
             self.counters.oom_failures += 1  # the cell fails; the person tries the next one
             pending, k.pending = k.pending, None
@@ -188,7 +236,7 @@ class Simulation:
             return
         self._allocate(k)
         if k.state == CULLED:
-            self._reclaim(-k.nbytes)
+            self._reclaim(-k.total_bytes)
             self.counters.restarts += 1
             self.counters.work_lost_seconds += k.lost_on_restart  # re-run on this next use
             k.lost_on_restart = 0.0
@@ -197,15 +245,52 @@ class Simulation:
         self._start_cell(k)
 
     def _start_cell(self, k: Kernel) -> None:
-        w, k.pending = k.pending, None
+        w = k.pending
         assert w is not None
-        rec = CellRecord(k.index, w.arrival, self.now, w.cell.duration, w.cell.utilization,
-                         w.restore_seconds)
+        cell = w.cell
+        if k.state == RESIDENT and cell.nbytes is not None and cell.nbytes > k.held:
+            if not self._grow(k, cell.nbytes):  # CUDA out of memory: the cell fails
+                self.counters.oom_failures += 1
+                self.counters.oom_growth += 1
+                k.pending = None
+                k.last_activity = self.now
+                self._next_cell(k, self.now)
+                self.policy.on_idle(self, k)
+                return
+        k.pending = None
+        on = k.gpus[:min(cell.n_gpus, len(k.gpus))] if k.state == RESIDENT else []
+        rec = CellRecord(k.index, w.arrival, self.now, cell.duration, cell.utilization,
+                         w.restore_seconds, len(on))
         self.cells.append(rec)
-        k.busy, k.running_utilization = True, w.cell.utilization
+        k.busy, k.running_utilization = True, cell.utilization if on else 0.0
         k.last_activity = self.now
-        self.node.run(self.now, k.gpu, w.cell.duration, w.cell.utilization,
-                      lambda t: self._end_cell(k, rec, t))
+        if not on:
+            end = self.now + cell.duration
+            self.schedule(end, lambda: self._end_cell(k, rec, end))
+            return
+        left = [len(on)]  # a cell of several GPUs ends when its slowest GPU's share ends
+
+        def part_done(t: float) -> None:
+            left[0] -= 1
+            if not left[0]:
+                self._end_cell(k, rec, t)
+
+        for g in on:
+            self.node.run(self.now, g, cell.duration, cell.utilization, part_done)
+
+    def _grow(self, k: Kernel, nbytes: int) -> bool:
+        """The kernel allocates up to ``nbytes`` per GPU; False if a GPU has not the room."""
+        delta = nbytes - k.held
+        if any(self.node.free(g) < delta for g in k.gpus):
+            return False
+        for g in k.gpus:
+            self.node.allocate(self.now, g, delta)
+            self._peak(g)
+        k.held = nbytes
+        self.note(k, "memory", nbytes=k.total_bytes)
+        for g in k.gpus:
+            self.policy.on_allocated(self, g)
+        return True
 
     def note(self, k: Kernel, what: str, **data: object) -> None:
         if self.observer is not None:
@@ -216,9 +301,12 @@ class Simulation:
         self.note(k, "cell", start=rec.start, end=t, utilization=rec.utilization)
         k.busy = False
         k.last_activity = t
-        k.compute_since_start += rec.duration
-        if rec.utilization > 0:
+        k.compute_since_start += rec.duration * rec.gpus  # GPU-s: what a cull makes re-run
+        if rec.gpus and rec.utilization > 0:
             k.last_gpu_end, k.last_gpu_utilization = t, rec.utilization
+        cell = k.work.sessions[k.session].cells[k.cell]
+        if cell.keeps is not None and k.state == RESIDENT and cell.keeps < k.held:
+            self._shrink(k, cell.keeps)
         self._next_cell(k, t)
         self.policy.on_idle(self, k)
 
@@ -244,23 +332,45 @@ class Simulation:
         if k.state == RESIDENT:
             self._free(k)
         elif k.state in (RELEASED, CULLED):
-            self._reclaim(-k.nbytes)
+            self._reclaim(-k.total_bytes)
         k.state = ENDED
         self.note(k, "ended")
-        self.policy.on_memory_freed(self, k.gpu)
+        self._freed(k)
 
     # -- memory -----------------------------------------------------------------------------------
     def _allocate(self, k: Kernel) -> None:
-        self.node.allocate(self.now, k.gpu, k.nbytes)
-        self.note(k, "memory", nbytes=k.nbytes)
-        used = self.node.gpus[k.gpu].used
-        if used > self.counters.peak_used.get(k.gpu, 0):
-            self.counters.peak_used[k.gpu] = used
-        self.policy.on_allocated(self, k.gpu)
+        for g in k.gpus:
+            self.node.allocate(self.now, g, k.held)
+            self._peak(g)
+        self.note(k, "memory", nbytes=k.total_bytes)
+        for g in k.gpus:
+            self.policy.on_allocated(self, g)
+
+    def _peak(self, g: int) -> None:
+        used = self.node.gpus[g].used
+        if used > self.counters.peak_used.get(g, 0):
+            self.counters.peak_used[g] = used
 
     def _free(self, k: Kernel) -> None:
-        self.node.release(self.now, k.gpu, k.nbytes)
+        for g in k.gpus:
+            self.node.release(self.now, g, k.held)
         self.note(k, "memory", nbytes=0)
+
+    def _shrink(self, k: Kernel, nbytes: int) -> None:
+        """A cell freed memory (``Cell.keeps``): the kernel holds ``nbytes`` per GPU after it."""
+        for g in k.gpus:
+            self.node.release(self.now, g, k.held - nbytes)
+        k.held = nbytes
+        self.note(k, "memory", nbytes=k.total_bytes)
+        self._freed(k)
+
+    def _freed(self, k: Kernel) -> None:
+        for g in k.gpus:
+            self.policy.on_memory_freed(self, g)
+
+    def reserved(self, gpu: int) -> int:
+        """Bytes that released kernels placed on ``gpu`` will take back when restored."""
+        return sum(k.held for k in self.kernels if k.state == RELEASED and gpu in k.gpus)
 
     def _reclaim(self, delta: int) -> None:
         self._reclaimed_bytes += delta
@@ -278,26 +388,28 @@ class Simulation:
 
         def released() -> None:
             self._free(k)
-            self._reclaim(k.nbytes)
+            self._reclaim(k.total_bytes)
             k.state = RELEASED
             self.counters.releases += 1
             self.note(k, "released", seconds=self.now - started, reason=reason)
-            self.policy.on_memory_freed(self, k.gpu)
+            self._freed(k)
             if then is not None:
                 then()
             if k.pending is not None and k.state == RELEASED:
                 self.policy.on_needs_gpu(self, k)
 
-        self.schedule(self.now + self.transfer.release_seconds(k.nbytes), released)
+        # each GPU's share moves over its own link, all at once: the time of one GPU's bytes
+        self.schedule(self.now + self.transfer.release_seconds(k.held), released)
         return True
 
     def restore(self, k: Kernel) -> None:
-        """Bring a released kernel back; the caller has checked that it fits."""
+        """Bring a released kernel back onto all its GPUs at once (in parallel, one copy per
+        GPU); the caller has checked that it fits on every one of them."""
         assert k.state == RELEASED and k.pending is not None
         self._allocate(k)
-        self._reclaim(-k.nbytes)
+        self._reclaim(-k.total_bytes)
         k.state = RESTORING
-        seconds = self.transfer.restore_seconds(k.nbytes)
+        seconds = self.transfer.restore_seconds(k.held)
         k.pending.restore_seconds = seconds  # eager mode: only a cell triggers a restore
 
         def restored() -> None:
@@ -313,12 +425,16 @@ class Simulation:
         """Kill an idle kernel: its memory is freed and its work since it started is lost."""
         assert k.state == RESIDENT and not k.busy
         self._free(k)
-        self._reclaim(k.nbytes)
+        self._reclaim(k.total_bytes)
         k.state = CULLED
         k.lost_on_restart = k.compute_since_start
         k.compute_since_start = 0.0
         self.counters.culls += 1
-        self.policy.on_memory_freed(self, k.gpu)
+        self._freed(k)
+
+    def fits_now(self, k: Kernel) -> bool:
+        """Whether ``k``'s state fits on every one of its GPUs now."""
+        return all(self.node.free(g) >= k.held for g in k.gpus)
 
     def node_gpus(self, gpu: int) -> range:
         """The GPUs of the machine ``gpu`` is on (a server sees its own machine's GPUs)."""

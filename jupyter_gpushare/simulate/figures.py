@@ -32,10 +32,16 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
     delays = [r.delay for r in sim.cells] + [duration - a for a in c.still_waiting]
     delayed = [d for d in delays if d > DELAYED]
     worst = _worst_cell(sim)
-    stretch = [(r.end - r.start) / r.duration for r in sim.cells
-               if r.end is not None and r.utilization > 0 and r.duration > 0]
-    extra = sum(r.end - r.start - r.duration for r in sim.cells
-                if r.end is not None and r.utilization > 0)
+    # cells that would have finished by the end at full speed but were still running: slowed
+    # by sharing SMs; counted, and in the slowdown figure with their stretch so far (at least)
+    unfinished = [r for r in sim.cells if r.end is None and r.gpus and r.utilization > 0
+                  and r.start + r.duration <= duration]
+    stretch = [((duration if r.end is None else r.end) - r.start) / r.duration for r in sim.cells
+               if r.gpus and r.utilization > 0 and r.duration > 0
+               and (r.end is not None or r.start + r.duration <= duration)]
+    extra = sum((r.end - r.start - r.duration) * r.gpus for r in sim.cells
+                if r.end is not None and r.gpus and r.utilization > 0)
+    gpu_seconds = len(gpus) * duration
     held = sum(m.total for m in sim.node.memory)
     busy = sum(m.total for m in sim.node.sm)
     out: dict[str, Any] = {
@@ -50,6 +56,10 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         "cells": len(delays),
         "cells_failed_oom": c.oom_failures,
         "oom_failures": c.oom_failures,
+        "oom_on_growth": c.oom_growth,
+        "cpu_only_cells": sum(1 for r in sim.cells if not r.gpus),
+        "restore_mode": sim.restore_mode,
+        "placement": sim.placement,
         "cells_delayed": len(delayed),
         "cells_delayed_pct": 100.0 * len(delayed) / max(1, len(delays)),
         "cells_still_waiting_at_end": len(c.still_waiting),
@@ -66,11 +76,18 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         "restores": c.restores,
         "culls": c.culls,
         "restarts": c.restarts,
-        "work_lost_gpu_hours": c.work_lost_seconds / HOUR,
+        "work_lost_gpu_hours": c.work_lost_seconds / HOUR,  # GPU cells' time x their GPUs
         "reclaimed_gpu_hours": sim.reclaimed.total / capacity / HOUR,
-        "mean_allocation_pct": 100.0 * held / (len(gpus) * capacity * duration),
-        "mean_sm_utilization_pct": busy / (len(gpus) * duration),
+        "mean_allocation_pct": 100.0 * held / (gpu_seconds * capacity),
+        "mean_sm_utilization_pct": busy / gpu_seconds,
+        # GPU-h paid: the GPUs for the trace; exclusive: each user's GPUs while a kernel of
+        # theirs is alive (a scheduler's reservation per session), not the whole trace
+        "gpu_hours": (sim.workload.reserved_gpu_seconds() if sim.policy.name == "exclusive"
+                      else gpu_seconds) / HOUR,
+        "reserved_gpu_hours": sim.workload.reserved_gpu_seconds() / HOUR,
         "sm_sharing_stretch_p99": quantile(stretch, 0.99) if stretch else 1.0,
+        "gpu_cell_slowdown_p99": quantile(stretch, 0.99) if stretch else 1.0,
+        "cells_unfinished_contention": len(unfinished),
         "sm_sharing_extra_hours": extra / HOUR,
         "peak_used_pct": 100.0 * max(c.peak_used.values(), default=0) / capacity,
     }

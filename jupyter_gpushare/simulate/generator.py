@@ -15,6 +15,11 @@ a generated workload are printed next to these by ``calibration.trace_statistics
   sessions leave their reserved GPUs unused during most of their lifetime. Here: "build"
   sessions (short GPU cells between long think times) and kernels that live overnight.
 
+- **Production interactive-GPU notebook traces**: about a third of cells use no GPU at all;
+  kernels grow as their cells allocate. Here: CPU-only cells are marked (``Cell.gpus`` 0) at
+  about that share, and a kernel starts at ``start_fraction`` of its size and grows to it
+  over its first ``grow_cells`` GPU cells (the framework's cache keeps what it grew to).
+
 Everything else is an assumption, stated here and in the parameters of :class:`Profile`:
 office hours (arrival about 9:00, a working day of about 8.5 h, lunch, two or so breaks),
 weekdays only, a mix of "builders" and "trainers", 1-40 GiB per kernel, kernels left running
@@ -50,7 +55,7 @@ class Profile:
     # build sessions: short cells between think times
     think_median: float = 45.0
     think_sigma: float = 1.0
-    cpu_cell_share: float = 0.4  # cells that do not touch the GPU (pandas, plots)
+    cpu_cell_share: float = 0.34  # build cells that do not touch the GPU (pandas, plots)
     gpu_cell_median: float = 3.0
     gpu_cell_sigma: float = 1.2
     cpu_cell_median: float = 1.0
@@ -73,6 +78,8 @@ class Profile:
     new_notebook_per_day: float = 0.3  # a fresh kernel for the day's work
     shutdown_at_night: float = 0.3  # kernels their person shuts down on leaving
     kernels_alive_max: int = 3
+    start_fraction: float = 0.5  # of its size a kernel holds at its start
+    grow_cells: int = 3  # GPU cells over which it grows to its size
     user_gib_max: float = 72.0  # a person's kernels fit one 80 GiB GPU (exclusive never OOMs)
 
 
@@ -164,10 +171,10 @@ class _Person:
         t, gap = 0.0, 0.0
         while True:
             if rng.random() < p.cpu_cell_share:
-                cell = Cell(gap, self.lognormal(p.cpu_cell_median, 1.0), 0.0)
+                cell = Cell(gap, self.lognormal(p.cpu_cell_median, 1.0), 0.0, gpus=0)
             else:
                 cell = Cell(gap, self.lognormal(p.gpu_cell_median, p.gpu_cell_sigma),
-                            self.uniform(p.build_utilization))
+                            self.uniform(p.build_utilization), gpus=1)
             t += cell.gap + cell.duration
             if t > length:
                 return cells
@@ -183,23 +190,41 @@ class _Person:
                                p.train_cell_range[0]), p.train_cell_range[1])
             if t + gap + duration > length:
                 break
-            cells.append(Cell(gap, duration, self.uniform(p.train_utilization)))
+            cells.append(Cell(gap, duration, self.uniform(p.train_utilization), gpus=1))
             t += gap + duration
             # between two runs: read the results, then a few short cells to change things
             gap = self.lognormal(p.train_gap_median, p.train_gap_sigma)
             for short in self.build_cells(4 * p.think_median * math.exp(p.think_sigma ** 2 / 2)):
-                cells.append(Cell(gap + short.gap, short.duration, short.utilization))
+                cells.append(replace(short, gap=gap + short.gap))
                 t += gap + short.gap + short.duration
                 gap = 0.0
             gap += self.lognormal(p.think_median, p.think_sigma)
         if overnight:  # a long run started before leaving
             cells.append(Cell(min(gap, 5 * MINUTE), self.uniform(p.overnight_hours) * HOUR,
-                              self.uniform(p.train_utilization)))
+                              self.uniform(p.train_utilization), gpus=1))
         return cells
 
     def works(self) -> list[KernelWork]:
-        return [KernelWork(k["id"], self.name, int(k["gib"] * GiB), tuple(k["sessions"]),
-                           k["shutdown_at"]) for k in self.kernels if k["sessions"]]
+        return [self._grown(k) for k in self.kernels if k["sessions"]]
+
+    def _grown(self, k: dict) -> KernelWork:
+        """The kernel starts at ``start_fraction`` of its size; its first GPU cells allocate
+        the rest in equal steps (``Cell.nbytes``), and it keeps it (its cache holds it)."""
+        p = self.p
+        size = int(k["gib"] * GiB)
+        start = int(size * p.start_fraction)
+        steps = max(1, p.grow_cells)
+        n = 0
+        sessions = []
+        for s in k["sessions"]:
+            cells = []
+            for c in s.cells:
+                if c.uses_gpu and n < steps:
+                    n += 1
+                    c = replace(c, nbytes=start + (size - start) * n // steps)
+                cells.append(c)
+            sessions.append(replace(s, cells=tuple(cells)))
+        return KernelWork(k["id"], self.name, start, tuple(sessions), k["shutdown_at"])
 
 
 def generate(users: int, days: int = 5, seed: int = 0, profile: Profile | None = None,

@@ -40,7 +40,8 @@ class GPUShareHub(GPUShare):
         for wait in {self.config.pressure_idle_timeout, self.hub.over_share_idle_timeout}:
             due = k.last_activity + wait
             tick = math.ceil(due / self.service_poll - 1e-9) * self.service_poll
-            sim.schedule(max(tick, sim.now), partial(self._service_poll, sim, k.gpu))
+            for g in k.gpus:
+                sim.schedule(max(tick, sim.now), partial(self._service_poll, sim, g))
 
     def _service_poll(self, sim: Simulation, gpu: int) -> None:
         for waiting in list(self.waiting.get(gpu, ())):
@@ -61,13 +62,14 @@ class GPUShareHub(GPUShare):
         self._release_in_turn(sim, [(by_id[v.kernel_id], v.reason) for v in plan.victims], k)
 
     def _across_users(self, sim: Simulation, k: Kernel) -> crossuser.Plan:
-        on_gpu = [o for o in sim.kernels if o.alive and o.gpu == k.gpu]
+        on_gpu = [o for o in sim.kernels if o.alive and set(o.gpus) & set(k.gpus)]
         holdings = [crossuser.Holding(f"u{o.user_index}", self.candidate(sim, o)) for o in on_gpu]
         usage: dict[str, dict[int, int]] = {}
         for o in on_gpu:
             if o.state == RESIDENT:
                 per = usage.setdefault(f"u{o.user_index}", {})
-                per[o.gpu] = per.get(o.gpu, 0) + o.nbytes
+                for g in o.gpus:
+                    per[g] = per.get(g, 0) + o.nbytes
         gpus = sim.node_gpus(k.gpu)
         ledger = Ledger(
             gpu_total={g: sim.node.gpus[g].capacity for g in gpus},
@@ -76,8 +78,8 @@ class GPUShareHub(GPUShare):
             shares={u: shares_of(u, [], self.shares) for u in {*usage, f"u{k.user_index}"}},
             enabled=bool(self.shares),
         )
-        return crossuser.make_room(f"u{k.user_index}", {k.gpu: k.nbytes}, {k.gpu: sim.node.free(k.gpu)},
-                                   holdings, ledger, self.hub)
+        return crossuser.make_room(f"u{k.user_index}", {g: k.nbytes for g in k.gpus},
+                                   {g: sim.node.free(g) for g in k.gpus}, holdings, ledger, self.hub)
 
     def describe(self) -> str:
         shares = f", shares {len(self.shares)}" if self.shares else ""

@@ -1,6 +1,7 @@
 """Sharing policies, each a set of decisions the engine asks for.
 
-- ``exclusive``: every user has a GPU of their own (the baseline every ratio is against).
+- ``exclusive``: every user has GPUs of their own, as many as their widest kernel needs (the
+  baseline every ratio is against).
 - ``static``: each GPU split equally between the users placed on it; a user's kernels may
   hold at most their share.
 - ``cull``: shared GPUs; a kernel idle for ``cull_after`` is killed (jupyter_server's
@@ -10,8 +11,11 @@
   them before their next cell, by calling :mod:`jupyter_gpushare.policy` unchanged, with
   candidates built as :meth:`jupyter_gpushare.controller.Controller.candidate` builds them.
 
-Users are placed on GPUs round-robin (user ``i`` on GPU ``i mod G``), as a hub that gives
-each user one ``CUDA_VISIBLE_DEVICES`` does. A node-wide policy (``gpushare-hub``:
+Placement is the simulation's choice, for every sharing policy (``Simulation.placement``):
+``round-robin`` (user ``i`` on GPU ``i mod G``, as a hub that gives each user one
+``CUDA_VISIBLE_DEVICES`` does; a kernel of ``n`` GPUs takes the next ``n`` of that machine)
+or ``load-aware`` (at a kernel's start, the GPUs of its user's machine with the most memory
+free after held and reserved bytes, then the least SM load). A node-wide policy (``gpushare-hub``:
 make-room across users, fair shares) is one more subclass of :class:`GPUShare` that widens
 :meth:`GPUShare.room_candidates` and :meth:`GPUShare.server_kernels`.
 """
@@ -23,24 +27,46 @@ import random
 
 from .. import policy as product
 from .engine import RELEASED, RESIDENT, Kernel, Simulation
+from .workload import Workload
 
 
 class Policy:
     name = "policy"
 
-    def gpu_count(self, users: int, gpus: int) -> int:
-        """GPUs this policy runs ``users`` on, given a node (or nodes) of ``gpus``."""
+    def gpu_count(self, workload: Workload, gpus: int) -> int:
+        """GPUs this policy runs ``workload`` on, given a node (or nodes) of ``gpus``."""
         return gpus
 
     def setup(self, sim: Simulation) -> None:
         pass
 
-    def place(self, sim: Simulation, k: Kernel) -> int:
-        return k.user_index % len(sim.node.gpus)
+    def home(self, sim: Simulation, user_index: int) -> int:
+        """Round-robin: users take GPUs in turn, each as many as their widest kernel needs
+        (user ``i`` on GPU ``i mod G`` where every kernel has one GPU)."""
+        return sim.user_offset[user_index] % len(sim.node.gpus)
+
+    def place(self, sim: Simulation, k: Kernel) -> list[int]:
+        """Round-robin from the user's turn (:meth:`home`); a kernel of several GPUs on the
+        next GPUs of that machine (wrapping around within it)."""
+        home = self.home(sim, k.user_index)
+        machine = sim.node_gpus(home)
+        size = len(machine)
+        return [machine.start + (home - machine.start + j) % size for j in range(k.work.gpus)]
+
+    def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
+        """Where a kernel that starts (or restarts after a cull) now runs."""
+        if sim.placement != "load-aware":
+            return k.gpus
+        machine = sim.node_gpus(self.place(sim, k)[0])  # its user's machine
+
+        def load(g: int) -> tuple[int, float, int]:
+            return (-(sim.node.free(g) - sim.reserved(g)), sim.node.gpus[g].demand(), g)
+
+        return sorted(sorted(machine, key=load)[:k.work.gpus])
 
     def fits(self, sim: Simulation, k: Kernel) -> bool:
         """Whether a kernel starting now gets its memory (else: out of memory)."""
-        return sim.node.free(k.gpu) >= k.nbytes
+        return sim.fits_now(k)
 
     def on_idle(self, sim: Simulation, k: Kernel) -> None:
         """A kernel has just finished a cell (or a restore)."""
@@ -62,8 +88,15 @@ class Policy:
 class Exclusive(Policy):
     name = "exclusive"
 
-    def gpu_count(self, users: int, gpus: int) -> int:
-        return users  # one per user, however many that takes
+    def gpu_count(self, workload: Workload, gpus: int) -> int:
+        return sum(workload.user_gpus().values())  # a user's own, however many that takes
+
+    def place(self, sim: Simulation, k: Kernel) -> list[int]:
+        first = sim.user_offset[k.user_index]
+        return list(range(first, first + k.work.gpus))
+
+    def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
+        return k.gpus  # its own GPUs: nothing to choose
 
     def describe(self) -> str:
         return "exclusive: one GPU per user"
@@ -79,7 +112,8 @@ class Static(Policy):
         self.share = sim.node.gpus[0].capacity // max(1, math.ceil(users / gpus))
 
     def fits(self, sim: Simulation, k: Kernel) -> bool:
-        mine = sum(o.nbytes for o in sim.by_user[k.user_index] if o.state == RESIDENT)
+        mine = sum(o.nbytes for o in sim.by_user[k.user_index]
+                   if o.state == RESIDENT and set(o.gpus) & set(k.gpus))
         return mine + k.nbytes <= self.share and super().fits(sim, k)
 
     def describe(self) -> str:
@@ -152,7 +186,7 @@ class GPUShare(Policy):
             pinned=False,
             idle_seconds=0.0 if k.busy else max(0.0, now - k.last_activity),
             max_utilization=utilization,
-            gpu_bytes={k.gpu: k.nbytes} if resident else {},
+            gpu_bytes={g: k.nbytes for g in k.gpus} if resident else {},
             idle_timeout=None,
             releasable=True,
         )
@@ -201,7 +235,7 @@ class GPUShare(Policy):
         g = sim.node.gpus[gpu]
         if g.free() / g.capacity >= self.config.pressure_free_fraction:
             return
-        for user in {k.user_index for k in sim.kernels if k.gpu == gpu and k.state == RESIDENT}:
+        for user in {k.user_index for k in sim.kernels if gpu in k.gpus and k.state == RESIDENT}:
             self.schedule_check(sim, user, sim.now)  # every server sees the pressure at its poll
 
     # -- restores: Controller._wait_for_room ----------------------------------------------------------
@@ -213,23 +247,23 @@ class GPUShare(Policy):
     def _try_restore(self, sim: Simulation, k: Kernel) -> None:
         if k.index in self.making_room or k.state != RELEASED or k.pending is None:
             return
-        free = sim.node.free(k.gpu)
-        if free >= k.nbytes:
+        if sim.fits_now(k):  # on every one of its GPUs: a cell of several runs on all or none
             self._stop_waiting(k)
             sim.restore(k)
             return
+        free = {g: sim.node.free(g) for g in k.gpus}
         cands = [self.candidate(sim, o) for o in self.room_candidates(sim, k)]
-        plan = product.make_room({k.gpu: k.nbytes}, {k.gpu: free}, cands, self.config,
+        plan = product.make_room({g: k.nbytes for g in k.gpus}, free, cands, self.config,
                                  exclude=k.id)
         if plan:
             by_id = {o.id: o for o in sim.kernels}
             self.making_room.add(k.index)
             self._release_in_turn(sim, [(by_id[d.kernel_id], d.reason) for d in plan], k)
             return
-        waiting = self.waiting.setdefault(k.gpu, [])
-        if k not in waiting:
-            waiting.append(k)
-            sim.note(k, "restore_waiting", free=free)
+        if k not in self.waiting.get(k.gpu, ()):
+            for g in k.gpus:  # any of its GPUs freeing memory may be what it waits for
+                self.waiting.setdefault(g, []).append(k)
+            sim.note(k, "restore_waiting", free=min(free.values()))
 
     def _release_in_turn(self, sim: Simulation, plan: list[tuple[Kernel, str]], k: Kernel) -> None:
         """The controller awaits each make-room release in turn, then checks for room again."""
@@ -242,9 +276,10 @@ class GPUShare(Policy):
             self._release_in_turn(sim, rest, k)  # it became busy meanwhile: skipped, as a 409
 
     def _stop_waiting(self, k: Kernel) -> None:
-        waiting = self.waiting.get(k.gpu)
-        if waiting and k in waiting:
-            waiting.remove(k)
+        for g in k.gpus:
+            waiting = self.waiting.get(g)
+            if waiting and k in waiting:
+                waiting.remove(k)
 
     def on_memory_freed(self, sim: Simulation, gpu: int) -> None:
         for k in list(self.waiting.get(gpu, ())):

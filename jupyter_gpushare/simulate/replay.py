@@ -22,7 +22,8 @@ How the workload is rebuilt, and what it cannot see:
 - its GPU cells are the runs of consecutive samples with SM % above 0, each as long as its
   samples and as busy as their mean (SM-time is kept); a restore triggered by a cell
   (``gate``, ``agent``) adds a cell at that moment if no GPU run starts there;
-- cells that do not touch the GPU are not in the history: the replayed kernels look idler
+- every replayed cell is marked as one that uses the GPU (so lazy restore mode changes
+  nothing here); cells that do not touch the GPU are not in the history: the replayed kernels look idler
   than they were, so the replay is optimistic about idle time (the events' real release and
   restore counts are printed next to the simulated ones, to compare);
 - a kernel is replayed closed-loop: the gaps between its cells are kept, so a cell that waits
@@ -160,7 +161,8 @@ def _kernel(kid: str, user: str, rows: dict[float, tuple[int, float]], events: l
     end = start
     for c0, duration, util in _cells([s for s in samples if s[0] >= start], interval, restores, start):
         c0 = max(c0, end)
-        cells.append(Cell(c0 - end if cells else 0.0, duration, util))
+        # every cell the history shows used the GPU (CPU-only cells leave no trace in it)
+        cells.append(Cell(c0 - end if cells else 0.0, duration, util, gpus=1))
         end = c0 + duration
     shutdown = None
     if ended_before is not None and samples and samples[-1][0] < ended_before:

@@ -73,10 +73,10 @@ def same_load_table(results: dict[str, dict[str, Any]], wide: bool = False) -> s
     for name, f in results.items():
         d = [name, f["gpus"], f"{f['users_per_gpu']:.2f}", f["oom_failures"],
              f"{f['cells_delayed_pct']:.2f}"]
-        u = [f"{f['work_lost_gpu_hours']:.1f}", f"{f['reclaimed_gpu_hours']:.0f}",
+        u = [_n(f["gpu_hours"]), f"{f['work_lost_gpu_hours']:.1f}", f"{f['reclaimed_gpu_hours']:.0f}",
              f"{f['mean_allocation_pct']:.1f}", f"{f['mean_sm_utilization_pct']:.1f}",
              _ratio(f["mean_sm_utilization_pct"], base["mean_sm_utilization_pct"]) if base else "-",
-             f"{f['sm_sharing_stretch_p99']:.2f}"]
+             f"{f['gpu_cell_slowdown_p99']:.2f}", f["cells_unfinished_contention"]]
         quantiles = [_s(f["delay_p50_s"]), _s(f["delay_p95_s"]), _s(f["delay_p99_s"])]
         tail = [_s(f["cell_delay_p99_s"]), _s(f["delay_max_s"])]
         full.append([*d, " / ".join(quantiles), *tail, *u])
@@ -85,18 +85,21 @@ def same_load_table(results: dict[str, dict[str, Any]], wide: bool = False) -> s
     if wide:
         return table(["policy", "GPUs", "users/GPU", "OOM cells", "delayed %",
                       "delay p50/p95/p99 s (delayed cells)", "p99 all cells s", "worst delay s",
-                      "work lost GPU-h", "reclaimed GPU-h", "mean alloc %", "mean SM %",
-                      "SM x excl.", "slowdown p99"], full)
+                      "GPU-h paid", "work lost GPU-h", "reclaimed GPU-h", "mean alloc %",
+                      "mean SM %", "SM x excl.", "GPU-cell slowdown p99", "unfinished cells"], full)
     legend = ("OOM: cells failed for lack of GPU memory. Delays in s: p50/p95/p99 of the delayed "
               "cells; p99 all: over every cell (the bound's figure); worst: the longest wait. "
-              "lost: work to re-run; reclaimed: GPU-h of memory off the GPU; alloc / SM: mean "
-              "memory held / SMs busy; slowdown: p99 stretch of a cell from sharing SMs.")
+              "GPU-h: the GPUs x the trace (exclusive: each user's GPUs while a kernel of theirs "
+              "is alive); lost: GPU-h of GPU cells to re-run after a cull (x their GPUs); "
+              "reclaimed: GPU-h of memory off the GPU; alloc / SM: mean memory held / SMs busy; "
+              "slowdown: p99 over GPU cells of run time / time alone (SMs shared); unfin.: cells "
+              "that would have ended by the trace's end alone but were still running.")
     return "\n".join([
         table(["policy", "GPUs", "users/GPU", "OOM", "delayed %", "p50", "p95", "p99",
                "p99 all", "worst"], delays),
         "",
-        table(["policy", "lost GPU-h", "reclaimed GPU-h", "alloc %", "SM %", "SM x excl.",
-               "slowdown p99"], use),
+        table(["policy", "GPU-h", "lost GPU-h", "reclaimed GPU-h", "alloc %", "SM %", "SM x excl.",
+               "slowdown", "unfin."], use),
         wrap(legend),
     ])
 
@@ -109,21 +112,68 @@ def capacity_table(capacity: dict[str, dict[str, Any]], wide: bool = False) -> s
         at_max = "+" if c["capped"] else ""
         rows.append([
             name, f"{c['users_per_gpu']:.2f}{at_max}", _ratio(c["users_per_gpu"], base), c["users"],
-            _s(f.get("cell_delay_p99_s", 0.0)), f"{f.get('cells_delayed_pct', 0.0):.2f}",
+            _s(f.get("cell_delay_p99_s", 0.0)), f"{f.get('gpu_cell_slowdown_p99', 1.0):.2f}",
             _s(f.get("delay_max_s", 0.0)), f"{f.get('work_lost_gpu_hours', 0.0):.1f}",
             f"{f.get('mean_allocation_pct', 0.0):.1f}", f"{f.get('mean_sm_utilization_pct', 0.0):.1f}",
         ])
     if wide:
         return table(["policy", "most users/GPU", "x exclusive", "users", "p99 all cells s",
-                      "delayed %", "worst delay s", "work lost GPU-h", "mean alloc %",
+                      "GPU-cell slowdown p99", "worst delay s", "work lost GPU-h", "mean alloc %",
                       "mean SM %"], rows)
     return "\n".join([
-        table(["policy", "users/GPU", "x excl.", "users", "p99 all", "delayed %", "worst",
+        table(["policy", "users/GPU", "x excl.", "users", "p99 all", "slowdown", "worst",
                "lost GPU-h", "alloc %", "SM %"], rows),
-        wrap("users/GPU: the most served (+ = the search's cap); the run at that count: delays "
-             "in s (p99 all: over every cell; worst: the longest wait), lost: work to re-run, "
+        wrap("users/GPU: the most served on the node (+ = the search's cap); the run at that "
+             "count: delays in s (p99 all: over every cell; worst: the longest wait), slowdown: "
+             "p99 over GPU cells of run time / time alone, lost: GPU-h of GPU cells to re-run, "
              "alloc / SM: mean memory held / SMs busy."),
     ])
+
+
+def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
+    """The headline: per policy, the fewest GPUs that serve every user, what they cost in
+    GPU-hours against reserving GPUs per user's sessions, and the run's delays and slowdown;
+    then the fewest GPUs under each other transfer model."""
+    first, others = h["models"][0], h["models"][1:]
+    rows = []
+    for name, c in h["by_model"][first].items():
+        f = c["figures"] or {}
+        served = c["gpus"] is not None
+        rows.append([
+            name, c["gpus"] if served else "none", _n(c["gpu_hours"]) if served else "-",
+            _n(c["reserved_gpu_hours"]), _ratio(c["gpu_hours"], c["reserved_gpu_hours"]) if served else "-",
+            _s(f.get("cell_delay_p99_s", 0.0)) if served else "-",
+            _s(f.get("delay_max_s", 0.0)) if served else "-",
+            f"{f.get('gpu_cell_slowdown_p99', 1.0):.2f}" if served else "-",
+            f"{f.get('work_lost_gpu_hours', 0.0):.1f}" if served else "-",
+            *[_gpus(h["by_model"][m][name]) for m in others],
+        ])
+    notes = []
+    for name, c in h["by_model"][first].items():
+        if c["gpus"] is None and c["probes"]:
+            last = c["probes"][-1]
+            notes.append(f"{name} at {last['gpus']} GPUs: {', '.join(last['why_not'])}")
+    if wide:
+        heads = ["policy", "fewest GPUs", "GPU-h", "reserved GPU-h", "x reserved",
+                 "p99 delay s", "worst delay s", "GPU-cell slowdown p99", "work lost GPU-h",
+                 *[f"fewest GPUs ({m})" for m in others]]
+        return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes])
+    heads = ["policy", "GPUs", "GPU-h", "reserved", "x res.", "p99", "worst", "slowdown", "lost",
+             *others]
+    legend = (f"GPUs: the fewest that serve every user under transfer model {first} (none: not "
+              "even exclusive's count does); GPU-h: those GPUs for the whole trace (exclusive: "
+              "each user's own GPUs only while a kernel of theirs is alive); reserved: GPU-h of "
+              "reserving each user's GPUs for their sessions' lifetime, what a scheduler that "
+              "hands out whole GPUs charges; x res.: GPU-h / reserved. At that count: p99 delay "
+              "over every cell and worst wait in s; slowdown: p99 over GPU cells of run time / "
+              "time alone; lost: GPU-h of GPU cells to re-run after a cull. "
+              + ", ".join(others) + ": the fewest GPUs under that transfer model.")
+    return "\n".join([table(heads, rows, WIDTH)] + [wrap(f"none: {n}.") for n in notes]
+                     + [wrap(legend)])
+
+
+def _gpus(c: dict[str, Any]) -> str:
+    return "none" if c["gpus"] is None else str(c["gpus"])
 
 
 def tail_threshold(worst: float, bound: float) -> int | None:

@@ -16,12 +16,15 @@ class Settings:
     gpus: int = 8  # per node
     gpu_gib: float = 80.0
     nodes: int = 1
-    transfer: TransferModel = PRESETS["h100"]
+    transfer: TransferModel = PRESETS["driver"]
     config: PolicyConfig = field(default_factory=PolicyConfig)  # the product's defaults
     poll_interval: float = 2.0
     cull_after: float = 3600.0
     cull_interval: float = 300.0  # jupyter_server's default
-    delay_bound: float = 1.0  # s: p99 cell delay allowed when counting users per GPU
+    delay_bound: float = 1.0  # s: p99 cell delay allowed for a run to "serve"
+    slowdown_bound: float = 1.1  # p99 stretch of GPU cells from sharing SMs allowed to "serve"
+    restore_mode: str = "eager"  # eager | lazy (engine.RESTORE_MODES)
+    placement: str = "round-robin"  # round-robin | load-aware (engine.PLACEMENTS)
     max_users_per_gpu: int = 12
     seed: int = 0
     bin_seconds: float = 600.0

@@ -1,21 +1,28 @@
 """How long a release and a restore take: a fixed overhead plus bytes over a bandwidth.
 
 ``seconds = overhead + bytes / bandwidth``, separately for release (GPU -> host) and restore
-(host -> GPU). The presets and where their numbers come from:
+(host -> GPU), for the bytes on one GPU: a kernel of several GPUs moves each GPU's share over
+its own link at once, so it takes the time of one share. Each preset is named after the
+release method it models and is a line fitted to published pairs of points:
 
-``h100``
-    A published anchor: an H100 tool built on cuda-checkpoint froze a 1.4 GB model in
-    609 ms and thawed it in 427 ms, and pinned host<->device copies over PCIe Gen5 measure
-    about 57 GB/s. One point per direction cannot separate the two terms, so the copy is
-    taken at 57 GB/s and the rest of each figure is counted as fixed overhead
-    (1.4 GB / 57 GB/s = 25 ms: 0.584 s release, 0.402 s restore). This is pessimistic for
-    small states and optimistic for big ones (large transfers rarely reach the pinned peak).
+``driver`` (the default; the ``driver`` release method, cuda-checkpoint)
+    The line through an H100 tool's two published cuda-checkpoint points: a 0.5B-parameter
+    model (1.4 GB) thawed in 427 ms and frozen in 609 ms, a 1.5B one (3.6 GB) thawed in
+    832 ms and frozen in 1,319 ms. Restore: 0.17 s + bytes / 5.4 GB/s; release: 0.16 s +
+    bytes / 3.1 GB/s. A 39 GB restore takes 7.3 s. The driver's copy, not the bus, sets it.
+``pinned`` (the ``framework`` release method at its best)
+    Copies at the pinned host<->device limit of PCIe Gen5 x16 (about 57 GB/s measured on an
+    H100 with the copy engines), with no fixed cost: what moving tensors to pinned host
+    buffers can reach, and no method has been measured to do better. An upper bound.
+``h100`` (the former default, kept to compare)
+    One of the points above per direction, with the copy at 57 GB/s and the rest of each
+    figure counted as fixed overhead (0.584 s release, 0.402 s restore): right for a 1.4 GB
+    state, far too fast for big ones (a 39 GB restore in 1.1 s instead of 7.3 s).
 ``sim``
     This project's own simulated release/restore (``benchmarks/sim_release_restore.py``,
     figures in benchmarks/README.md: 1 GiB restored in 0.18 s and 12 GiB in 3.02 s, released
     in 0.36 s and 3.32 s), fitted as a line through those two points (the restore line's
-    overhead comes out at -0.08 s and is taken as 0): a host-memory copy, about 4 GB/s, so
-    an upper bound for what a GPU would take.
+    overhead comes out at -0.08 s and is taken as 0): a host-memory copy, about 4 GB/s.
 
 Any other pair of numbers: ``--restore-overhead``, ``--restore-bandwidth`` and the release
 ones on the command line.
@@ -44,7 +51,7 @@ class TransferModel:
         return self.restore_overhead + nbytes / self.restore_bandwidth
 
     def describe(self) -> str:
-        return (f"{self.name}: restore {self.restore_overhead:.3f} s + bytes / "
+        return (f"transfer model {self.name}: restore {self.restore_overhead:.3f} s + bytes / "
                 f"{self.restore_bandwidth / GB:.1f} GB/s, release {self.release_overhead:.3f} s"
                 f" + bytes / {self.release_bandwidth / GB:.1f} GB/s")
 
@@ -57,10 +64,15 @@ def _line(size_a: int, secs_a: float, size_b: int, secs_b: float) -> tuple[float
 
 _PCIE_GEN5_PINNED = 57 * GB
 _ANCHOR_BYTES = 1.4 * GB
+_driver_release = _line(int(1.4 * GB), 0.609, int(3.6 * GB), 1.319)
+_driver_restore = _line(int(1.4 * GB), 0.427, int(3.6 * GB), 0.832)
 _sim_release = _line(1 * GiB, 0.36, 12 * GiB, 3.32)
 _sim_restore = _line(1 * GiB, 0.18, 12 * GiB, 3.02)
 
 PRESETS: dict[str, TransferModel] = {
+    "driver": TransferModel("driver", _driver_release[0], _driver_release[1], _driver_restore[0],
+                            _driver_restore[1]),
+    "pinned": TransferModel("pinned", 0.0, _PCIE_GEN5_PINNED, 0.0, _PCIE_GEN5_PINNED),
     "h100": TransferModel(
         "h100",
         release_overhead=0.609 - _ANCHOR_BYTES / _PCIE_GEN5_PINNED,

@@ -18,9 +18,24 @@ DAY = 24 * HOUR
 
 @dataclass(frozen=True)
 class Cell:
+    """One cell. Which GPUs it uses is said, not guessed: ``gpus`` 0 is a CPU-only cell
+    (pandas, plots), which in lazy restore mode runs without bringing the kernel's state back;
+    ``None`` (hand-made and older workloads) means 1 if ``utilization`` > 0 else 0."""
+
     gap: float  # s of think time before it (after the previous cell of the session ended)
     duration: float  # s it runs when it has the GPU to itself
-    utilization: float  # SM % while it runs; 0 = a cell that does not use the GPU
+    utilization: float  # SM % while it runs on each of its GPUs
+    gpus: int | None = None  # of its kernel's GPUs, how many it computes on; 0 = CPU-only
+    nbytes: int | None = None  # bytes per GPU the kernel holds while it runs (None: unchanged)
+    keeps: int | None = None  # bytes per GPU the kernel holds after it (None: all it held)
+
+    @property
+    def n_gpus(self) -> int:
+        return (1 if self.utilization > 0 else 0) if self.gpus is None else self.gpus
+
+    @property
+    def uses_gpu(self) -> bool:
+        return self.n_gpus > 0
 
 
 @dataclass(frozen=True)
@@ -32,13 +47,16 @@ class Session:
 
 @dataclass(frozen=True)
 class KernelWork:
-    """One kernel's life: it allocates ``gpu_bytes`` at its first cell and holds them."""
+    """One kernel's life: it allocates ``gpu_bytes`` on each of its ``gpus`` GPUs at its first
+    cell; a cell that needs more (``Cell.nbytes``) grows it, and the framework's cache keeps
+    what it grew to unless the cell frees (``Cell.keeps``)."""
 
     kernel_id: str
     user: str
-    gpu_bytes: int
+    gpu_bytes: int  # per GPU, at its start
     sessions: tuple[Session, ...]
     shutdown_at: float | None = None  # s from the start; never before its last cell ends
+    gpus: int = 1  # GPUs it runs on (all on one machine); released and restored together
 
     @property
     def first_start(self) -> float:
@@ -58,6 +76,35 @@ class Workload:
         if not self.users:
             ordered = dict.fromkeys(k.user for k in self.kernels)
             object.__setattr__(self, "users", tuple(ordered))
+
+    def user_gpus(self) -> dict[str, int]:
+        """GPUs each user needs at once: their widest kernel's (what ``exclusive`` gives them)."""
+        width = dict.fromkeys(self.users, 1)
+        for k in self.kernels:
+            width[k.user] = max(width.get(k.user, 1), k.gpus)
+        return width
+
+    def reserved_gpu_seconds(self) -> float:
+        """GPU-s of reserving each user's GPUs while any of their kernels is alive (from its
+        first session's start to its shutdown, or the trace's end): what ``exclusive`` costs
+        when GPUs are handed out per session, as a scheduler does."""
+        width = self.user_gpus()
+        spans: dict[str, list[tuple[float, float]]] = {}
+        for k in self.kernels:
+            if not k.sessions:
+                continue
+            end = self.duration if k.shutdown_at is None else min(k.shutdown_at, self.duration)
+            spans.setdefault(k.user, []).append((k.first_start, max(end, k.first_start)))
+        total = 0.0
+        for user, intervals in spans.items():
+            covered, reach = 0.0, float("-inf")
+            for a, b in sorted(intervals):
+                a = max(a, reach)
+                if b > a:
+                    covered += b - a
+                reach = max(reach, b)
+            total += covered * width[user]
+        return total
 
     def first_users(self, n: int) -> Workload:
         """The same workload for its first ``n`` users only."""
@@ -87,6 +134,6 @@ def with_users(w: Workload, n: int, seed: int = 0, shift: float = 1800.0) -> Wor
         for k in by_user.get(user, []):
             sessions = tuple(replace(s, start=s.start + delay) for s in k.sessions)
             end = None if k.shutdown_at is None else k.shutdown_at + delay
-            kernels.append(KernelWork(f"{k.kernel_id}~{i // len(w.users)}", copy, k.gpu_bytes,
-                                      sessions, end))
+            kernels.append(replace(k, kernel_id=f"{k.kernel_id}~{i // len(w.users)}", user=copy,
+                                   sessions=sessions, shutdown_at=end))
     return Workload(w.duration, tuple(kernels), w.source, tuple(names))
