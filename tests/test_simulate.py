@@ -11,6 +11,7 @@ import pytest
 
 from jupyter_gpushare.cli import main
 from jupyter_gpushare.policy import PolicyConfig
+from jupyter_gpushare.simulate.calibration import PUBLISHED, trace_statistics
 from jupyter_gpushare.simulate.capacity import run
 from jupyter_gpushare.simulate.cli import EXAMPLE
 from jupyter_gpushare.simulate.engine import Simulation
@@ -111,6 +112,48 @@ def test_the_same_seed_gives_the_same_figures():
 
     assert once(5) == once(5)
     assert once(5) != once(6)
+
+
+# -- calibration -----------------------------------------------------------------------------
+
+def test_the_sm_median_weighs_gpu_cells_by_run_time_and_gpus():
+    # 10 s at 2 %, 100 s at 50 % on 1 GPU, 30 s at 90 % on 2 GPUs (60 GPU-s): half of the
+    # 170 GPU-s is reached inside the 50 % cell; CPU-only cells do not count
+    cells = (Cell(0, 10, 2.0, gpus=1), Cell(0, 100, 50.0, gpus=1), Cell(0, 30, 90.0, gpus=2),
+             Cell(0, 1000, 0.0, gpus=0))
+    w = Workload(2000.0, (KernelWork("k", "A", GiB, (Session(0.0, cells),), gpus=2),), "by hand")
+    assert trace_statistics(w)["gpu_cell_sm_median_pct"] == 50.0
+    only_cpu = Workload(10.0, (KernelWork("k", "A", GiB, (Session(0.0, (Cell(0, 5, 0.0, gpus=0),)),)),),
+                        "cpu")
+    assert trace_statistics(only_cpu)["gpu_cell_sm_median_pct"] is None
+
+
+def within(target: str, value: float) -> bool:
+    """A PUBLISHED target ("about 50", "25-51", "most (> 50)", "< 10") holds for ``value``;
+    "about X": within 10 points."""
+    if target.startswith("about "):
+        return abs(value - float(target.split()[1])) <= 10
+    if target.startswith("< "):
+        return value < float(target[2:])
+    if target.startswith("most"):
+        return value > 50
+    lo, hi = (float(x) for x in target.split("-"))
+    return lo <= value <= hi
+
+
+@pytest.mark.parametrize("users,days", [(24, 5), (12, 2)])  # the default and --quick
+def test_the_default_workload_is_within_every_published_figure(users, days):
+    w = generate(8 * 12 if days == 5 else 4 * 8, days=days, seed=0).first_users(users)
+    stats = trace_statistics(w)
+    for key, (_, target) in PUBLISHED.items():
+        assert within(target, stats[key]), (key, target, stats[key])
+    # most GPU cells compute a few %; a tail of heavy ones (heavy training runs) remains
+    sm = sorted(c.utilization for k in w.kernels for s in k.sessions for c in s.cells if c.uses_gpu)
+    assert sm[len(sm) // 2] < 10 and sm[-1] >= 60
+    heavy = sum(c.duration for k in w.kernels for s in k.sessions for c in s.cells
+                if c.uses_gpu and c.utilization >= 60)
+    gpu_time = sum(c.duration for k in w.kernels for s in k.sessions for c in s.cells if c.uses_gpu)
+    assert 0 < heavy < gpu_time / 2
 
 
 # -- a trace worked out by hand ------------------------------------------------------------------

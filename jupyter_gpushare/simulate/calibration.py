@@ -25,6 +25,9 @@ PUBLISHED = {
     "cpu_only_cells_pct": (
         "Production interactive-GPU notebook traces: about a third of cells use no GPU",
         "about 33"),
+    "gpu_cell_sm_median_pct": (
+        "Production interactive-GPU notebook traces: median SM use under 10 % (here: of GPU "
+        "cells' run time)", "< 10"),
 }
 
 
@@ -35,12 +38,27 @@ def peak_bytes(k: KernelWork) -> int:
     return per_gpu * k.gpus
 
 
+def sm_median(cells: list[tuple[float, float]]) -> float | None:
+    """The SM % that half of the GPU cells' run time is at or below: ``cells`` are (SM %,
+    weight) pairs, weight = duration x GPUs the cell computes on (None: no GPU cell)."""
+    total = sum(w for _, w in cells)
+    if total <= 0:
+        return None
+    seen = 0.0
+    for sm, w in sorted(cells):
+        seen += w
+        if seen >= total / 2:
+            return sm
+    return sorted(cells)[-1][0]  # pragma: no cover - float rounding only
+
+
 def trace_statistics(w: Workload, marks_cpu_cells: bool = True) -> dict[str, Any]:
     """``marks_cpu_cells`` False: the source cannot see CPU-only cells (a replayed history),
     so their share is unknown (None), not 0."""
     held = barely = life_total = busy_total = 0.0
     cells = cpu_only = 0
     train_span = train_busy = 0.0
+    gpu_cells: list[tuple[float, float]] = []  # (SM %, duration x GPUs) of each GPU cell
     for k in w.kernels:
         start = k.first_start
         t = start
@@ -52,6 +70,8 @@ def trace_statistics(w: Workload, marks_cpu_cells: bool = True) -> dict[str, Any
                 t += c.gap + c.duration
                 cells += 1
                 cpu_only += not c.uses_gpu
+                if c.uses_gpu:
+                    gpu_cells.append((c.utilization, c.duration * c.n_gpus))
                 if c.uses_gpu and c.utilization > 0:
                     session_busy += c.duration
             busy += session_busy
@@ -73,6 +93,7 @@ def trace_statistics(w: Workload, marks_cpu_cells: bool = True) -> dict[str, Any
         "barely_computing_memory_time_pct": 100.0 * barely / held if held else 0.0,
         # a replay does not know which sessions were training: None, not 0
         "train_session_idle_pct": 100.0 * (1 - train_busy / train_span) if train_span else None,
+        "gpu_cell_sm_median_pct": sm_median(gpu_cells),
         "kernel_lifetime_gpu_idle_pct": 100.0 * (1 - busy_total / life_total) if life_total else 0.0,
         "mean_kernel_gib": sum(peak_bytes(k) for k in w.kernels) / max(1, len(w.kernels)) / (1 << 30),
     }

@@ -13,12 +13,18 @@ a generated workload are printed next to these by ``calibration.trace_statistics
   gap lengths.
 - **NotebookOS / Adobe** (Carver et al., ASPLOS'26, production notebook workload): notebook
   sessions leave their reserved GPUs unused during most of their lifetime. Here: "build"
-  sessions (short GPU cells between long think times) and kernels that live overnight.
+  sessions (GPU cells of about a minute between long think times) and kernels that live overnight.
 
 - **Production interactive-GPU notebook traces**: about a third of cells use no GPU at all;
-  kernels grow as their cells allocate. Here: CPU-only cells are marked (``Cell.gpus`` 0) at
-  about that share, and a kernel starts at ``start_fraction`` of its size and grows to it
-  over its first ``grow_cells`` GPU cells (the framework's cache keeps what it grew to).
+  kernels grow as their cells allocate; the median SM use is under 10 %; cells last minutes,
+  not seconds. Here: CPU-only cells are marked (``Cell.gpus`` 0) at about that share; a
+  kernel starts at ``start_fraction`` of its size and grows to it over its first
+  ``grow_cells`` GPU cells (the framework's cache keeps what it grew to); each GPU cell
+  draws its SM % from a lognormal (build cells median 3 %, light training runs median 5 %,
+  a tail of heavy cells), and only ``heavy_train_share`` of train sessions run at 60-98 %,
+  so that the median SM % of GPU cells' run time (``gpu_cell_sm_median_pct``) is about 5;
+  build GPU cells last about a minute, between think times of about 4 minutes (so that
+  build kernels still compute less than 5 % of their life, the Alibaba figure).
 
 Everything else is an assumption, stated here and in the parameters of :class:`Profile`:
 office hours (arrival about 9:00, a working day of about 8.5 h, lunch, two or so breaks),
@@ -52,21 +58,27 @@ class Profile:
     lunch_minutes: tuple[float, float] = (30, 75)
     breaks_per_day: float = 2.0  # meetings, coffee: Poisson mean
     break_minutes: tuple[float, float] = (15, 60)
-    # build sessions: short cells between think times
-    think_median: float = 45.0
+    # build sessions: cells of about a minute between think times of a few minutes
+    think_median: float = 4 * MINUTE
     think_sigma: float = 1.0
     cpu_cell_share: float = 0.34  # build cells that do not touch the GPU (pandas, plots)
-    gpu_cell_median: float = 3.0
-    gpu_cell_sigma: float = 1.2
-    cpu_cell_median: float = 1.0
-    build_utilization: tuple[float, float] = (20, 80)
+    gpu_cell_median: float = 1 * MINUTE  # cells last minutes, not seconds
+    gpu_cell_sigma: float = 1.0
+    cpu_cell_median: float = 10.0
+    cpu_cell_sigma: float = 1.0
+    build_sm_median: float = 3.0  # SM % of a build GPU cell: lognormal, most a few %, a tail
+    build_sm_sigma: float = 1.0
+    sm_range: tuple[float, float] = (0.5, 100.0)
     # train sessions: long busy cells with idle gaps and a few short cells between them
     train_cell_median: float = 20 * MINUTE
     train_cell_sigma: float = 0.8
     train_cell_range: tuple[float, float] = (3 * MINUTE, 3 * HOUR)
-    train_gap_median: float = 10 * MINUTE
+    train_gap_median: float = 4 * MINUTE
     train_gap_sigma: float = 0.8
-    train_utilization: tuple[float, float] = (60, 98)
+    train_sm_median: float = 5.0  # SM % of a light session's runs (small models, input-bound)
+    train_sm_sigma: float = 0.8
+    heavy_train_share: float = 0.3  # train sessions whose runs fill the GPU
+    train_utilization: tuple[float, float] = (60, 98)  # SM % of a heavy session's runs
     overnight_share: float = 0.25  # trainers who start a long run before they leave
     overnight_hours: tuple[float, float] = (1, 6)
     # kernels
@@ -101,6 +113,17 @@ class _Person:
 
     def uniform(self, lo_hi: tuple[float, float]) -> float:
         return self.rng.uniform(*lo_hi)
+
+    def sm(self, median: float, sigma: float) -> float:
+        """SM % of a GPU cell while it runs: lognormal, clipped to ``sm_range``."""
+        lo, hi = self.p.sm_range
+        return min(max(self.lognormal(median, sigma), lo), hi)
+
+    def run_sm(self, heavy: bool) -> float:
+        """SM % of a training run: a heavy session's fill the GPU, a light one's do not."""
+        p = self.p
+        return self.uniform(p.train_utilization) if heavy else self.sm(p.train_sm_median,
+                                                                        p.train_sm_sigma)
 
     # -- kernels -----------------------------------------------------------------------------
     def kernel_for(self, kind: str, at: float, fresh_today: set[str]) -> dict:
@@ -140,7 +163,11 @@ class _Person:
             kernel = self.kernel_for(kind, b0, fresh_today)
             last = i == len(blocks) - 1
             overnight = last and kind == "train" and rng.random() < p.overnight_share
-            cells = self.train_cells(b1 - b0, overnight) if kind == "train" else self.build_cells(b1 - b0)
+            if kind == "train":
+                heavy = rng.random() < p.heavy_train_share
+                cells = self.train_cells(b1 - b0, overnight, heavy)
+            else:
+                cells = self.build_cells(b1 - b0)
             if cells:
                 kernel["sessions"].append(Session(b0, tuple(cells), kind))
         for k in self.alive.values():
@@ -171,17 +198,17 @@ class _Person:
         t, gap = 0.0, 0.0
         while True:
             if rng.random() < p.cpu_cell_share:
-                cell = Cell(gap, self.lognormal(p.cpu_cell_median, 1.0), 0.0, gpus=0)
+                cell = Cell(gap, self.lognormal(p.cpu_cell_median, p.cpu_cell_sigma), 0.0, gpus=0)
             else:
                 cell = Cell(gap, self.lognormal(p.gpu_cell_median, p.gpu_cell_sigma),
-                            self.uniform(p.build_utilization), gpus=1)
+                            self.sm(p.build_sm_median, p.build_sm_sigma), gpus=1)
             t += cell.gap + cell.duration
             if t > length:
                 return cells
             cells.append(cell)
             gap = self.lognormal(p.think_median, p.think_sigma)
 
-    def train_cells(self, length: float, overnight: bool) -> list[Cell]:
+    def train_cells(self, length: float, overnight: bool, heavy: bool = True) -> list[Cell]:
         p = self.p
         cells: list[Cell] = []
         t, gap = 0.0, 0.0
@@ -190,7 +217,7 @@ class _Person:
                                p.train_cell_range[0]), p.train_cell_range[1])
             if t + gap + duration > length:
                 break
-            cells.append(Cell(gap, duration, self.uniform(p.train_utilization), gpus=1))
+            cells.append(Cell(gap, duration, self.run_sm(heavy), gpus=1))
             t += gap + duration
             # between two runs: read the results, then a few short cells to change things
             gap = self.lognormal(p.train_gap_median, p.train_gap_sigma)
@@ -201,7 +228,7 @@ class _Person:
             gap += self.lognormal(p.think_median, p.think_sigma)
         if overnight:  # a long run started before leaving
             cells.append(Cell(min(gap, 5 * MINUTE), self.uniform(p.overnight_hours) * HOUR,
-                              self.uniform(p.train_utilization), gpus=1))
+                              self.run_sm(heavy), gpus=1))
         return cells
 
     def works(self) -> list[KernelWork]:
