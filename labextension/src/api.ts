@@ -23,6 +23,9 @@ export class APIError extends Error {
   }
 }
 
+/** The optional body of a release or restore asked from the panel. */
+const PANEL_ACTION = JSON.stringify({ trigger: 'panel' });
+
 /** The REST client; one instance per application. */
 export class GPUShareAPI {
   constructor(settings?: ServerConnection.ISettings) {
@@ -39,15 +42,19 @@ export class GPUShareAPI {
     return this._request<IHistory>(`history?seconds=${Math.max(1, Math.round(seconds))}`);
   }
 
+  // The body says the request comes from the panel (openapi.yaml, requestBodies/Action): the
+  // event's reason, and so the toast, then reads as the person's own action.
   release(kernelId: string): Promise<IKernel> {
     return this._request<IKernel>(`kernels/${encodeURIComponent(kernelId)}/release`, {
-      method: 'POST'
+      method: 'POST',
+      body: PANEL_ACTION
     });
   }
 
   restore(kernelId: string): Promise<IKernel> {
     return this._request<IKernel>(`kernels/${encodeURIComponent(kernelId)}/restore`, {
-      method: 'POST'
+      method: 'POST',
+      body: PANEL_ACTION
     });
   }
 

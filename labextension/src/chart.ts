@@ -7,10 +7,13 @@
  */
 import uPlot from 'uplot';
 
+import { timeTickLabel } from './format';
 import { IStack } from './metrics';
 
 const GiB = 1024 ** 3;
 const HEIGHT = 130;
+/** The time axis' height: tick (4) + gap (3) + a 10 px line of text with its descenders. */
+const X_AXIS_SIZE = 22;
 
 export interface IChartData {
   /** Epoch seconds. */
@@ -151,7 +154,15 @@ export class GPUChart {
         pct: { range: [0, 100] }
       },
       axes: [
-        { ...axis, size: 24 },
+        {
+          ...axis,
+          // One line that fits the axis' height: uPlot's default puts the date on a second
+          // line under the first label, below the canvas' edge, cut off.
+          size: X_AXIS_SIZE,
+          gap: 3,
+          ticks: { ...axis.ticks, size: 4 },
+          values: (_u, splits, _axis, _space, incr) => splits.map(t => timeTickLabel(t, incr))
+        },
         {
           ...axis,
           scale: 'mem',

@@ -90,3 +90,27 @@ export class Sparkline {
   private _line: SVGPolylineElement;
   private _points = '';
 }
+
+/**
+ * Text of clauses joined by " · " that wraps only between clauses ("free 16.0 GiB" never
+ * breaks before "GiB"): one no-wrap span per clause, the dot ending the line it is on.
+ * `node.textContent` is `parts.join(' · ')`. Rewrites the node only when the text changed.
+ */
+export function setClauses(node: HTMLElement, parts: string[]): void {
+  const text = parts.join(' · ');
+  if (node.textContent === text && node.childElementCount === parts.length) {
+    return;
+  }
+  const children: (Node | string)[] = [];
+  parts.forEach((part, i) => {
+    const last = i === parts.length - 1;
+    children.push(el('span', CLAUSE, last ? part : `${part} ·`));
+    if (!last) {
+      children.push(' ');
+    }
+  });
+  node.replaceChildren(...children);
+}
+
+/** The class of a clause of setClauses (white-space: nowrap). */
+export const CLAUSE = 'jp-GPUShare-clause';

@@ -110,3 +110,41 @@ export function distinctNames(paths: Iterable<string>): Map<string, string> {
 function tail(parts: string[], count: number): string {
   return parts.slice(Math.max(0, parts.length - count)).join('/');
 }
+
+/**
+ * A row name split for an ellipsis in the middle: the panel cuts `head` short with "…" when
+ * the name does not fit and always shows `tail`, so "gpushare-demo.ipynb" reads
+ * "gpushare-d…mo.ipynb" rather than "gpushare-demo.ip…". `tail` is the file extension with
+ * the few characters before it, and a kernel suffix such as " (1a2b3c4d)" when there is one;
+ * the last characters for a name without an extension. `head + tail` is always `name`.
+ */
+export function splitForEllipsis(name: string, keep = 4): { head: string; tail: string } {
+  const match = /(\.[A-Za-z0-9_]{1,10})?( \([^()]*\))?$/.exec(name);
+  const ending = match && (match[1] || match[2]) ? match[0] : '';
+  let start = name.length - ending.length - (ending ? keep : 2 * keep);
+  if (start <= 0) {
+    return { head: name, tail: '' };
+  }
+  // Never split a surrogate pair (an emoji in a file name).
+  const code = name.charCodeAt(start);
+  if (code >= 0xdc00 && code <= 0xdfff) {
+    start--;
+  }
+  return { head: name.slice(0, start), tail: name.slice(start) };
+}
+
+/**
+ * A time axis label, on one line and short enough for a narrow panel: "3:45pm" on a minute
+ * (or coarser) tick, ":30" between minutes when ticks are seconds apart. Local time, in
+ * uPlot's own style; `incr` is the seconds between ticks.
+ */
+export function timeTickLabel(epochSeconds: number, incr: number): string {
+  const d = new Date(Math.round(epochSeconds) * 1000);
+  const seconds = d.getSeconds();
+  if (incr < 60 && seconds !== 0) {
+    return `:${String(seconds).padStart(2, '0')}`;
+  }
+  const h = d.getHours();
+  const m = String(d.getMinutes()).padStart(2, '0');
+  return `${h % 12 || 12}:${m}${h < 12 ? 'am' : 'pm'}`;
+}

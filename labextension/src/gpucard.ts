@@ -4,7 +4,7 @@
 import { IGPU, IHistory } from './api';
 import { GPUChart, IChartStyle } from './chart';
 import { Attr, CSS } from './ids';
-import { el, setAttr, setText } from './dom';
+import { el, setAttr, setClauses, setText } from './dom';
 import { efficiency, stackOnGPU } from './metrics';
 import { formatBytes, formatPercent } from './format';
 
@@ -51,20 +51,20 @@ export class GPUCard {
       gpu.memory_total !== null && gpu.memory_used !== null
         ? gpu.memory_total - gpu.memory_used
         : null;
-    setText(
-      this._stats,
-      `used ${formatBytes(gpu.memory_used)} of ${formatBytes(gpu.memory_total)} · ` +
-        `free ${formatBytes(free)} · SM ${formatPercent(gpu.utilization)}`
-    );
-    let released = `released to host now: ${formatBytes(gpu.released_bytes ?? 0)}`;
+    setClauses(this._stats, [
+      `used ${formatBytes(gpu.memory_used)} of ${formatBytes(gpu.memory_total)}`,
+      `free ${formatBytes(free)}`,
+      `SM ${formatPercent(gpu.utilization)}`
+    ]);
+    const released = [`released to host now: ${formatBytes(gpu.released_bytes ?? 0)}`];
     const key = String(gpu.index);
     if (history) {
       const eff = efficiency(history.kernels, history.interval, history.now, key);
       if (eff.ratio !== null) {
-        released += ` · held while computing ${Math.round(eff.ratio * 100)} %`;
+        released.push(`held while computing ${Math.round(eff.ratio * 100)} %`);
       }
     }
-    setText(this._released, released);
+    setClauses(this._released, released);
 
     const series = history?.gpus[key];
     if (!history || !series) {

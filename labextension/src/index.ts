@@ -17,7 +17,7 @@ import { GPUShareAPI } from './api';
 import { gpuIcon } from './icon';
 import { CommandIDs, PLUGIN_ID, WidgetIDs } from './ids';
 import { GPUShareModel } from './model';
-import { connectNotifications } from './notifications';
+import { connectNotifications, EVENT_SCHEMA_ID } from './notifications';
 import { GPUSharePanel } from './panel';
 import { GPUStatusItem } from './statusbar';
 
@@ -139,6 +139,8 @@ const plugin: JupyterFrontEndPlugin<void> = {
       }
     }
 
+    // The panel and status bar follow the server's events at once, not at the next poll.
+    model.followEvents(app.serviceManager.events.stream, EVENT_SCHEMA_ID);
     connectNotifications({
       stream: app.serviceManager.events.stream,
       model,

@@ -2,10 +2,10 @@
  * One kernel's row in the panel, created once per kernel id and updated in place.
  */
 import { IKernel } from './api';
-import { allowedActions } from './rules';
+import { allowedActions, displayedState, PendingAction } from './rules';
 import { Attr, CSS } from './ids';
-import { el, setAttr, setDisabled, setHidden, setText, Sparkline } from './dom';
-import { formatBytes, formatDuration, formatUtilization } from './format';
+import { el, setAttr, setClauses, setDisabled, setHidden, setText, Sparkline } from './dom';
+import { formatBytes, formatDuration, formatUtilization, splitForEllipsis } from './format';
 
 export interface IRowActions {
   open(path: string): void;
@@ -21,7 +21,8 @@ export interface IRowView {
   /** The kernel's SM utilization history, oldest first. */
   utilization: (number | null)[];
   color: string;
-  pending: boolean;
+  /** The request from this page in flight for the kernel, if any. */
+  pending: PendingAction | null;
   error: string | null;
 }
 
@@ -42,11 +43,18 @@ export class KernelRow {
         this._actions.open(this._path);
       }
     });
+    // The name is cut in its middle, keeping its end (".ipynb", the kernel's id) in view.
+    this._nameHead = el('span', `${CSS.kernelName}-head`);
+    this._nameTail = el('span', `${CSS.kernelName}-tail`);
+    this._name.append(this._nameHead, this._nameTail);
     this._badge = el('span', CSS.badge);
     this._pinBadge = el('span', `${CSS.badge} ${CSS.badge}-pinned`, 'pinned');
-    head.append(this._swatch, this._name, this._badge, this._pinBadge);
+    // The badges go under the name, on the right, when both do not fit on one line.
+    const badges = el('span', `${CSS.kernel}-badges`);
+    badges.append(this._badge, this._pinBadge);
+    head.append(this._swatch, this._name, badges);
 
-    const usage = el('div', CSS.kernelStats);
+    const usage = (this._usage = el('div', CSS.kernelStats));
     this._memory = el('span', `${CSS.kernelStats}-memory`);
     this._util = el('span', `${CSS.kernelStats}-util`);
     this._spark = new Sparkline(CSS.sparkline);
@@ -83,13 +91,20 @@ export class KernelRow {
       this._color = view.color;
       this._swatch.style.background = view.color;
     }
-    setText(this._name, view.label);
+    const { head, tail } = splitForEllipsis(view.label);
+    setText(this._nameHead, head);
+    setText(this._nameTail, tail);
+    // Read as one word (flex items are read as separate ones: "gpushare- demo.ipynb").
+    setAttr(this._name, 'aria-label', view.label);
     // The whole path on hover (the name may be cut short by the panel's width).
     setAttr(this._name, 'title', k.path ? `${k.path}\nkernel ${k.id}` : `kernel ${k.id}`);
     setAttr(this.node, 'data-path', k.path);
-    const busy = k.state === 'releasing' || k.state === 'restoring';
-    setText(this._badge, busy ? `${k.state}…` : k.state);
-    setAttr(this._badge, 'class', `${CSS.badge} ${CSS.badge}-${k.state}`);
+    // The state shown: "releasing…" from the click on, not the state before it.
+    const state = displayedState(k.state, view.pending);
+    setAttr(this.node, 'data-pending', view.pending);
+    const busy = state === 'releasing' || state === 'restoring';
+    setText(this._badge, busy ? `${state}…` : state);
+    setAttr(this._badge, 'class', `${CSS.badge} ${CSS.badge}-${state}`);
     setHidden(this._pinBadge, !k.pinned);
 
     const gpus = k.gpus && k.gpus.length > 0 ? ` on GPU ${k.gpus.join(', ')}` : '';
@@ -98,14 +113,17 @@ export class KernelRow {
         ? `${formatBytes(k.released_bytes)} on host`
         : `${formatBytes(k.gpu_memory_bytes)}${gpus}`;
     setText(this._memory, memory);
-    setText(this._util, formatUtilization(k));
+    const util = formatUtilization(k);
+    setText(this._util, util);
+    // Per GPU ("SM 93 % on GPU 0 · 0 % on GPU 1"): a line of its own, under the memory.
+    setAttr(this._usage, 'data-per-gpu', util.includes(' on GPU ') ? 'true' : null);
     this._spark.update(view.utilization);
 
     const parts: string[] = [];
     if (k.idle_seconds !== null && k.idle_seconds !== undefined) {
       parts.push(`idle ${formatDuration(k.idle_seconds)}`);
     }
-    if (k.state === 'active' || k.state === 'idle') {
+    if (state === 'active' || state === 'idle') {
       if (k.pinned) {
         parts.push('never released automatically');
       } else if (k.release_in_seconds !== null && k.release_in_seconds !== undefined) {
@@ -123,12 +141,13 @@ export class KernelRow {
     if (k.waiting) {
       parts.push(`waiting: ${k.waiting}`);
     }
-    setText(this._timing, parts.join(' · '));
+    setClauses(this._timing, parts);
 
     const allowed = allowedActions(k.state);
-    setDisabled(this._release, view.pending || !allowed.release);
-    setDisabled(this._restore, view.pending || !allowed.restore);
-    setDisabled(this._pin, view.pending || !allowed.pin);
+    const pending = view.pending !== null;
+    setDisabled(this._release, pending || !allowed.release);
+    setDisabled(this._restore, pending || !allowed.restore);
+    setDisabled(this._pin, pending || !allowed.pin);
     setAttr(
       this._release,
       'title',
@@ -171,8 +190,11 @@ export class KernelRow {
   private _color = '';
   private _swatch: HTMLSpanElement;
   private _name: HTMLAnchorElement;
+  private _nameHead: HTMLSpanElement;
+  private _nameTail: HTMLSpanElement;
   private _badge: HTMLSpanElement;
   private _pinBadge: HTMLSpanElement;
+  private _usage: HTMLDivElement;
   private _memory: HTMLSpanElement;
   private _util: HTMLSpanElement;
   private _spark: Sparkline;

@@ -9,8 +9,10 @@ import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
 import { IDisposable } from '@lumino/disposable';
 
-import { GPUShareAPI, IHistory, IKernel, IStatus } from './api';
+import type { GPUShareAPI } from './api';
+import type { IHistory, IKernel, IStatus } from './contract';
 import { mergeHistory } from './metrics';
+import type { PendingAction } from './rules';
 
 export interface IModelOptions {
   api: GPUShareAPI;
@@ -23,6 +25,12 @@ export interface IModelOptions {
 /** Kernel-row errors expire so a stale message does not linger next to a working kernel. */
 const ERROR_TTL_MS = 30_000;
 
+/**
+ * While a kernel is releasing or restoring, refresh this often (ms) until it is done: the
+ * server's event for the end of a move can come just before its status says so.
+ */
+const TRANSITION_REFRESH_MS = 500;
+
 /** Refetch the whole history window after this many incremental fetches. */
 const FULL_HISTORY_EVERY = 150;
 
@@ -30,6 +38,7 @@ export class GPUShareModel implements IDisposable {
   constructor(options: IModelOptions) {
     this.api = options.api;
     this._historySeconds = options.historySeconds;
+    this._interval = options.refreshInterval;
     this._poll = new Poll({
       auto: true,
       factory: () => this._refresh(),
@@ -82,6 +91,7 @@ export class GPUShareModel implements IDisposable {
 
   configure(refreshInterval: number, historySeconds: number): void {
     this._historySeconds = historySeconds;
+    this._interval = refreshInterval;
     this._poll.frequency = { interval: refreshInterval, backoff: true, max: 60_000 };
   }
 
@@ -107,20 +117,62 @@ export class GPUShareModel implements IDisposable {
     return this._pending.has(id);
   }
 
+  /** The request in flight for this kernel, if any (its row shows "releasing…" meanwhile). */
+  pendingAction(id: string): PendingAction | null {
+    return this._pending.get(id) ?? null;
+  }
+
+  /**
+   * Ask the server for status (and history) now rather than at the next poll: after an
+   * action, on a server event. `Poll.refresh()` does nothing while a refresh's request is
+   * on its way, and a request that left before the change would bring the old state back,
+   * so while one is in flight another follows as soon as it is back.
+   */
   refresh(): Promise<void> {
+    if (this._fetching) {
+      this._again = true;
+      return Promise.resolve();
+    }
     return this._poll.refresh();
   }
 
+  /**
+   * Refresh on each of the server's kernel events (released, restored, pinned...), pushed
+   * over jupyter_server's event bus (`/api/events/subscribe`, which JupyterLab's event
+   * manager keeps open): the panel follows a release made elsewhere (a magic, the idle
+   * timeout, REST) at once instead of at the next poll.
+   */
+  followEvents(stream: ISignal<unknown, { schema_id: string }>, schemaId: string): IDisposable {
+    const onEvent = (_: unknown, emission: { schema_id: string }) => {
+      if (emission.schema_id === schemaId) {
+        void this.refresh();
+      }
+    };
+    stream.connect(onEvent);
+    let disposed = false;
+    return {
+      get isDisposed() {
+        return disposed;
+      },
+      dispose() {
+        if (!disposed) {
+          disposed = true;
+          stream.disconnect(onEvent);
+        }
+      }
+    };
+  }
+
   release(id: string): Promise<void> {
-    return this._act(id, () => this.api.release(id));
+    return this._act(id, 'release', () => this.api.release(id));
   }
 
   restore(id: string): Promise<void> {
-    return this._act(id, () => this.api.restore(id));
+    return this._act(id, 'restore', () => this.api.restore(id));
   }
 
   setPinned(id: string, pinned: boolean): Promise<void> {
-    return this._act(id, () => this.api.pin(id, pinned));
+    return this._act(id, 'pin', () => this.api.pin(id, pinned));
   }
 
   dispose(): void {
@@ -128,12 +180,18 @@ export class GPUShareModel implements IDisposable {
       return;
     }
     this._isDisposed = true;
+    clearTimeout(this._followUp);
+    void this._poll.stop(); // Poll.dispose() leaves the next tick's timer running
     this._poll.dispose();
     Signal.clearData(this);
   }
 
-  private async _act(id: string, request: () => Promise<IKernel>): Promise<void> {
-    this._pending.add(id);
+  private async _act(
+    id: string,
+    action: PendingAction,
+    request: () => Promise<IKernel>
+  ): Promise<void> {
+    this._pending.set(id, action);
     this._kernelErrors.delete(id);
     this._changed.emit();
     try {
@@ -158,16 +216,25 @@ export class GPUShareModel implements IDisposable {
     }
     const kernels = this._status.kernels.map(k => (k.id === kernel.id ? { ...k, ...kernel } : k));
     this._status = { ...this._status, kernels };
+    // A status request on its way left before this answer: it must not undo it.
+    this._generation++;
   }
 
   private async _refresh(): Promise<void> {
+    const generation = this._generation;
+    this._fetching = true;
     try {
       const wantHistory = this._historyWanted > 0;
       const [status, history] = await Promise.all([
         this.api.status(),
         wantHistory ? this._fetchHistory() : Promise.resolve(null)
       ]);
-      this._status = status;
+      if (generation === this._generation) {
+        this._status = status;
+        this._followTransitions(status);
+      } else {
+        this._again = true; // older than an action's answer: ask again rather than go back
+      }
       if (history) {
         this._history = history;
       }
@@ -180,8 +247,33 @@ export class GPUShareModel implements IDisposable {
       this._changed.emit();
       // Rethrow so the Poll backs off while the server is unreachable.
       throw error;
+    } finally {
+      this._fetching = false;
+      if (this._again) {
+        this._again = false;
+        // After the Poll has taken this tick's outcome (a refresh now would be dropped).
+        setTimeout(() => {
+          if (!this._isDisposed) {
+            void this.refresh();
+          }
+        }, 0);
+      }
     }
     this._changed.emit();
+  }
+
+  /** Refresh again soon while a kernel is releasing or restoring (see TRANSITION_REFRESH_MS). */
+  private _followTransitions(status: IStatus): void {
+    const moving = status.kernels.some(k => k.state === 'releasing' || k.state === 'restoring');
+    if (!moving || this._interval <= TRANSITION_REFRESH_MS || this._followUp !== undefined) {
+      return;
+    }
+    this._followUp = setTimeout(() => {
+      this._followUp = undefined;
+      if (!this._isDisposed) {
+        void this.refresh();
+      }
+    }, TRANSITION_REFRESH_MS);
   }
 
   /**
@@ -212,6 +304,8 @@ export class GPUShareModel implements IDisposable {
   }
 
   private _poll: Poll;
+  private _interval: number;
+  private _followUp: ReturnType<typeof setTimeout> | undefined = undefined;
   private _historyFetchedAt = 0;
   private _historyWindow = 0;
   private _incrementalFetches = 0;
@@ -221,7 +315,12 @@ export class GPUShareModel implements IDisposable {
   private _reachable = true;
   private _historySeconds: number;
   private _historyWanted = 0;
-  private _pending = new Set<string>();
+  private _pending = new Map<string, PendingAction>();
+  /** Whether a status request is on its way, and whether another must follow it. */
+  private _fetching = false;
+  private _again = false;
+  /** Counts local changes to `_status` (an action's answer) that a poll must not undo. */
+  private _generation = 0;
   private _kernelErrors = new Map<string, { message: string; at: number }>();
   private _isDisposed = false;
   private _changed = new Signal<this, void>(this);

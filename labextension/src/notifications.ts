@@ -82,8 +82,7 @@ export function connectNotifications(options: INotifierOptions): IDisposable {
       return;
     }
     const event = emission as unknown as IKernelEvent;
-    // The panel and status bar follow the change at once instead of at the next poll.
-    void model.refresh();
+    // (The model refreshes on the same events itself: GPUShareModel.followEvents.)
     if (!options.enabled()) {
       return;
     }

@@ -17,7 +17,7 @@ import { GPUCard } from './gpucard';
 import { HubLine } from './hubline';
 import { IRowActions, KernelRow } from './kernelrow';
 import { GPUShareModel } from './model';
-import { ColorMap, kernelLabels } from './rules';
+import { ColorMap, kernelLabels, sortKernels } from './rules';
 
 export interface IPanelOptions {
   model: GPUShareModel;
@@ -166,7 +166,7 @@ export class GPUSharePanel extends Widget {
     );
 
     const history = model.history;
-    const order = sortedKernelIds(status);
+    const order = sortKernels(status.kernels);
     // Assign colors in a stable order so chart areas and row swatches match.
     order.forEach(id => this._colors.color(id));
 
@@ -232,7 +232,7 @@ export class GPUSharePanel extends Widget {
         label: labels.get(id)!,
         utilization: history?.kernels[id]?.sm_utilization ?? [],
         color: this._colors.color(id),
-        pending: model.isPending(id),
+        pending: model.pendingAction(id),
         error: model.kernelError(id)
       });
     });
@@ -291,14 +291,6 @@ export class GPUSharePanel extends Widget {
   private _rows = new Map<string, KernelRow>();
   private _colors = new ColorMap();
   private _wantsHistory = false;
-}
-
-/** Rows sorted by notebook path, then id: stable between refreshes, easy to scan. */
-function sortedKernelIds(status: IStatus): string[] {
-  return status.kernels
-    .map(k => ({ id: k.id, key: `${k.path ?? ''}\u0000${k.id}` }))
-    .sort((a, b) => (a.key < b.key ? -1 : a.key > b.key ? 1 : 0))
-    .map(k => k.id);
 }
 
 /** How far from the window's right edge toasts sit while the panel is open on the right. */

@@ -78,3 +78,42 @@ export function kernelLabels(
   }
   return labels;
 }
+
+/** What a request the panel sent for a kernel is doing, while it is in flight. */
+export type PendingAction = 'release' | 'restore' | 'pin';
+
+/**
+ * The state a kernel's row shows: the server's, except while a release or restore asked from
+ * this page is in flight, when it shows "releasing"/"restoring" at once rather than the state
+ * before the click until the request returns (and "release in 1 min 49 s" meanwhile).
+ */
+export function displayedState(state: KernelState, pending: PendingAction | null): KernelState {
+  if (pending === 'release' && (state === 'active' || state === 'idle')) {
+    return 'releasing';
+  }
+  if (pending === 'restore' && (state === 'released' || state === 'failed')) {
+    return 'restoring';
+  }
+  return state;
+}
+
+const collator = new Intl.Collator(undefined, { sensitivity: 'base', numeric: true });
+
+/**
+ * Kernel ids in row order: by notebook path as a person sorts names (case-insensitive,
+ * "run2" before "run10"), then exactly (so "A.ipynb" and "a.ipynb" keep one order), then by
+ * id. Stable between refreshes. Kernels without a notebook come last.
+ */
+export function sortKernels(kernels: readonly Pick<IKernel, 'id' | 'path'>[]): string[] {
+  const exact = (a: string, b: string) => (a < b ? -1 : a > b ? 1 : 0);
+  return [...kernels]
+    .sort((a, b) => {
+      const pa = a.path ?? '';
+      const pb = b.path ?? '';
+      if (!pa !== !pb) {
+        return pa ? -1 : 1;
+      }
+      return collator.compare(pa, pb) || exact(pa, pb) || exact(a.id, b.id);
+    })
+    .map(k => k.id);
+}

@@ -10,6 +10,7 @@ import { IKernel } from './api';
 import { CSS } from './ids';
 import { formatBytes, formatPercent } from './format';
 import { GPUShareModel } from './model';
+import { displayedState } from './rules';
 
 /** The status text for a kernel, or null when there is nothing GPU-related to say. */
 export function statusText(kernel: IKernel | undefined): { text: string; busy: boolean } | null {
@@ -83,7 +84,13 @@ export class GPUStatusItem extends Widget {
 
   private _refresh(): void {
     const id = this._session?.session?.kernel?.id;
-    const view = statusText(id ? this._model.kernel(id) : undefined);
+    const kernel = id ? this._model.kernel(id) : undefined;
+    // "GPU releasing…" from the click on (panel or command), as the panel's row shows it.
+    const shown = kernel && {
+      ...kernel,
+      state: displayedState(kernel.state, this._model.pendingAction(kernel.id))
+    };
+    const view = statusText(shown);
     const active = view !== null;
     if (view) {
       if (this._text.textContent !== view.text) {

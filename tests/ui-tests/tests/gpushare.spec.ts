@@ -78,7 +78,8 @@ async function allocatingNotebook(
   await page.evaluate(async () => {
     await (window as any).galata.app.shell.currentWidget.sessionContext.ready;
   });
-  await page.notebook.runCell(0);
+  // In place: Shift+Enter would leave an empty cell under it (seen in the README screenshot).
+  await page.notebook.runCell(0, true);
   await expect(
     page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output').first()
   ).toContainText(`allocated ${GiB}`);
@@ -181,6 +182,7 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await expect(b.locator('button[data-action="release"]')).toBeEnabled();
   await expect(a.locator('button[data-action="release"]')).toBeEnabled();
   await shot(page, 'panel-restored-pinned');
+  // The README's screenshot (docs/images/lab-with-panel.png is a copy of it).
   await page.screenshot({ path: path.join(ARTIFACTS, 'lab-with-panel.png') });
   await b.locator('button[data-action="release"]').click();
   await expect(b).toHaveAttribute('data-state', 'released');
@@ -259,5 +261,201 @@ test.describe('with the notifications setting off', () => {
     }
     await expect(quiet).toHaveAttribute('data-state', 'released');
     expect(Math.max(...seen)).toBe(0);
+  });
+});
+
+/** Whether nothing is drawn on the outermost pixels of a chart's canvas (no label cut off). */
+async function chartEdgesBlank(chart: Locator): Promise<{ blank: boolean; inked: string[] }> {
+  return chart
+    .locator('canvas')
+    .first()
+    .evaluate((canvas: HTMLCanvasElement) => {
+      const ctx = canvas.getContext('2d')!;
+      const { width, height } = canvas;
+      const inked: string[] = [];
+      const edges: [string, number, number, number, number][] = [
+        ['top', 0, 0, width, 1],
+        ['bottom', 0, height - 1, width, 1],
+        ['left', 0, 0, 1, height],
+        ['right', width - 1, 0, 1, height]
+      ];
+      for (const [edge, x, y, w, h] of edges) {
+        const alpha = ctx.getImageData(x, y, w, h).data.filter((_, i) => i % 4 === 3);
+        if (alpha.some(a => a > 0)) {
+          inked.push(edge);
+        }
+      }
+      return { blank: inked.length === 0, inked };
+    });
+}
+
+test('names, per-GPU utilization and chart labels fit the panel at its default width', async ({
+  page,
+  tmpPath
+}) => {
+  // The demo's notebook, pinned (two badges), holding memory on both GPUs; and a long name.
+  await allocatingNotebook(
+    page,
+    tmpPath,
+    'gpushare-demo.ipynb',
+    '\ny = simgpu.zeros((64, 1024, 1024), dtype=np.float32, device=1)\nsimgpu.burn(1.5, device=0)'
+  );
+  const longName = 'a-notebook-with-a-name-much-longer-than-the-panel-is-wide.ipynb';
+  await allocatingNotebook(page, tmpPath, longName);
+  await openPanel(page);
+  const demo = row(page, 'gpushare-demo.ipynb');
+  await demo.locator('button[data-action="pin"]').click();
+  await expect(demo.locator('.jp-GPUShare-badge-pinned')).toBeVisible();
+  await expect(demo.locator('.jp-GPUShare-kernelStats-util')).toHaveText(
+    /^SM \d+ % on GPU 0 · 0 % on GPU 1$/
+  );
+
+  // The whole name shows (the badges move under it if need be), and it is not cut.
+  const fits = (locator: Locator) =>
+    locator.evaluate(node => node.scrollWidth <= node.clientWidth + 0.5);
+  await expect(demo.locator('.jp-GPUShare-kernelName')).toHaveText('gpushare-demo.ipynb');
+  // Read as one name, though drawn in two parts.
+  await expect(demo.getByRole('link', { name: 'gpushare-demo.ipynb', exact: true })).toBeVisible();
+  expect(await fits(demo.locator('.jp-GPUShare-kernelName-head'))).toBe(true);
+  const box = (await demo.boundingBox())!;
+  for (const badge of ['.jp-GPUShare-badge-active', '.jp-GPUShare-badge-pinned']) {
+    const b = (await demo.locator(badge).boundingBox())!;
+    expect(b.x + b.width).toBeLessThanOrEqual(box.x + box.width + 0.5);
+  }
+
+  // A name longer than the panel is cut in its middle: ".ipynb" stays in view.
+  const long = panel(page).locator(`.jp-GPUShare-kernel[data-path="${tmpPath}/${longName}"]`);
+  const name = long.locator('.jp-GPUShare-kernelName');
+  await expect(name).toHaveText(longName);
+  expect(await fits(long.locator('.jp-GPUShare-kernelName-head'))).toBe(false);
+  await expect(long.locator('.jp-GPUShare-kernelName-tail')).toHaveText(/\.ipynb$/);
+  const tail = (await long.locator('.jp-GPUShare-kernelName-tail').boundingBox())!;
+  const longBox = (await long.boundingBox())!;
+  expect(tail.x + tail.width).toBeLessThanOrEqual(longBox.x + longBox.width + 0.5);
+  await expect(name).toHaveAttribute('title', new RegExp(`^${tmpPath}/${longName}\\n`));
+
+  // The two-GPU utilization is one line, inside the row.
+  const util = demo.locator('.jp-GPUShare-kernelStats-util');
+  const lines = await util.evaluate(node => {
+    const range = document.createRange();
+    range.selectNodeContents(node);
+    return new Set([...range.getClientRects()].map(r => Math.round(r.top))).size;
+  });
+  expect(lines).toBe(1);
+  const u = (await util.boundingBox())!;
+  expect(u.x + u.width).toBeLessThanOrEqual(box.x + box.width + 0.5);
+  // The memory and the sparkline share the line above it.
+  const sameLine = async (r: Locator, a: string, b: string) => {
+    const boxA = (await r.locator(a).boundingBox())!;
+    const boxB = (await r.locator(b).boundingBox())!;
+    return Math.abs(boxA.y + boxA.height / 2 - (boxB.y + boxB.height / 2)) < 4;
+  };
+  const memory = (await demo.locator('.jp-GPUShare-kernelStats-memory').boundingBox())!;
+  const spark = (await demo.locator('.jp-GPUShare-sparkline').boundingBox())!;
+  expect(await sameLine(demo, '.jp-GPUShare-kernelStats-memory', '.jp-GPUShare-sparkline')).toBe(
+    true
+  );
+  expect(u.y).toBeGreaterThanOrEqual(memory.y + memory.height - 0.5);
+  expect(spark.x + spark.width).toBeLessThanOrEqual(box.x + box.width + 0.5);
+  // One GPU: memory, utilization and sparkline on one line.
+  for (const part of ['.jp-GPUShare-kernelStats-util', '.jp-GPUShare-sparkline']) {
+    expect(await sameLine(long, '.jp-GPUShare-kernelStats-memory', part)).toBe(true);
+  }
+  // "free 16.0 GiB" never breaks before its unit.
+  const stats = panel(page).locator('.jp-GPUShare-gpu').first().locator('.jp-GPUShare-gpuStats');
+  for (const clause of await stats.first().locator('.jp-GPUShare-clause').all()) {
+    expect(await clause.evaluate(node => node.getClientRects().length)).toBe(1);
+  }
+
+  // Nothing of the charts' axes (labels included) is cut at the canvas' edges.
+  for (const chart of await panel(page).locator('.jp-GPUShare-chart').all()) {
+    await expect(chart.locator('canvas').first()).toBeVisible();
+    expect(await chartEdgesBlank(chart)).toEqual({ blank: true, inked: [] });
+  }
+  await shot(page, 'panel-names-fit');
+});
+
+test.describe('with a poll once a minute', () => {
+  // Everything the panel shows below within seconds comes from a refresh after the action
+  // or on the server's event, not from the poll.
+  test.use({
+    mockSettings: {
+      ...galata.DEFAULT_SETTINGS,
+      'jupyter-gpushare:plugin': { refreshInterval: 60_000 }
+    }
+  });
+  const SOON = { timeout: 10_000 };
+
+  test('the panel follows a release at once, from the panel or from a cell', async ({
+    page,
+    tmpPath
+  }) => {
+    await allocatingNotebook(page, tmpPath, 'follow.ipynb');
+    await openPanel(page);
+    // The kernel started after the page's last poll: the Refresh command shows it (once the
+    // server has seen its allocation).
+    const r = row(page, 'follow.ipynb');
+    await expect
+      .poll(async () => {
+        await page.evaluate(() => (window as any).galata.app.commands.execute('gpushare:refresh'));
+        return r.getAttribute('data-gpu-memory-bytes');
+      }, SOON)
+      .toBe(String(GiB));
+    await expect.poll(() => gpuUsed(page, 0), SOON).toBeGreaterThanOrEqual(GiB);
+    const usedBefore = await gpuUsed(page, 0);
+
+    // Every text the badge shows, in order.
+    await r
+      .locator('.jp-GPUShare-badge')
+      .first()
+      .evaluate(node => {
+        const seen: string[] = [node.textContent ?? ''];
+        (window as any).gpushareBadges = seen;
+        new MutationObserver(() => seen.push(node.textContent ?? '')).observe(node, {
+          childList: true,
+          characterData: true,
+          subtree: true
+        });
+      });
+    // Hold the release request in the browser: what the row shows meanwhile is the panel's
+    // own doing, nothing from the server yet.
+    let letGo!: () => void;
+    const gate = new Promise<void>(resolve => (letGo = resolve));
+    // (the lab adds "?<time>" to the URL)
+    const release = /\/api\/gpushare\/kernels\/[^/?]+\/release(\?|$)/;
+    let held = 0;
+    await page.route(release, async route => {
+      held++;
+      await gate;
+      await route.continue();
+    });
+    await r.locator('button[data-action="release"]').click();
+    await expect(r.locator('.jp-GPUShare-badge').first()).toHaveText('releasing…');
+    await expect(r.locator('.jp-GPUShare-kernelStats-timing')).not.toContainText('release in');
+    await expect(r.locator('button[data-action="release"]')).toBeDisabled();
+    await expect(page.locator('.jp-GPUShare-statusItem')).toHaveText('GPU releasing…');
+    expect(held).toBe(1);
+    letGo();
+    await expect(r).toHaveAttribute('data-state', 'released', SOON);
+    await page.unroute(release);
+    // The GPU's figures too: the whole status was asked again, not only the row patched.
+    await expect.poll(() => gpuUsed(page, 0), SOON).toBeLessThanOrEqual(usedBefore - GiB);
+    // Then "released", and never the state from before the click again.
+    const badges: string[] = await page.evaluate(() => (window as any).gpushareBadges);
+    expect(badges[0]).toMatch(/^(active|idle)$/);
+    expect(badges[1]).toBe('releasing…');
+    expect(badges.slice(1).filter(b => b !== 'releasing…')).toEqual(['released']);
+
+    // A cell brings it back; `%gpushare release` in a cell releases it: the row follows the
+    // server's events at once.
+    await page.notebook.activate('follow.ipynb');
+    await page.notebook.addCell('code', 'print("back", x.shape)');
+    await page.notebook.runCell((await page.notebook.getCellCount()) - 1);
+    await expect(page.locator('.jp-OutputArea-output').filter({ hasText: 'back' })).toBeVisible();
+    await expect(r).not.toHaveAttribute('data-state', /released|restoring/, SOON);
+    await page.notebook.addCell('code', '%gpushare release');
+    await page.notebook.runCell((await page.notebook.getCellCount()) - 1);
+    await expect(r).toHaveAttribute('data-state', 'released', SOON);
+    await expect(r.locator('.jp-GPUShare-kernelStats-memory')).toHaveText('1.0 GiB on host');
   });
 });
