@@ -336,7 +336,9 @@ def start_hub(directory: Path, users: list[str], admins: list[str], service_conf
     }
     (directory / "jupyterhub_config.py").write_text(
         CONFIG.format(snippet=str(SNIPPET), settings=json.dumps(settings)), encoding="utf-8")
-    (directory / "gpushare_hub_config.py").write_text(service_config, encoding="utf-8")
+    # the service measures the node itself (the shared simulated node, as NVML on a real one)
+    (directory / "gpushare_hub_config.py").write_text(
+        f"c.GPUShareHub.simulated_node = {node_path!r}\n" + service_config, encoding="utf-8")
     env = {**os.environ, "PYTHONPATH": pythonpath, "JUPYTER_GPUSHARE_SERVICE_PORT": str(service_port),
            "JUPYTER_GPUSHARE_PROXY_URL": f"http://127.0.0.1:{port}", "PYTHONUNBUFFERED": "1"}
     log = open(directory / "hub.log", "wb")

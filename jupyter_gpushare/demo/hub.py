@@ -96,7 +96,8 @@ def prepare(directory: Path, port: int, idle_timeout: float) -> tuple[Path, dict
     config = directory / "jupyterhub_config.py"
     config.write_text(CONFIG.format(settings=json.dumps(settings)), encoding="utf-8")
     (directory / "gpushare_hub_config.py").write_text(
-        SERVICE_CONFIG.format(pressure=min(idle_timeout, 30)), encoding="utf-8")
+        f"c.GPUShareHub.simulated_node = {str(node)!r}\n"  # the service measures the node itself
+        + SERVICE_CONFIG.format(pressure=min(idle_timeout, 30)), encoding="utf-8")
     env = {**os.environ, "JUPYTER_GPUSHARE_SERVICE_PORT": str(free_port()),
            "JUPYTER_GPUSHARE_PROXY_URL": f"http://127.0.0.1:{port}"}
     return config, env

@@ -19,12 +19,13 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tornado import web
-from traitlets import Bool, Dict, Float, Int, TraitError, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
 from ..fairshare import parse_table
 from .coordinator import Coordinator, Settings, hub_policy
 from .hubapi import HubAPI
+from .measure import BACKENDS, open_meter
 from .web import routes
 
 
@@ -170,16 +171,77 @@ class GPUShareHub(Application):
         metrics name users.""",
     ).tag(config=True)
 
-    @validate("poll_interval", "request_timeout")
+    read_deadline = Float(
+        1.0,
+        help="""Seconds room for someone's restore waits for the fresh status of other users'
+        servers. A server that answers later, or was slower than this the last time, is judged
+        by its last status, and its kernels are released only when no prompt server's can make
+        the room: one slow server slows only its own users. Default 1. Must be > 0.""",
+    ).tag(config=True)
+
+    backend = Enum(
+        list(BACKENDS), "auto",
+        help="""What the service measures the node with, to check what servers claim: "nvml"
+        (the service runs on the GPU node), "simulated" (the shared simulated node in
+        simulated_node), "off" (the hub runs elsewhere: servers' numbers are taken as they
+        are, bounded by shares and what unused claims cost). Default "auto": the simulated node
+        when simulated_node is set, else NVML when it sees a GPU, else off.""",
+    ).tag(config=True)
+
+    simulated_node = Unicode(
+        help="""The shared simulated node's file, as the users' servers have it. Default: the
+        environment variable JUPYTER_GPUSHARE_SIMULATED_NODE, else "" (none).""",
+    ).tag(config=True)
+
+    @default("simulated_node")
+    def _default_simulated_node(self) -> str:
+        return os.environ.get("JUPYTER_GPUSHARE_SIMULATED_NODE", "")
+
+    unix_user = Unicode(
+        "{username}",
+        help="""The OS account a user's kernels run as, {username} being the Hub's name: a
+        process of such an account belongs to that user. Default "{username}" (LocalProcessSpawner); "jupyter-{username}" for The Littlest JupyterHub and SystemdSpawner
+        with dynamic users. A process of any other account (every server as one account) is
+        told apart by the JUPYTERHUB_USER the Hub put in its environment.""",
+    ).tag(config=True)
+
+    context_bytes = Int(
+        None, allow_none=True,
+        help="""Bytes of a waiting restore's need that may be missing from its kernel's host
+        memory (a CUDA context: a release frees it, a restore builds it again). Default None:
+        768 MiB with NVML, 0 on the simulated node.""",
+    ).tag(config=True)
+
+    claim_grace = Float(
+        120.0,
+        help="""Seconds a restore that got room made from other people's kernels has to land on
+        the GPU. Default 120. Must be > 0. One that does not is an unused claim: see
+        claim_penalty.""",
+    ).tag(config=True)
+
+    claim_penalty = Float(
+        600.0,
+        help="""Seconds no room is made from other people's kernels for a user whose claimed
+        restore got room and did not use it; doubled for each further one within an hour (at
+        most an hour). Default 600. 0 = no pause.""",
+    ).tag(config=True)
+
+    @validate("poll_interval", "request_timeout", "read_deadline", "claim_grace")
     def _check_positive(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
             raise TraitError(f"GPUShareHub.{proposal['trait'].name} must be > 0")
         return proposal["value"]
 
-    @validate("pressure_idle_timeout", "over_share_idle_timeout", "min_release_bytes")
+    @validate("pressure_idle_timeout", "over_share_idle_timeout", "min_release_bytes", "claim_penalty")
     def _check_non_negative(self, proposal: Any) -> Any:
         if proposal["value"] < 0:
             raise TraitError(f"GPUShareHub.{proposal['trait'].name} must be >= 0")
+        return proposal["value"]
+
+    @validate("context_bytes")
+    def _check_context(self, proposal: Any) -> Any:
+        if proposal["value"] is not None and proposal["value"] < 0:
+            raise TraitError("GPUShareHub.context_bytes must be >= 0 (or None)")
         return proposal["value"]
 
     @validate("idle_utilization")
@@ -210,8 +272,16 @@ class GPUShareHub(Application):
             policy=hub_policy(self.pressure_idle_timeout, self.over_share_idle_timeout,
                               self.idle_utilization, self.min_release_bytes),
             admin_url=self.prefix,
+            read_deadline=self.read_deadline,
+            claim_grace=self.claim_grace,
+            claim_penalty=self.claim_penalty,
         )
-        return Coordinator(api, settings, poll_interval=self.poll_interval)
+        meter, measuring = open_meter(self.backend, self.simulated_node, self.unix_user, self.context_bytes)
+        (self.log.info if meter is not None else self.log.warning)(
+            "gpushare hub: %s", f"measuring the node with {measuring}" if meter is not None else
+            f"not measuring the node: {measuring}; servers' claims are checked only against shares")
+        return Coordinator(api, settings, poll_interval=self.poll_interval, meter=meter,
+                           measuring=measuring)
 
     def make_web_app(self, coordinator: Coordinator) -> web.Application:
         from jupyterhub.services.auth import HubOAuth

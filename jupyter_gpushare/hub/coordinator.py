@@ -9,7 +9,21 @@
 - **Make room**: :func:`jupyter_gpushare.crossuser.make_room` decides (the policy's rules
   across users, plus shares); each victim is released through its own server's REST with
   ``if_idle_for``, so its server checks again, with live data, that nobody working is taken.
-  One decision at a time per GPU. A victim that fails is logged and the others go on.
+  One decision at a time per GPU. The victims' releases run side by side; one that fails is
+  logged and the others go on.
+
+**Trust.** A server runs as its user, who may change it: its status is a claim. Where the
+service runs on the node it measures the GPUs and the kernels' processes itself
+(:mod:`.measure`) and checks every status against that (:mod:`.claims`): its own free memory
+and per-person usage win, a waiting restore counts only when its state is in that user's
+processes, and room made for a restore that then does not use it within
+``claim_grace`` pauses that user's claims (``claim_penalty``, doubling while it repeats): an
+unused claim costs its user, never others. Answers to a server name no other user or kernel.
+
+**Slow servers.** Every server is read in a task of its own, one at a time per server. Room
+for someone waits for other users' servers at most ``read_deadline``, and not at all for a
+server that was slow the last time: its last status stands in, its kernels are released only
+when no prompt server's can make the room, and its own release, if needed, is its own wait.
 
 One server's failure (stopped, restarting, answering garbage) is logged once and shown; it
 never stops the loop or the others. Time goes through :func:`now` (tests move the clock).
@@ -27,15 +41,20 @@ from typing import Any
 from .. import clock, crossuser, policy
 from ..fairshare import Share, shares_of
 from ..sim.node import format_bytes
+from . import claims
 from .hubapi import HubAPI, HubAPIError
+from .measure import Measured, Meter
 from .metrics import HubMetrics
-from .snapshot import Snapshot, parse_status
+from .snapshot import RESIDENT, Snapshot, parse_status
 from .view import GpuIds, NodeView, Placed, ServerRef
 
 log = logging.getLogger(__name__)
 
 HISTORY = 720  # samples kept per GPU for the admin page's chart
 RECENT = 200  # actions kept for the admin page
+STRIKES_FORGOTTEN = 3600.0  # s without an unused claim before a user's pauses start short again
+MAX_PAUSE = 3600.0  # s: the longest pause of a user's claims
+ANOTHER = "another user's idle kernel"  # all a server is told of whose kernel made its room
 
 
 def now() -> float:
@@ -50,6 +69,9 @@ class ServerEntry:
     error: str | None = None
     since: float = 0.0  # when it was first seen
     restores_seen: dict[str, int] = field(default_factory=dict)  # kernel -> restores counted
+    refused: dict[str, str] = field(default_factory=dict)  # kernel -> why its wait is not believed
+    task: asyncio.Task[None] | None = None  # the read in flight
+    slow: bool = False  # its last read took longer than the read deadline
 
 
 @dataclass
@@ -57,6 +79,9 @@ class Settings:
     shares: dict[str, Share]
     policy: crossuser.HubPolicy
     admin_url: str = "/services/gpushare/"
+    read_deadline: float = 1.0  # s room for someone waits for other users' servers' statuses
+    claim_grace: float = 120.0  # s a restore given room has to land
+    claim_penalty: float = 600.0  # s a user's claims pause after an unused one (0: never)
 
 
 @dataclass
@@ -68,10 +93,35 @@ class Wait:
     last_try: float | None = None
 
 
+@dataclass
+class Served:
+    """Room made for one restore: it must land within the grace, or it costs its user."""
+
+    at: float
+    uuids: dict[str, int]  # GPU uuid -> bytes it needed
+    pids: list[int]  # its processes (checked ones where measured)
+    measured: bool  # every GPU it needs is measured
+    released: int  # bytes released for it
+
+
+@dataclass
+class Strikes:
+    count: int = 0
+    last: float = 0.0
+    until: float = 0.0  # its claims are not served before this
+
+
 class Coordinator:
     def __init__(self, api: HubAPI, settings: Settings, metrics: HubMetrics | None = None,
-                 poll_interval: float = 10.0):
+                 poll_interval: float = 10.0, meter: Meter | None = None, measuring: str = ""):
         self.api = api
+        self.meter = meter
+        self.measuring = measuring  # what measures the node, or why nothing does
+        self.measured: Measured | None = None
+        self.measure_error: str | None = None
+        self._measure_lock = asyncio.Lock()
+        self.served: dict[tuple[str, str, str], Served] = {}
+        self.strikes: dict[str, Strikes] = {}
         self.poll_interval = poll_interval
         self.settings = settings
         self.metrics = metrics or HubMetrics()
@@ -97,7 +147,9 @@ class Coordinator:
         async with self._poll_lock:
             started = clock.monotonic()
             await self._discover()
-            await asyncio.gather(*(self._read(e) for e in list(self.entries.values())))
+            # a slow server is not waited for: its read lands for a later round
+            await self._refresh(list(self.entries.values()), self._read_timeout(), wait_slow=False)
+            await self._measure()
             self._rebuild(integrate=True)
             self.metrics.poll_seconds.observe(clock.monotonic() - started)
         # the fallback for waits no push served: seen by an earlier poll too (a push, about a
@@ -131,17 +183,38 @@ class Coordinator:
                 entry.ref = ref
             self.groups[ref.user] = ref.groups
 
+    def _read_timeout(self) -> float:
+        return float(getattr(self.api, "timeout", 10.0)) + 1.0
+
+    def _start_read(self, entry: ServerEntry) -> asyncio.Task[None]:
+        """The server's read in flight, or a new one: never two at once for one server."""
+        if entry.task is None or entry.task.done():
+            entry.task = asyncio.ensure_future(self._read(entry))
+        return entry.task
+
+    async def _refresh(self, entries: list[ServerEntry], within: float, wait_slow: bool = True) -> None:
+        """Read ``entries``, each in its own task; wait for them at most ``within`` seconds,
+        and not at all for a server that was slow last time (unless ``wait_slow``)."""
+        tasks = [(e, self._start_read(e)) for e in entries]
+        waited = [t for e, t in tasks if wait_slow or not e.slow]
+        if waited:
+            await asyncio.wait(waited, timeout=within)
+
     async def _read(self, entry: ServerEntry) -> None:
         """Read one server; its failure is its own (logged once, shown, never acted on)."""
+        started = clock.monotonic()
         try:
             raw = await self.api.status(entry.ref)
             snap = parse_status(raw, now())
         except (HubAPIError, ValueError) as e:
+            entry.slow = clock.monotonic() - started > self.settings.read_deadline
             self._failed(entry, str(e))
             return
         except Exception as e:  # anything else a server can do to us
+            entry.slow = clock.monotonic() - started > self.settings.read_deadline
             self._failed(entry, f"{type(e).__name__}: {e}")
             return
+        entry.slow = clock.monotonic() - started > self.settings.read_deadline
         if entry.error is not None:
             log.info("gpushare hub: server %s answers again", _name(entry.ref.key))
         entry.snap, entry.error = snap, None
@@ -163,14 +236,89 @@ class Coordinator:
                     self.metrics.restore_seconds.observe(k.last_restore_seconds)
         entry.restores_seen = seen
 
+    async def _measure(self) -> None:
+        """The service's own reading of the node (in a thread: NVML and SQLite block)."""
+        if self.meter is None:
+            return
+        pids = {p for e in self.entries.values() if e.snap is not None for k in e.snap.kernels
+                for p in k.pids}
+        users = set(self.groups) | {key[0] for key in self.entries}
+        async with self._measure_lock:
+            try:
+                self.measured = await asyncio.to_thread(self.meter.read, pids, users)
+            except Exception as e:  # keep going on the servers' word, bounded by shares
+                if self.measure_error != str(e):
+                    log.warning("gpushare hub: cannot measure the node: %s", e)
+                self.measure_error, self.measured = str(e)[:300], None
+                return
+        if self.measure_error is not None:
+            log.info("gpushare hub: measuring the node again")
+        self.measure_error = None
+
     def _rebuild(self, integrate: bool = False) -> None:
         t = now()
-        snaps = [(e.ref, e.snap) for e in self.entries.values() if e.snap is not None]
-        self.view = NodeView(snaps, self.ids, t)
+        snaps = []
+        taken: dict[str, set[int]] = {}
+        for e in self.entries.values():
+            if e.snap is None:
+                e.refused = {}
+                continue
+            snap, refused = claims.check(e.ref.user, e.snap, self.measured,
+                                         taken.setdefault(e.ref.user, set()))
+            for kid in set(refused) - set(e.refused):  # each refused wait once, logged and counted
+                self.metrics.claims.labels("refused").inc()
+                log.warning("gpushare hub: %s's server claims a waiting restore of kernel %s; not "
+                            "believed: %s", _name(e.ref.key), kid, refused[kid])
+            e.refused = refused
+            snaps.append((e.ref, snap))
+        self.view = NodeView(snaps, self.ids, t, self.measured)
         if integrate:
             self._integrate(t)
         self._note_waits(t, integrate)
+        self._settle(t)
         self._export(integrate)
+
+    # -- claims served, and what an unused one costs ------------------------------------------------
+    def _settle(self, t: float) -> None:
+        """Room made for a restore that has landed is done with; one that has not after
+        ``claim_grace`` costs its user."""
+        for key, served in list(self.served.items()):
+            if self._used(key, served):
+                del self.served[key]
+            elif t - served.at >= self.settings.claim_grace:
+                del self.served[key]
+                self._strike(key, served, t)
+
+    def _used(self, key: tuple[str, str, str], served: Served) -> bool:
+        if served.measured and self.measured is not None:  # measured: the bytes are back on a GPU
+            # (any GPU: a restore may land on another one than the room was made on)
+            back = sum(sum(self.measured.pids.get(p, {}).values()) for p in served.pids)
+            return 2 * back >= max(served.uuids.values(), default=0)
+        placed = self.view.find(*key)
+        return placed is not None and placed.kernel.state in RESIDENT
+
+    def _strike(self, key: tuple[str, str, str], served: Served, t: float) -> None:
+        user = key[0]
+        st = self.strikes.get(user)
+        if st is None or t - st.last > STRIKES_FORGOTTEN:
+            st = self.strikes[user] = Strikes()
+        st.count += 1
+        st.last = t
+        pause = min(MAX_PAUSE, self.settings.claim_penalty * 2 ** (st.count - 1))
+        st.until = t + pause
+        why = (f"room made {t - served.at:.0f} s ago ({format_bytes(served.released)} released) "
+               f"was not used")
+        self.metrics.claims.labels("unused").inc()
+        log.warning("gpushare hub: %s's restore of kernel %s: %s; no room is made for %s's "
+                    "restores for %.0f s", user, key[2], why, user, pause)
+        self.recent.appendleft({"t": round(t, 3), "action": "claim unused", "user": user,
+                                "server": key[1], "kernel": key[2], "bytes": served.released,
+                                "reason": f"{why}; claims paused for {pause:.0f} s"})
+
+    def paused(self, user: str) -> float:
+        """Seconds left before room is made again for ``user``'s restores (0: now)."""
+        st = self.strikes.get(user)
+        return max(0.0, st.until - now()) if st is not None else 0.0
 
     def _integrate(self, t: float) -> None:
         """History and GPU-hours reclaimed (released bytes / GPU memory, over time)."""
@@ -232,15 +380,19 @@ class Coordinator:
         entry = self.entries.get((user, server))
         if entry is None and clock.monotonic() - self._last_discovery > 1.0:
             self._last_discovery = clock.monotonic()  # a server started since the last poll
-            await self.poll_once()
+            await self._discover()
             entry = self.entries.get((user, server))
         if entry is None:
             return {"released": [], "waits": {}, "me": self.me(user)}
-        await self._read(entry)
+        await self._read(entry)  # its own server, read now: its own time
+        await self._measure()
         self._rebuild()
         released: list[dict[str, Any]] = []
         waits: dict[str, str] = {}
         for kid in dict.fromkeys(kernel_ids):
+            if kid in entry.refused:
+                waits[kid] = f"no room is made for it from other people's kernels: {entry.refused[kid]}"
+                continue
             placed = self.view.find(user, server, kid)
             if placed is None or not placed.need:
                 continue
@@ -268,40 +420,63 @@ class Coordinator:
 
     async def _serve_locked(self, placed: Placed, trigger: str) -> tuple[list[dict[str, Any]], str | None]:
         user, server, kid = placed.ref.user, placed.ref.name, placed.kernel.id
-        # fresh numbers from everyone on those GPUs: decisions on live data, not a poll's
-        keys = self.view.servers_on(set(placed.need)) | {placed.ref.key}
-        await asyncio.gather(*(self._read(self.entries[k]) for k in keys if k in self.entries))
+        wait = self.waits.get((user, server, kid))
+        pause = self.paused(user)
+        if pause:
+            said = (f"room made for an earlier restore of yours was not used: no room is made for "
+                    f"your restores from other people's kernels for another {pause:.0f} s")
+            if wait is not None:
+                wait.why, wait.last_try = said, now()
+            return [], said
+        # fresh numbers from everyone on those GPUs: decisions on live data, not a poll's; the
+        # others' servers are waited for at most read_deadline, a slow one not at all
+        own = self.entries.get(placed.ref.key)
+        others = [self.entries[k] for k in self.view.servers_on(set(placed.need))
+                  if k in self.entries and k != placed.ref.key]
+        await asyncio.gather(self._read(own) if own is not None else asyncio.sleep(0),
+                             self._refresh(others, self.settings.read_deadline, wait_slow=False))
+        await self._measure()
         self._rebuild()
         fresh = self.view.find(user, server, kid)
         if fresh is None or not fresh.need or not fresh.kernel.waiting:
-            return [], None  # it got its room meanwhile (or is gone)
+            return [], None  # it got its room meanwhile (or is gone, or is not believed)
         free = {g: self.view.gpus[g].free for g in fresh.need if g in self.view.gpus}
         known = {g: f for g, f in free.items() if f is not None}
         names = {g: f"GPU {self.view.gpus[g].index.get(fresh.ref.key, g)}" for g in fresh.need
                  if g in self.view.gpus}
-        plan = crossuser.make_room(user, fresh.need, known, self.view.holdings(),
-                                   self.view.ledger(self.settings.shares, self.groups),
-                                   self.settings.policy, names)
-        wait = self.waits.get((user, server, kid))
+        ledger = self.view.ledger(self.settings.shares, self.groups)
+        holdings = self.view.holdings()
+        late = {e.ref.key for e in others if e.slow or (e.task is not None and not e.task.done())}
+        prompt = [h for h, p in zip(holdings, self.view.placed, strict=True) if p.ref.key not in late]
+        plan = crossuser.make_room(user, fresh.need, known, prompt, ledger, self.settings.policy, names)
+        if not plan.enough and late:  # only then a slow server's kernels, and its wait
+            plan = crossuser.make_room(user, fresh.need, known, holdings, ledger, self.settings.policy, names)
         if wait is not None:
             wait.last_try = now()
-        released = []
+        released: list[dict[str, Any]] = []
         if not plan.enough or not plan.victims:  # no room to make, or room there already
             why = plan.why_not or None
         else:
-            for victim in plan.victims:
-                owner = self.view.owner(victim.kernel_id)
-                if owner is None:
-                    continue
-                done = await self._release_victim(owner, victim, user, trigger, wait)
-                if done is not None:
-                    released.append(done)
+            jobs = [(owner, victim) for victim in plan.victims
+                    if (owner := self.view.owner(victim.kernel_id)) is not None]
+            done = await asyncio.gather(*(self._release_victim(owner, victim, user, trigger, wait)
+                                          for owner, victim in jobs))
+            released = [d for d in done if d is not None]
             if released:
+                self._served(fresh, sum(d["bytes"] for d in released))
                 self._rebuild()
             why = None if released else "the releases to make room failed; retrying"
         if wait is not None:
             wait.why = why
         return released, why
+
+    def _served(self, placed: Placed, nbytes: int) -> None:
+        key = (placed.ref.user, placed.ref.name, placed.kernel.id)
+        uuids = {self.view.gpus[g].uuid: n for g, n in placed.need.items() if g in self.view.gpus}
+        measured = bool(uuids) and all(self.view.gpus[g].measured for g in placed.need if g in self.view.gpus)
+        before = self.served.get(key)
+        self.served[key] = Served(before.at if before else now(), uuids, list(placed.kernel.pids),
+                                  measured, nbytes + (before.released if before else 0))
 
     async def _release_victim(self, owner: Placed, victim: crossuser.Victim, requester: str,
                               trigger: str, wait: Wait | None) -> dict[str, Any] | None:
@@ -330,7 +505,7 @@ class Coordinator:
                  format_bytes(nbytes), owner.ref.user, victim.kernel_id, requester,
                  victim.reason)
         self.recent.appendleft({**entry, "seconds": None if seconds is None else round(seconds, 3)})
-        return {"user": owner.ref.user, "kernel_id": victim.kernel_id, "bytes": nbytes}
+        return {"what": ANOTHER, "bytes": nbytes}  # the requester learns no name, no kernel id
 
     # -- admin actions -----------------------------------------------------------------------------
     async def admin_action(self, user: str, server: str, kernel_id: str, action: str,
@@ -349,6 +524,7 @@ class Coordinator:
                                 "server": server, "kernel": kernel_id, "code": code,
                                 "reason": body.get("message") if code != 200 else None})
         await self._read(entry)
+        await self._measure()
         self._rebuild()
         return code, body
 
@@ -391,6 +567,7 @@ class Coordinator:
         for key, entry in sorted(self.entries.items()):
             u = users.setdefault(key[0], {"name": key[0], "servers": [], "kernels": []})
             u["servers"].append({"name": key[1], "url": entry.ref.url, "error": entry.error,
+                                 "slow": entry.slow,
                                  "age_seconds": None if entry.snap is None else round(t - entry.snap.at, 1)})
         for p in self.view.placed:
             k = p.kernel
@@ -400,16 +577,21 @@ class Coordinator:
                 "idle_seconds": round(k.idle_seconds + (0 if k.busy else p.age), 1),
                 "gpus": [{"uuid": self.view.gpus[g].uuid, "bytes": n} for g, n in p.gpu_bytes.items()],
                 "released_bytes": k.released_bytes, "waiting": k.waiting, "error": k.error,
+                "claim_refused": self.entries[p.ref.key].refused.get(k.id) if p.ref.key in self.entries else None,
             })
         for name, u in users.items():
             me = self.me(name)
             u.update(share=me["share"], over_share=me["over_share"],
-                     usage_bytes=sum(me["usage"].values()))
+                     usage_bytes=sum(me["usage"].values()),
+                     claims_paused_seconds=round(self.paused(name), 1))
         waits = [{"user": u, "server": s, "kernel": k, "seconds": round(t - w.since, 1),
                   "why": w.why, "pushed": w.pushed} for (u, s, k), w in self.waits.items()]
         return {
             "now": round(t, 3),
             "discovery_error": self.discovery_error,
+            "measured": {"by": self.measuring if self.meter is not None else None,
+                         "why_not": None if self.meter is not None else self.measuring,
+                         "error": self.measure_error},
             "shares": bool(ledger.enabled),
             "nodes": [{"name": n, "gpus": g} for n, g in nodes.items()],
             "users": list(users.values()),

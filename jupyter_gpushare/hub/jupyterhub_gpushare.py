@@ -22,11 +22,17 @@ c = get_config()  # type: ignore[name-defined]  # noqa: F821 (JupyterHub defines
 GPUSHARE_PORT = int(os.environ.get("JUPYTER_GPUSHARE_SERVICE_PORT", "10101"))
 PROXY_URL = os.environ.get("JUPYTER_GPUSHARE_PROXY_URL", "http://127.0.0.1:8000")
 
+# The service measures the node itself (NVML; a shared simulated node where the Hub's
+# environment names one) and checks what each server reports against it.
+GPUSHARE_ENV = {"JUPYTER_GPUSHARE_PROXY_URL": PROXY_URL}
+if os.environ.get("JUPYTER_GPUSHARE_SIMULATED_NODE"):
+    GPUSHARE_ENV["JUPYTER_GPUSHARE_SIMULATED_NODE"] = os.environ["JUPYTER_GPUSHARE_SIMULATED_NODE"]
+
 c.JupyterHub.services.append({
     "name": "gpushare",
     "command": [sys.executable, "-m", "jupyter_gpushare.hub"],
     "url": f"http://127.0.0.1:{GPUSHARE_PORT}",
-    "environment": {"JUPYTER_GPUSHARE_PROXY_URL": PROXY_URL},
+    "environment": GPUSHARE_ENV,
     # the admin page logs in through the Hub (OAuth) and lets admins only in
     "oauth_no_confirm": True,
     "display": True,

@@ -47,6 +47,10 @@ class HubMetrics:
         self.restore_seconds = Histogram(
             "gpushare_hub_restore_seconds", "Duration of the users' restores", registry=r,
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+        self.claims = Counter("gpushare_hub_claims",
+                              "Waiting restores claimed by servers and not believed (refused: not "
+                              "backed by that user's processes; unused: room made, not used)",
+                              ["outcome"], registry=r)
         self.servers = Gauge("gpushare_hub_servers", "User servers the service tracks", ["state"],
                              registry=r)
         self.poll_seconds = Histogram("gpushare_hub_poll_seconds",

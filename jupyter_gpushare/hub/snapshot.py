@@ -15,6 +15,7 @@ from typing import Any
 
 RESIDENT = ("active", "idle")
 MAX_KERNELS = 10_000
+MAX_PIDS = 64  # per kernel: the kernel and its children
 
 
 @dataclass
@@ -48,6 +49,7 @@ class KernelSnap:
     error: str | None
     restores: int = 0
     last_restore_seconds: float | None = None
+    pids: list[int] = field(default_factory=list)  # the kernel's processes, as its server says
 
 
 @dataclass
@@ -128,6 +130,7 @@ def parse_status(raw: bytes, at: float) -> Snapshot:
         method = _get(k, "method", str, nullable=True)
         blocked = _get(k, "release_blocked", str, nullable=True)
         need = _per_gpu(k, "restore_need") if "restore_need" in k else {}
+        pids = _get(k, "pids", list, nullable=True) or []
         snap.kernels.append(KernelSnap(
             id=_get(k, "id", str)[:100], path=_get(k, "path", str)[:300], state=_get(k, "state", str)[:20],
             pinned=_get(k, "pinned", bool), gpu_bytes=_per_gpu(k, "gpu_bytes"),
@@ -138,5 +141,6 @@ def parse_status(raw: bytes, at: float) -> Snapshot:
             released_gpus=[g for g in _get(k, "gpus", list) if isinstance(g, int)],
             waiting=_get(k, "waiting", str, nullable=True), restore_need=need, method=method,
             error=_get(k, "error", str, nullable=True), restores=_count(k, "restores") or 0,
-            last_restore_seconds=_get(k, "last_restore_seconds", (int, float), nullable=True)))
+            last_restore_seconds=_get(k, "last_restore_seconds", (int, float), nullable=True),
+            pids=[p for p in pids[:MAX_PIDS] if isinstance(p, int) and not isinstance(p, bool) and p > 0]))
     return snap

@@ -4,6 +4,11 @@ A GPU UUID is unique across machines, so one service covers a whole cluster: ser
 the same machine report the same UUIDs, and what each user holds on a GPU is summed over
 all their servers. A *node* is a set of GPUs that some server sees together (a machine, as
 far as the servers can tell); per-node shares count a person's memory on all of them.
+
+A GPU the service measures itself (:mod:`.measure`) takes its memory figures and what each
+person holds there from that reading, never from a server. On any other GPU the servers'
+readings are combined by their median (of an even number, the higher middle one), so one
+server's late or false reading cannot outvote the others'.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 from .. import policy
 from ..crossuser import Holding
 from ..fairshare import Ledger, Share, shares_of
+from .measure import Measured
 from .snapshot import RESIDENT, KernelSnap, Snapshot
 
 
@@ -66,6 +72,7 @@ class GPUState:
     released_bytes: int = 0  # held in host memory by released kernels, all servers
     at: float = 0.0  # time of the snapshot the numbers come from
     by_user: dict[str, int] = field(default_factory=dict)  # resident bytes per person
+    measured: bool = False  # the numbers are the service's own reading
 
     @property
     def held(self) -> int:
@@ -79,11 +86,13 @@ class GPUState:
 
 
 class NodeView:
-    def __init__(self, snaps: list[tuple[ServerRef, Snapshot]], ids: GpuIds, now: float):
+    def __init__(self, snaps: list[tuple[ServerRef, Snapshot]], ids: GpuIds, now: float,
+                 measured: Measured | None = None):
         self.now = now
         self.gpus: dict[int, GPUState] = {}
         self.placed: list[Placed] = []
         parent: dict[int, int] = {}
+        readings: dict[int, list[tuple[int | None, int | None]]] = {}
 
         def root(g: int) -> int:
             while parent.setdefault(g, g) != g:
@@ -99,8 +108,9 @@ class NodeView:
                 gpu = self.gpus.setdefault(gid, GPUState(gid, g.uuid, g.name, "", {}))
                 gpu.index[ref.key] = g.index
                 gpu.released_bytes += g.released_bytes
-                if snap.at >= gpu.at:  # the freshest reading of the node's numbers wins
-                    gpu.total, gpu.used, gpu.utilization, gpu.at = g.total, g.used, g.utilization, snap.at
+                readings.setdefault(gid, []).append((g.total, g.used))
+                if snap.at >= gpu.at:  # the freshest utilization (shown, never acted on)
+                    gpu.utilization, gpu.at = g.utilization, snap.at
             gids = sorted(local.values())
             for gid in gids[1:]:
                 parent[root(gid)] = root(gids[0])
@@ -115,6 +125,13 @@ class NodeView:
         for gid, gpu in self.gpus.items():
             first = min((g for g in self.gpus if root(g) == root(gid)), default=gid)
             gpu.node = f"node-{self.gpus[first].uuid[:12]}"
+            if measured is not None and gpu.uuid in measured.gpus:
+                gpu.total, gpu.used = measured.gpus[gpu.uuid]
+                gpu.by_user = measured.owned(gpu.uuid)
+                gpu.measured = True
+            else:
+                gpu.total = _median([t for t, _ in readings.get(gid, [])])
+                gpu.used = _median([u for _, u in readings.get(gid, [])])
 
     # -- people --------------------------------------------------------------------------------
     def usage(self) -> dict[str, dict[int, int]]:
@@ -170,3 +187,9 @@ class NodeView:
 
     def servers_on(self, gids: set[int]) -> set[tuple[str, str]]:
         return {key for gid in gids if gid in self.gpus for key in self.gpus[gid].index}
+
+
+def _median(values: list[int | None]) -> int | None:
+    """The median of the known values; of an even number, the higher middle one."""
+    known = sorted(v for v in values if v is not None)
+    return known[len(known) // 2] if known else None

@@ -106,7 +106,7 @@
       el('td', {}, held ? `${bytes(k.released_bytes)} in host memory` : gpus),
       el('td', {}, seconds(k.idle_seconds)),
       el('td', {}, k.utilization.toFixed(0) + ' %'),
-      el('td', {}, k.waiting || k.error || ''),
+      el('td', {}, k.claim_refused ? 'claimed wait not believed: ' + k.claim_refused : (k.waiting || k.error || '')),
       el('td', {},
         el('button', { onclick: () => act(user, k.server, k.id, 'release'), disabled: held ? '' : null }, 'Release'),
         ' ',
@@ -134,6 +134,7 @@
         el('span', { class: u.over_share ? 'over' : 'muted' },
           `${bytes(u.usage_bytes)} on GPUs; share ${u.share || 'none'}${u.over_share ? ' (over share)' : ''}`)),
       ...u.servers.filter((s) => s.error).map((s) => el('p', { class: 'error' }, `server ${s.name || '(default)'}: ${s.error}`)),
+      ...(u.claims_paused_seconds ? [el('p', { class: 'error' }, `room made for this person was not used: no room is made for them from others for ${seconds(u.claims_paused_seconds)}`)] : []),
       u.kernels.length ? el('table', {},
         el('tr', {}, ...['server', 'notebook', 'state', 'GPU memory', 'idle', 'SM', 'note', ''].map((h) => el('th', {}, h))),
         ...u.kernels.map((k) => kernelRow(u.name, k))) : el('p', { class: 'muted' }, 'No kernels.'))));
