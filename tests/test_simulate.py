@@ -758,3 +758,157 @@ def test_simulate_runs_a_trace_file_and_a_bad_one_is_an_error(tmp_path, capsys):
         main(["simulate", "--trace", bad, "--no-png", "--out", str(tmp_path)])
     assert e.value.code == 2
     assert f"{bad}:5: field 'sm': not a number: 'high'" in capsys.readouterr().err
+
+
+# -- restores ahead of the person and the release policy (issue 21) ---------------------------------
+
+def returning(gpus: int = 1) -> Workload:
+    """One kernel of 6 GiB per GPU: a cell 0-10, released at 110 (idle 100 s; 6.5 s to move,
+    each GPU's share at once), the person's next cell at 200."""
+    return Workload(500.0, (KernelWork("a", "A", 6 * GiB, (Session(0.0, (
+        Cell(0, 10, 50, gpus=gpus), Cell(190, 10, 50, gpus=gpus))),), gpus=gpus),), "return", ("A",))
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+@pytest.mark.parametrize(("lead", "wait"), [(0.0, 6.5), (3.0, 3.5), (10.0, 0.0)])
+def test_a_restore_ahead_of_the_returning_persons_cell(gpus, lead, wait):
+    """Lead 0: the cell at 200 waits the whole restore (6.5 s). Lead 3 s: the activity at 197
+    starts it, the cell waits what is left (3.5 s). Lead 10 s (> the restore): restored
+    190-196.5, the cell runs at once. Two GPUs restore in parallel: the same 6.5 s, not 13."""
+    restored: list[tuple[float, str]] = []
+
+    def watch(t, k, what, data):
+        if what == "restored":
+            restored.append((t, data["trigger"]))
+
+    sim = by_hand(returning(gpus), GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), gpus=gpus,
+                  observer=watch, ahead_lead=lead)
+    second = sim.cells[1]
+    assert second.arrival == pytest.approx(200.0)
+    assert second.delay == pytest.approx(wait, abs=1e-6)
+    assert second.restore_seconds == pytest.approx(wait, abs=1e-6)
+    assert second.gpus == gpus
+    trigger = "cell" if lead == 0 else "activity"
+    assert restored == [(pytest.approx(200.0 - lead + 6.5), trigger)]
+    c = sim.counters
+    assert (c.ahead_requests, c.ahead_restores, c.ahead_used) == ((0, 0, 0) if lead == 0 else (1, 1, 1))
+
+
+def test_a_restore_ahead_yields_room_to_a_cells_restore():
+    """One GPU of 12 GiB. Y (8 GiB) is released at 101 (free 109.5); X (5 GiB) runs at 110 and
+    is released at 211 (free 216.5); Z (5 GiB) computes 150-250 and shuts down. Y's cell at 201
+    waits for room (8 needed, 2 then 7 free). X's person is active from 221 (lead 40 s before
+    the cell at 261): 7 GiB free would hold X's 5, but a cell's restore waits there, so X's
+    restore ahead waits behind it. At 250 Z ends: Y restores (250-258.5); 4 GiB are left, X
+    does not fit, and its cell at 261 restores it only when Y is released (359.5, free 368)."""
+    y = KernelWork("y", "B", 8 * GiB, (Session(0.0, (Cell(0, 1, 50), Cell(200, 1, 50))),))
+    x = KernelWork("x", "A", 5 * GiB, (Session(110.0, (Cell(0, 1, 50), Cell(150, 1, 50))),))
+    z = KernelWork("z", "C", 5 * GiB, (Session(150.0, (Cell(0, 100, 50),)),), shutdown_at=250.0)
+    restored: list[tuple[str, float, str]] = []
+
+    def watch(t, k, what, data):
+        if what == "restored":
+            restored.append((k.id, t, data["trigger"]))
+
+    w = Workload(600.0, (y, x, z), "yield", ("A", "B", "C"))
+    sim = by_hand(w, GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), gpu_gib=12.0,
+                  observer=watch, ahead_lead=40.0)
+    assert restored[0] == ("y", pytest.approx(258.5, abs=0.01), "cell")
+    assert restored[1] == ("x", pytest.approx(373.5, abs=0.01), "cell")
+    ky, kx, _ = sim.kernels
+    y2, x2 = ([r for r in sim.cells if r.kernel == k.index][1] for k in (ky, kx))
+    assert y2.delay == pytest.approx(57.5, abs=0.01)
+    assert x2.arrival == pytest.approx(261.0) and x2.start == pytest.approx(373.5, abs=0.01)
+    # Y's person asked at 161 too (no room then either): two asked, neither restored ahead
+    assert sim.counters.ahead_requests == 2 and sim.counters.ahead_restores == 0
+    # without Y's cell waiting, the same activity restores X ahead, and its cell waits 0 s
+    alone = by_hand(Workload(600.0, (x, z), "alone", ("A", "C")),
+                    GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), gpu_gib=12.0, ahead_lead=40.0)
+    assert alone.counters.ahead_restores == 1 and alone.cells[-1].delay == 0
+
+
+def test_a_restore_ahead_with_no_cell_within_ahead_grace_is_released_again():
+    """Lead 300 s, ahead_grace 60 s: the activity at 200 (the cell comes at 500) restores the
+    kernel 200-206.5; no cell by 266.5: released again (reason "ahead grace"); the cell at 500
+    waits a restore (6.5 s). With ahead_grace 400 s it stays restored until the idle timeout
+    (100 s after the restore, at 306.5: released for idleness)."""
+    w = Workload(600.0, (KernelWork("a", "A", 6 * GiB, (Session(0.0, (
+        Cell(0, 10, 50), Cell(490, 10, 50))),)),), "grace", ("A",))
+    released: list[tuple[float, str]] = []
+
+    def watch(t, k, what, data):
+        if what == "released":
+            released.append((round(t - data["seconds"], 3), data["reason"].split(":")[0]))
+
+    policy = GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001, ahead_grace=60.0)
+    sim = by_hand(w, policy, observer=watch, ahead_lead=300.0)
+    assert [r for _, r in released] == ["idle for 100 s, idle_timeout 100 s", "ahead grace"]
+    assert released[1][0] == pytest.approx(266.5, abs=0.01)
+    c = sim.counters
+    assert (c.ahead_restores, c.ahead_released_again, c.ahead_used, c.restores) == (1, 1, 0, 2)
+    assert sim.cells[1].delay == pytest.approx(6.5)
+    released.clear()
+    sim = by_hand(w, GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001, ahead_grace=400.0),
+                  observer=watch, ahead_lead=300.0)
+    assert sim.counters.ahead_released_again == 0
+    assert released[1] == (pytest.approx(306.5, abs=0.01), "idle for 100 s, idle_timeout 100 s")
+
+
+def needs_trace() -> Workload:
+    """One GPU of 12 GiB. A (6 GiB): cells 0-10 and 110-120, then idle. B (4 GiB): a cell 0-1,
+    its next at 300. C (4 GiB) starts at 206 and computes to the end: 2 GiB free from then."""
+    a = KernelWork("a", "A", 6 * GiB, (Session(0.0, (Cell(0, 10, 50), Cell(100, 10, 50))),))
+    b = KernelWork("b", "B", 4 * GiB, (Session(0.0, (Cell(0, 1, 50), Cell(299, 1, 50))),))
+    c = KernelWork("c", "C", 4 * GiB, (Session(206.0, (Cell(0, 800, 50),)),))
+    return Workload(600.0, (a, b, c), "needs", ("A", "B", "C"))
+
+
+@pytest.mark.parametrize("release_policy", ["proactive", "needs"])
+def test_needs_based_release_keeps_idle_kernels_until_a_restore_waits(release_policy):
+    """idle_timeout 100 s, long_idle 200 s, pressure below 10 % free (never reached: at least
+    2 of 12 GiB stay free). proactive: B released at 101, A at 220 (idle 100 s); B's cell at
+    300 finds 8 GiB free, restores in 4.5 s. needs: at 101 and 220 nothing needs memory, both
+    stay; B goes at 201 (long idle), C takes its room; B's cell at 300 waits for room, so A's
+    server releases A (idle 180 s) at its next poll: free at 306.5, B restored at 311 (11 s)."""
+    cfg = PolicyConfig(idle_timeout=100, pressure_free_fraction=0.1, pressure_idle_timeout=50)
+    released: dict[str, tuple[float, str]] = {}
+
+    def watch(t, k, what, data):
+        if what == "released":
+            released.setdefault(k.id, (round(t - data["seconds"], 2), data["reason"]))
+
+    policy = GPUShare(cfg, poll_interval=0.001, release_policy=release_policy, long_idle=200.0)
+    sim = by_hand(needs_trace(), policy, gpu_gib=12.0, observer=watch)
+    b2 = [r for r in sim.cells if r.kernel == 1][1]
+    assert sim.counters.oom_failures == 0
+    if release_policy == "proactive":
+        assert released["b"][0] == pytest.approx(101.0, abs=0.01)
+        assert released["a"][0] == pytest.approx(220.0, abs=0.01)
+        assert b2.delay == pytest.approx(4.5, abs=0.01)
+    else:
+        assert released["b"] == (pytest.approx(201.0, abs=0.01),
+                                 "long idle: idle for 200 s, long_idle 200 s")
+        assert released["a"][0] == pytest.approx(300.0, abs=0.01)
+        assert released["a"][1].endswith("a restore waits for room on GPU 0")
+        assert b2.delay == pytest.approx(11.0, abs=0.01)
+
+
+def test_the_ahead_sensitivity_table_fits_and_is_written(tmp_path, capsys):
+    from jupyter_gpushare.simulate.cli import MULTI_GPU_EXAMPLE
+
+    args = ["simulate", "--trace", str(MULTI_GPU_EXAMPLE), "--policies", "exclusive,gpushare",
+            "--no-capacity", "--no-png", "--out", str(tmp_path), "--ahead-sensitivity"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert all(len(line) <= 100 for line in out.splitlines())
+    assert "restores ahead of the person (--ahead-lead)" in out
+    (trace,) = json.loads((tmp_path / "simulate.json").read_text())["traces"]
+    rows = trace["ahead_sensitivity"]["rows"]
+    assert [(r["release_policy"], r["ahead_lead_s"]) for r in rows] == [
+        (p, lead) for p in ("proactive", "needs") for lead in (0, 2, 5, 10, 30)]
+    assert rows[0]["ahead_requests"] == 0 < rows[2]["ahead_requests"]
+    for r in rows:
+        printed = f"{r['release_policy']:<9}  {r['ahead_lead_s']:>4g}  "
+        assert any(line.startswith(printed) for line in out.splitlines()), printed
+    # the lead cuts the delay proactive releases cost, on this trace's restores
+    assert rows[2]["cell_delay_p99_s"] < rows[0]["cell_delay_p99_s"]

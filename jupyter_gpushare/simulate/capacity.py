@@ -13,12 +13,17 @@ does not hold (round-robin placement can jump) it shows.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from .engine import Simulation
 from .figures import figures
+from .policies import RELEASE_POLICIES
 from .settings import POLICIES, Settings
+from .transfer import TransferModel
 from .workload import GiB, Workload
+
+AHEAD_LEADS = (0.0, 2.0, 5.0, 10.0, 30.0)  # s: the sensitivity table's leads (issue 21)
 
 
 def run(workload: Workload, policy: str, s: Settings, series: bool = False,
@@ -26,7 +31,8 @@ def run(workload: Workload, policy: str, s: Settings, series: bool = False,
     """One run; ``total_gpus``: that many GPUs (machines of ``s.gpus``) instead of the node."""
     sim = Simulation(workload, POLICIES[policy](s), int(s.gpu_gib * GiB), s.gpus, s.transfer,
                      nodes=s.nodes, bin_seconds=s.bin_seconds, restore_mode=s.restore_mode,
-                     placement=s.placement, total_gpus=total_gpus)
+                     placement=s.placement, total_gpus=total_gpus, ahead_lead=s.ahead_lead,
+                     ahead_share=s.ahead_share, seed=s.seed)
     return figures(sim.run(), series=series)
 
 
@@ -134,3 +140,29 @@ def most_users(policy: str, workload_for: Callable[[int], Workload], s: Settings
         "figures": cache.get(best),
         "probes": sorted(probes, key=lambda p: p["users"]),
     }
+
+
+def ahead_sensitivity(policy: str, workload: Workload, s: Settings,
+                      models: list[TransferModel]) -> list[dict[str, Any]]:
+    """``policy`` on ``workload`` for each lead of ``AHEAD_LEADS`` under each release policy
+    (``s.release_policy``'s first): at the node's GPUs, the delays and restores ahead; and the
+    fewest GPUs that serve every user under each of ``models``, with the delays there."""
+    rows = []
+    for release in sorted(RELEASE_POLICIES, key=lambda r: r != s.release_policy):
+        for lead in AHEAD_LEADS:
+            at = replace(s, ahead_lead=lead, release_policy=release)
+            f = run(workload, policy, at)
+            fewest = {}
+            for m in models:
+                c = fewest_gpus(policy, workload, replace(at, transfer=m))
+                there = c["figures"] or {}
+                fewest[m.name] = {"gpus": c["gpus"], "cell_delay_p99_s": there.get("cell_delay_p99_s"),
+                                  "delay_max_s": there.get("delay_max_s"),
+                                  "cells_delayed_pct": there.get("cells_delayed_pct")}
+            rows.append({"release_policy": release, "ahead_lead_s": lead, "gpus": f["gpus"],
+                         **{k: f[k] for k in ("cell_delay_p99_s", "delay_max_s", "cells_delayed_pct",
+                                              "releases", "restores", "ahead_requests",
+                                              "ahead_restores", "ahead_released_again",
+                                              "ahead_cancelled")},
+                         "fewest_gpus": fewest})
+    return rows

@@ -9,7 +9,9 @@ docs/admin-guide.md). With ``--trace FILE`` (repeatable): a trace in the documen
 The headline: for each policy, the fewest GPUs that serve all the workload's users, and the
 GPU-hours they cost against reserving GPUs for each user's sessions; under the transfer
 model chosen and the other of ``driver`` / ``pinned``. Then the most users per GPU on the
-node, as a second table.
+node, as a second table. ``--ahead-sensitivity``: gpushare's delays and fewest GPUs for leads
+of 0-30 s between a person's first activity and their cell (restores ahead, issue 21), under
+both release policies (``--release-policy``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from typing import Any
 from ..policy import PolicyConfig
 from . import report
 from .calibration import trace_statistics
-from .capacity import fewest_gpus, most_users, run
+from .capacity import AHEAD_LEADS, ahead_sensitivity, fewest_gpus, most_users, run
 from .engine import PLACEMENTS, RESTORE_MODES
 from .generator import generate
-from .policies import GPUShare
+from .policies import RELEASE_POLICIES, GPUShare
 from .replay import read_replay
 from .settings import POLICIES, Settings
 from .trace import TraceError, read_trace
@@ -95,6 +97,29 @@ def parser() -> argparse.ArgumentParser:
     tm.add_argument("--restore-bandwidth", type=float, help="GB/s (overrides the model's)")
     tm.add_argument("--release-overhead", type=float, help="s (overrides the model's)")
     tm.add_argument("--release-bandwidth", type=float, help="GB/s (overrides the model's)")
+    ah = ap.add_argument_group("restores ahead of the person, and when to release (issue 21)")
+    ah.add_argument("--ahead-lead", type=float, default=0.0, metavar="SECONDS",
+                    help="s from a person's first activity in a notebook (focus, an edit) to "
+                         "their cell; a released kernel restores from the activity on (default "
+                         "0: no activity seen, today's behaviour)")
+    ah.add_argument("--ahead-share", type=float, default=1.0, metavar="FRACTION",
+                    help="of cells, the share the lab sees activity before (seeded per cell; "
+                         "default 1)")
+    ah.add_argument("--ahead-grace", type=float, default=300.0, metavar="SECONDS",
+                    help="a kernel restored ahead that runs no cell this long is released "
+                         "again, and a restore ahead that finds no room this long after the "
+                         "activity is dropped (default 300, the product's ahead_grace)")
+    ah.add_argument("--ahead-sensitivity", action="store_true",
+                    help="a table of gpushare's delays and fewest GPUs for leads of "
+                         f"{', '.join(f'{x:g}' for x in AHEAD_LEADS)} s, under both release "
+                         "policies")
+    ah.add_argument("--release-policy", choices=RELEASE_POLICIES, default="proactive",
+                    help="proactive: release at idle_timeout (the product's); needs: release "
+                         "an idle kernel only when its GPU is below the pressure threshold or "
+                         "a restore waits there, or after --long-idle (default proactive)")
+    ah.add_argument("--long-idle", type=float, default=7200.0, metavar="SECONDS",
+                    help="under --release-policy needs: released anyway after this long idle "
+                         "(default 7200)")
     cull = ap.add_argument_group("the cull policy")
     cull.add_argument("--cull-after", type=float, default=3600.0, help="s idle (default 3600)")
     cull.add_argument("--cull-interval", type=float, default=300.0, help="s (jupyter_server's default)")
@@ -129,7 +154,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     slowdown_bound=args.slowdown_bound, restore_mode=args.restore_mode,
                     placement=args.placement,
                     max_users_per_gpu=min(args.max_users_per_gpu, 8) if args.quick else args.max_users_per_gpu,
-                    seed=args.seed)
+                    seed=args.seed, ahead_lead=args.ahead_lead, ahead_share=args.ahead_share,
+                    ahead_grace=args.ahead_grace, release_policy=args.release_policy,
+                    long_idle=args.long_idle)
 
 
 def moves_state(policy: str, s: Settings) -> bool:
@@ -137,10 +164,15 @@ def moves_state(policy: str, s: Settings) -> bool:
     return isinstance(POLICIES[policy](s), GPUShare)
 
 
+def compared_models(s: Settings) -> list[TransferModel]:
+    """The chosen transfer model, then the compared ones it is not."""
+    return [s.transfer] + [PRESETS[m] for m in COMPARED_MODELS if m != s.transfer.name]
+
+
 def headline(workload: Workload, s: Settings, policies: list[str]) -> dict[str, Any]:
     """Fewest GPUs per policy under the chosen transfer model and the compared ones (a policy
     that never moves state is searched once: the model does not change it)."""
-    models = [s.transfer] + [PRESETS[m] for m in COMPARED_MODELS if m != s.transfer.name]
+    models = compared_models(s)
     out: dict[str, Any] = {"models": [m.name for m in models], "by_model": {}}
     first: dict[str, Any] = {}
     for i, model in enumerate(models):
@@ -159,7 +191,7 @@ def headline(workload: Workload, s: Settings, policies: list[str]) -> dict[str, 
 
 def compare(name: str, source: str, workload_for: Any, reference_users: int, s: Settings,
             policies: list[str], capacity: bool, stats: dict[str, Any],
-            recorded: dict[str, Any] | None = None) -> dict[str, Any]:
+            recorded: dict[str, Any] | None = None, ahead: bool = False) -> dict[str, Any]:
     """Every policy on the same workload; (optionally) each one's fewest GPUs for all its
     users, under each compared transfer model, and its most users per GPU on the node."""
     reference = {p: run(workload_for(reference_users), p, s, series=True) for p in policies}
@@ -170,6 +202,10 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
     }
     if recorded is not None:
         result["recorded_events"] = recorded
+    moving = [p for p in policies if moves_state(p, s)]
+    if ahead and moving:
+        result["ahead_sensitivity"] = {"policy": moving[0], "rows": ahead_sensitivity(
+            moving[0], workload_for(reference_users), s, compared_models(s))}
     if capacity:
         result["fewest_gpus"] = headline(workload_for(reference_users), s, policies)
         result["capacity"] = {p: most_users(p, workload_for, s) for p in policies}
@@ -209,6 +245,13 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
             f"{s.delay_bound:g} s, p99 slowdown of GPU cells <= {s.slowdown_bound:g}, no cell "
             f"unfinished; transfer model {h['models'][0]} (other models: last columns):")
         print(report.fewest_table(h, wide))
+    if "ahead_sensitivity" in r:
+        a = r["ahead_sensitivity"]
+        print()
+        say(f"restores ahead of the person (--ahead-lead) and the release policy: {a['policy']}, "
+            f"{r['reference_users']} users; at the node's {node['nodes'] * node['gpus_per_node']}"
+            f" GPUs, then at the fewest that serve them (transfer model {s.transfer.name} first):")
+        print(report.ahead_table(a["rows"], wide))
     if "capacity" in r:
         print()
         say(f"most users per GPU on the node with no out-of-memory failure, p99 cell delay <= "
@@ -245,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         source = f"synthetic: {days} days from a Monday, seed {base.seed} (generator.py)"
         results.append(compare("default workload", source, synthetic.first_users, reference, base,
                                policies, not args.no_capacity,
-                               trace_statistics(synthetic.first_users(reference))))
+                               trace_statistics(synthetic.first_users(reference)),
+                               ahead=args.ahead_sensitivity))
     for path, tw, node in traces:
         s = replace(base, gpus=args.gpus or int(node.get("gpus", base.gpus)),
                     gpu_gib=args.gpu_gib or float(node.get("gpu_gib", base.gpu_gib)))
@@ -256,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare(f"trace {Path(path).name}", tw.source,
                                lambda n, w=tw, seed=s.seed: with_users(w, n, seed),
                                len(tw.users), s, policies, not args.no_capacity,
-                               trace_statistics(tw)))
+                               trace_statistics(tw), ahead=args.ahead_sensitivity))
     for path in args.replay or ([] if args.trace else [str(EXAMPLE)]):
         rep = read_replay(path)
         s = replace(base, gpus=args.gpus or int(rep.node.get("gpus", base.gpus)),
@@ -265,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         name = "example replay" if Path(path) == EXAMPLE else f"replay {path}"
         results.append(compare(name, w.source, lambda n, w=w, seed=s.seed: with_users(w, n, seed),
                                len(w.users), s, policies, not args.no_capacity,
-                               trace_statistics(w, marks_cpu_cells=False), rep.recorded))
+                               trace_statistics(w, marks_cpu_cells=False), rep.recorded,
+                               ahead=args.ahead_sensitivity))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes = []

@@ -10,6 +10,11 @@ goes, whether it fits, what to release, when to restore). Time is the simulation
 Restore modes: ``eager`` (every cell that arrives at a released kernel restores it first, as
 the product's gate does by default) and ``lazy`` (a cell that uses no GPU runs at once, its
 kernel's state staying on the host; only cells that use the GPU restore it).
+Restores ahead (``ahead_lead`` > 0, issue 21): the person's first activity (focusing the
+notebook, editing a cell) comes ``ahead_lead`` s before a cell; where the kernel is released
+then, the policy hears of it (:meth:`~.policies.Policy.on_activity`) and may restore it before
+the cell arrives (``ahead_share``: the share of cells the lab sees activity before, drawn per
+cell from ``seed``).
 Placement: ``round-robin`` (user ``i``'s kernels on GPU ``i mod G``, and the next ones for a
 kernel of several GPUs) or ``load-aware`` (at each kernel's start, the GPUs of its user's
 machine with the most memory free after what is held and what released kernels placed there
@@ -21,6 +26,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -48,7 +54,7 @@ PLACEMENTS = ("round-robin", "load-aware")
 
 def reason_kind(reason: str) -> str:
     """The policy module's reason without its numbers: idle, memory pressure, making room."""
-    for kind in ("memory pressure", "making room", "idle"):
+    for kind in ("memory pressure", "making room", "idle", "long idle", "ahead grace"):
         if reason.startswith(kind):
             return kind
     return reason
@@ -81,6 +87,9 @@ class Kernel:
     session: int = 0
     cell: int = 0  # next cell of ``session``
     pending: Waiting | None = None
+    ahead_since: float | None = None  # its person's activity no cell has followed yet
+    ahead_restore: bool = False  # its restore (in flight or done) was asked by activity, unused
+    restore_end: float = 0.0  # when its restore in flight ends
     policy_state: dict = field(default_factory=dict)  # a policy's own bookkeeping
 
     @property
@@ -138,21 +147,31 @@ class Counters:
     release_reasons: dict[str, int] = field(default_factory=dict)
     still_waiting: list[float] = field(default_factory=list)  # arrival of cells never started
     peak_used: dict[int, int] = field(default_factory=dict)
+    ahead_requests: int = 0  # activity on a released kernel: a restore asked ahead of a cell
+    ahead_restores: int = 0  # of which restored (started) before their cell arrived
+    ahead_used: int = 0  # restores ahead that a cell then used
+    ahead_released_again: int = 0  # no cell within ahead_grace: released again
+    ahead_cancelled: int = 0  # no room found within ahead_grace: never restored ahead
 
 
 class Simulation:
     def __init__(self, workload: Workload, policy: Policy, gpu_bytes: int, gpus_per_node: int,
                  transfer: TransferModel, nodes: int = 1, bin_seconds: float = 600.0,
                  observer: Observer | None = None, restore_mode: str = "eager",
-                 placement: str = "round-robin", total_gpus: int | None = None):
+                 placement: str = "round-robin", total_gpus: int | None = None,
+                 ahead_lead: float = 0.0, ahead_share: float = 1.0, seed: int = 0):
         """``total_gpus``: that many GPUs in machines of ``gpus_per_node`` (the last one
-        partly filled), instead of ``nodes`` full machines."""
+        partly filled), instead of ``nodes`` full machines. ``ahead_lead``: s between a
+        person's first activity and their cell (0: no activity is seen, cells alone restore)."""
         if restore_mode not in RESTORE_MODES:
             raise ValueError(f"restore mode {restore_mode!r}: one of {', '.join(RESTORE_MODES)}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r}: one of {', '.join(PLACEMENTS)}")
         self.restore_mode = restore_mode
         self.placement = placement
+        self.ahead_lead = ahead_lead
+        self.ahead_share = ahead_share
+        self.seed = seed
         self.workload = workload
         self.observer = observer
         self.policy = policy
@@ -211,7 +230,43 @@ class Simulation:
     def _arrive(self, k: Kernel) -> None:
         s = k.work.sessions[k.session]
         k.pending = Waiting(s.cells[k.cell], self.now)
+        k.ahead_since = None  # the cell the activity announced is here
+        if k.ahead_restore:
+            k.ahead_restore = False
+            self.counters.ahead_used += 1
+        if k.state == RESTORING:  # it waits for what is left of a restore in flight
+            k.pending.restore_seconds = k.restore_end - self.now
         self._dispatch(k)
+
+    def _plan_activity(self, k: Kernel, t: float, at: float) -> None:
+        """The person's first activity before the cell due at ``at``: ``ahead_lead`` s before
+        it, not before ``t``, when the previous cell ended (a session's first cell too: the
+        person comes back before it, whatever the session's nominal start)."""
+        if self.ahead_lead <= 0:
+            return
+        when = max(at - self.ahead_lead, t)
+        if when <= t and k.state == RESIDENT:
+            return  # the person never left: nothing to restore
+        if self.ahead_share < 1.0:
+            draw = random.Random(f"{self.seed}:ahead:{k.id}:{k.session}:{k.cell}").random()
+            if draw >= self.ahead_share:
+                return
+        self.schedule(when, lambda: self._activity(k))
+
+    def _activity(self, k: Kernel) -> None:
+        """The person works in the notebook from now until their cell: the lab asks for a
+        restore while the kernel is released (now, or when a release under way or one that
+        comes before the cell is done: the person's edits keep asking)."""
+        if k.pending is not None or k.state in (NEW, CULLED, ENDED):
+            return
+        k.ahead_since = self.now
+        if k.state == RELEASED:
+            self._ask_ahead(k)
+
+    def _ask_ahead(self, k: Kernel) -> None:
+        self.counters.ahead_requests += 1
+        self.note(k, "activity")
+        self.policy.on_activity(self, k)
 
     def _dispatch(self, k: Kernel) -> None:
         assert k.pending is not None
@@ -324,6 +379,7 @@ class Simulation:
             s = sessions[k.session]
             at = max(s.start, t) + s.cells[0].gap
         self.schedule(at, lambda: self._arrive(k))
+        self._plan_activity(k, t, at)
 
     def _shut_down(self, k: Kernel) -> None:
         if k.state == RELEASING:  # let the release finish, then shut down
@@ -382,6 +438,8 @@ class Simulation:
         if k.state != RESIDENT or k.busy:
             return False
         k.state = RELEASING
+        if k.ahead_restore:  # restored ahead and released before its cell: asked no more
+            k.ahead_restore, k.ahead_since = False, None
         started = self.now
         key = reason_kind(reason)
         self.counters.release_reasons[key] = self.counters.release_reasons.get(key, 0) + 1
@@ -397,6 +455,8 @@ class Simulation:
                 then()
             if k.pending is not None and k.state == RELEASED:
                 self.policy.on_needs_gpu(self, k)
+            elif k.ahead_since is not None and k.state == RELEASED:
+                self._ask_ahead(k)
 
         # each GPU's share moves over its own link, all at once: the time of one GPU's bytes
         self.schedule(self.now + self.transfer.release_seconds(k.held), released)
@@ -404,20 +464,31 @@ class Simulation:
 
     def restore(self, k: Kernel) -> None:
         """Bring a released kernel back onto all its GPUs at once (in parallel, one copy per
-        GPU); the caller has checked that it fits on every one of them."""
-        assert k.state == RELEASED and k.pending is not None
+        GPU), for the cell that waits or, ahead of it, for its person's activity; the caller
+        has checked that it fits on every one of them."""
+        assert k.state == RELEASED and (k.pending is not None or k.ahead_since is not None)
         self._allocate(k)
         self._reclaim(-k.total_bytes)
         k.state = RESTORING
         seconds = self.transfer.restore_seconds(k.held)
-        k.pending.restore_seconds = seconds  # eager mode: only a cell triggers a restore
+        k.restore_end = self.now + seconds
+        trigger = "cell" if k.pending is not None else "activity"
+        if k.pending is not None:
+            k.pending.restore_seconds = seconds
+        else:
+            k.ahead_restore = True
+            self.counters.ahead_restores += 1
 
         def restored() -> None:
             k.state = RESIDENT
             k.last_activity = self.now  # the controller counts a restore as activity
             self.counters.restores += 1
-            self.note(k, "restored", seconds=seconds)
-            self._start_cell(k)
+            self.note(k, "restored", seconds=seconds, trigger=trigger)
+            if k.pending is not None:
+                self._start_cell(k)
+            else:  # restored ahead: resident and idle until the cell comes
+                self.policy.on_idle(self, k)
+                self.policy.on_ahead_restored(self, k)
 
         self.schedule(self.now + seconds, restored)
 

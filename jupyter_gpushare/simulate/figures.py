@@ -74,6 +74,13 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         "releases": c.releases,
         "release_reasons": dict(sorted(c.release_reasons.items())),
         "restores": c.restores,
+        "ahead_lead_s": sim.ahead_lead,
+        "release_policy": getattr(sim.policy, "release_policy", None),
+        "ahead_requests": c.ahead_requests,
+        "ahead_restores": c.ahead_restores,
+        "ahead_used": c.ahead_used,
+        "ahead_released_again": c.ahead_released_again,
+        "ahead_cancelled": c.ahead_cancelled,
         "culls": c.culls,
         "restarts": c.restarts,
         "work_lost_gpu_hours": c.work_lost_seconds / HOUR,  # GPU cells' time x their GPUs

@@ -7,7 +7,8 @@ room from other people's kernels on that GPU by calling
 plus fair shares from :mod:`jupyter_gpushare.fairshare`), with candidates built as
 ``GPUShare.candidate`` builds them. The releases then run in turn, as the service's do.
 
-Registered in ``settings.POLICIES`` as ``gpushare-hub``.
+A restore ahead of a cell (issue 21) is not pushed: it takes room only from its own server's
+kernels, below every cell's restore. Registered in ``settings.POLICIES`` as ``gpushare-hub``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ class GPUShareHub(GPUShare):
 
     def __init__(self, config: Any, poll_interval: float = 2.0, seed: int = 0,
                  over_share_idle_timeout: float = 30.0, shares: dict[str, object] | None = None,
-                 service_poll: float = 10.0):
-        super().__init__(config, poll_interval, seed)
+                 service_poll: float = 10.0, **release: Any):
+        """``release``: :class:`GPUShare`'s ``release_policy``, ``long_idle``, ``ahead_grace``."""
+        super().__init__(config, poll_interval, seed, **release)
         self.hub = crossuser.HubPolicy(config, over_share_idle_timeout)
         self.shares = parse_table(shares or {})  # keys "u0", "u1", ... (users by index)
         self.service_poll = service_poll  # the service's poll_interval (its default: 10 s)
@@ -48,7 +50,10 @@ class GPUShareHub(GPUShare):
             self._try_restore(sim, waiting)
 
     def _try_restore(self, sim: Simulation, k: Kernel) -> None:
-        if k.index in self.making_room or k.state != RELEASED or k.pending is None:
+        if k.pending is None:  # a restore ahead of a cell: its own server's room only
+            super()._try_restore(sim, k)
+            return
+        if k.index in self.making_room or k.state != RELEASED:
             return
         super()._try_restore(sim, k)  # its own server first: restore, or make room among its own
         if k.index in self.making_room or k.state != RELEASED or k not in self.waiting.get(k.gpu, ()):

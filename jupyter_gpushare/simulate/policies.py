@@ -10,6 +10,16 @@
 - ``gpushare``: shared GPUs; each user's server releases its own idle kernels and restores
   them before their next cell, by calling :mod:`jupyter_gpushare.policy` unchanged, with
   candidates built as :meth:`jupyter_gpushare.controller.Controller.candidate` builds them.
+  Its release policy (issue 21): ``proactive`` (the product's idle release: a kernel idle for
+  ``idle_timeout`` is released, its memory ready for whoever comes) or ``needs`` (an idle
+  kernel is released only when its GPU needs memory: free below the pressure threshold or a
+  restore waiting there, or after ``long_idle``). Restores ahead: when the person works in a
+  released kernel's notebook (the engine's activity, ``ahead_lead`` s before their cell), it
+  restores it with a cell's room rules (make-room takes only kernels idle past
+  ``pressure_idle_timeout``, so never one whose person works), ranked below cells' restores:
+  it never takes room a cell's restore waits for, and waits behind them. A kernel restored
+  ahead that runs no cell for ``ahead_grace`` s is released again; a restore ahead that found
+  no room within ``ahead_grace`` of the activity is dropped (0: neither).
 
 Placement is the simulation's choice, for every sharing policy (``Simulation.placement``):
 ``round-robin`` (user ``i`` on GPU ``i mod G``, as a hub that gives each user one
@@ -24,9 +34,11 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
+from functools import partial
 
 from .. import policy as product
-from .engine import RELEASED, RESIDENT, Kernel, Simulation
+from .engine import RELEASED, RESIDENT, Kernel, Simulation, reason_kind
 from .workload import Workload
 
 
@@ -77,6 +89,12 @@ class Policy:
 
     def on_memory_freed(self, sim: Simulation, gpu: int) -> None:
         pass
+
+    def on_activity(self, sim: Simulation, k: Kernel) -> None:
+        """The person works in the notebook of ``k``, released: a restore may start ahead."""
+
+    def on_ahead_restored(self, sim: Simulation, k: Kernel) -> None:
+        """``k`` was restored ahead of its cell, which has not come yet."""
 
     def on_allocated(self, sim: Simulation, gpu: int) -> None:
         pass
@@ -140,15 +158,26 @@ class Cull(Policy):
         return f"cull: kill kernels idle {self.cull_after:.0f} s (checked every {self.cull_interval:.0f} s)"
 
 
+RELEASE_POLICIES = ("proactive", "needs")
+
+
 class GPUShare(Policy):
     """What each user's jupyter-gpushare server does, one server per user."""
 
     name = "gpushare"
 
-    def __init__(self, config: product.PolicyConfig, poll_interval: float = 2.0, seed: int = 0):
+    def __init__(self, config: product.PolicyConfig, poll_interval: float = 2.0, seed: int = 0,
+                 release_policy: str = "proactive", long_idle: float = 7200.0,
+                 ahead_grace: float = 300.0):
+        if release_policy not in RELEASE_POLICIES:
+            raise ValueError(f"release policy {release_policy!r}: one of "
+                             f"{', '.join(RELEASE_POLICIES)}")
         self.config = config
         self.poll_interval = poll_interval
         self.seed = seed
+        self.release_policy = release_policy
+        self.long_idle = long_idle
+        self.ahead_grace = ahead_grace
 
     def setup(self, sim: Simulation) -> None:
         # servers poll on their own clocks, not in step: a phase per user
@@ -156,6 +185,7 @@ class GPUShare(Policy):
                       for u in range(len(sim.workload.users))]
         self.checks: dict[int, set[float]] = {}
         self.waiting: dict[int, list[Kernel]] = {}  # GPU -> kernels whose restore waits for room
+        self.waiting_ahead: dict[int, list[Kernel]] = {}  # the same for restores ahead of a cell
         self.making_room: set[int] = set()  # kernels whose restore waits for make-room releases
 
     # -- the server's view ----------------------------------------------------------------------
@@ -214,11 +244,49 @@ class GPUShare(Policy):
         total = {g: sim.node.gpus[g].capacity for g in gpus}
         by_id = {o.id: o for o in kernels}
         cands = [self.candidate(sim, o) for o in kernels]
-        for decision in product.decide(cands, free, total, self.config):
-            sim.release(by_id[decision.kernel_id], decision.reason)
-        for o in kernels:  # waiting restores re-check after every poll
+        for kernel_id, reason in self.releases(sim, kernels, cands, free, total):
+            sim.release(by_id[kernel_id], reason)
+        for o in kernels:  # waiting restores re-check after every poll: cells' first
             if o.state == RELEASED and o.pending is not None:
                 self._try_restore(sim, o)
+        for o in kernels:
+            if o.state == RELEASED and o.pending is None and o.ahead_since is not None:
+                self._try_restore(sim, o)
+
+    def releases(self, sim: Simulation, kernels: list[Kernel], cands: list[product.Candidate],
+                 free: dict[int, int], total: dict[int, int]) -> list[tuple[str, str]]:
+        """(kernel id, reason) to release at this poll of the server of ``kernels``: the
+        product's ``decide``; under the ``needs`` release policy, its idle releases only where
+        the kernel's GPU needs memory, and any kernel idle past ``long_idle``."""
+        decisions = product.decide(cands, free, total, self.config)
+        if self.release_policy == "proactive":
+            return [(d.kernel_id, d.reason) for d in decisions]
+        by_id = {o.id: o for o in kernels}
+        out = []
+        for d in decisions:
+            if reason_kind(d.reason) != "idle":
+                out.append((d.kernel_id, d.reason))
+            elif (need := self.needs_memory(sim, by_id[d.kernel_id], free, total)) is not None:
+                out.append((d.kernel_id, f"{d.reason}; {need}"))
+        taken = {kernel_id for kernel_id, _ in out}
+        long = replace(self.config, idle_timeout=self.long_idle)
+        for c in cands:
+            if c.kernel_id not in taken and (due := product.idle_release(c, long)) is not None:
+                out.append((c.kernel_id, f"long idle: {due.reason}".replace("idle_timeout",
+                                                                             "long_idle")))
+        return out
+
+    def needs_memory(self, sim: Simulation, k: Kernel, free: dict[int, int],
+                     total: dict[int, int]) -> str | None:
+        """Why a GPU of ``k`` needs memory now (None: none does): free below the pressure
+        threshold, or a restore waits for room there."""
+        for g in k.gpus:
+            if total.get(g) and free.get(g, 0) / total[g] < self.config.pressure_free_fraction:
+                return f"GPU {g} below {self.config.pressure_free_fraction:.0%} free"
+            if self.waiting.get(g) or any(o.ahead_since is not None
+                                          for o in self.waiting_ahead.get(g, ())):
+                return f"a restore waits for room on GPU {g}"
+        return None
 
     def on_idle(self, sim: Simulation, k: Kernel) -> None:
         """Poll ticks at which a policy answer about ``k`` can change: its idle timeout, its
@@ -230,6 +298,8 @@ class GPUShare(Policy):
         self.schedule_check(sim, k.user_index, k.last_activity + cfg.pressure_idle_timeout)
         if k.last_gpu_end > float("-inf"):
             self.schedule_check(sim, k.user_index, k.last_gpu_end + max(cfg.idle_timeout, 1.0))
+        if self.release_policy == "needs":
+            self.schedule_check(sim, k.user_index, k.last_activity + self.long_idle)
 
     def on_allocated(self, sim: Simulation, gpu: int) -> None:
         g = sim.node.gpus[gpu]
@@ -244,8 +314,54 @@ class GPUShare(Policy):
             self._try_restore(sim, k)
         # RELEASING: the release finishes first, then the engine asks again
 
+    def on_activity(self, sim: Simulation, k: Kernel) -> None:
+        since = k.ahead_since
+        assert since is not None
+        if self.ahead_grace > 0:
+            sim.schedule(since + self.ahead_grace, partial(self._ahead_dropped, sim, k, since))
+        self._try_restore(sim, k)
+
+    def on_ahead_restored(self, sim: Simulation, k: Kernel) -> None:
+        since = k.ahead_since
+        if since is not None and self.ahead_grace > 0:  # None: a cell came meanwhile
+            sim.schedule(sim.now + self.ahead_grace, partial(self._ahead_unused, sim, k, since))
+
+    def _ahead_dropped(self, sim: Simulation, k: Kernel, since: float) -> None:
+        """No room found and no cell within ``ahead_grace`` of the activity at ``since``: the
+        server drops the restore ahead (the cell, when it comes, restores as any cell)."""
+        if k.ahead_since is None and k.pending is None:
+            self._stop_waiting(k)  # a CPU-only cell came (lazy mode): nothing wants it now
+        if k.ahead_since == since and k.state == RELEASED:
+            k.ahead_since = None
+            sim.counters.ahead_cancelled += 1
+            self._stop_waiting(k)
+
+    def _ahead_unused(self, sim: Simulation, k: Kernel, since: float) -> None:
+        """A kernel restored ahead for the activity at ``since`` ran no cell for
+        ``ahead_grace`` s after its restore: released again, without waiting idle_timeout."""
+        if k.ahead_since == since and k.state == RESIDENT and k.ahead_restore and not k.busy:
+            if sim.release(k, f"ahead grace: no cell within {self.ahead_grace:.0f} s of the "
+                              f"restore ahead"):
+                k.ahead_since, k.ahead_restore = None, False
+                sim.counters.ahead_released_again += 1
+
+    def _cells_wait(self, sim: Simulation, k: Kernel) -> bool:
+        """Whether a cell's restore waits for room on a GPU of ``k`` (or has releases under way
+        for its room there): a restore ahead yields to it."""
+        if any(o is not k for g in k.gpus for o in self.waiting.get(g, ())):
+            return True
+        return any(o.pending is not None and set(o.gpus) & set(k.gpus)
+                   for o in (sim.kernels[i] for i in self.making_room) if o is not k)
+
     def _try_restore(self, sim: Simulation, k: Kernel) -> None:
-        if k.index in self.making_room or k.state != RELEASED or k.pending is None:
+        if k.index in self.making_room or k.state != RELEASED:
+            return
+        ahead = k.pending is None
+        if ahead and k.ahead_since is None:
+            self._stop_waiting(k)  # nothing wants it any more (a CPU cell ran, lazy mode)
+            return
+        if ahead and self._cells_wait(sim, k):
+            self._wait(sim, k, ahead)
             return
         if sim.fits_now(k):  # on every one of its GPUs: a cell of several runs on all or none
             self._stop_waiting(k)
@@ -260,10 +376,26 @@ class GPUShare(Policy):
             self.making_room.add(k.index)
             self._release_in_turn(sim, [(by_id[d.kernel_id], d.reason) for d in plan], k)
             return
-        if k not in self.waiting.get(k.gpu, ()):
-            for g in k.gpus:  # any of its GPUs freeing memory may be what it waits for
-                self.waiting.setdefault(g, []).append(k)
-            sim.note(k, "restore_waiting", free=min(free.values()))
+        self._wait(sim, k, ahead)
+
+    def _wait(self, sim: Simulation, k: Kernel, ahead: bool) -> None:
+        """``k``'s restore waits for room: a cell's in ``waiting``, one ahead in
+        ``waiting_ahead`` (served after cells'). Under the ``needs`` release policy the servers
+        of the kernels on its GPUs see it at their next poll, and release what is idle."""
+        queue, other = ((self.waiting_ahead, self.waiting) if ahead
+                        else (self.waiting, self.waiting_ahead))
+        if k in queue.get(k.gpu, ()):
+            return
+        for g in k.gpus:  # any of its GPUs freeing memory may be what it waits for
+            if k in other.get(g, ()):
+                other[g].remove(k)
+            queue.setdefault(g, []).append(k)
+        sim.note(k, "restore_waiting", free=min(sim.node.free(g) for g in k.gpus),
+                 trigger="activity" if ahead else "cell")
+        if self.release_policy == "needs":
+            for user in {o.user_index for o in sim.kernels if o.state == RESIDENT
+                         and set(o.gpus) & set(k.gpus)}:
+                self.schedule_check(sim, user, sim.now)
 
     def _release_in_turn(self, sim: Simulation, plan: list[tuple[Kernel, str]], k: Kernel) -> None:
         """The controller awaits each make-room release in turn, then checks for room again."""
@@ -276,17 +408,20 @@ class GPUShare(Policy):
             self._release_in_turn(sim, rest, k)  # it became busy meanwhile: skipped, as a 409
 
     def _stop_waiting(self, k: Kernel) -> None:
-        for g in k.gpus:
-            waiting = self.waiting.get(g)
-            if waiting and k in waiting:
-                waiting.remove(k)
+        for queue in (self.waiting, self.waiting_ahead):
+            for g in k.gpus:
+                waiting = queue.get(g)
+                if waiting and k in waiting:
+                    waiting.remove(k)
 
     def on_memory_freed(self, sim: Simulation, gpu: int) -> None:
-        for k in list(self.waiting.get(gpu, ())):
+        for k in [*self.waiting.get(gpu, ()), *self.waiting_ahead.get(gpu, ())]:
             self.schedule_check(sim, k.user_index, sim.now)  # its server notices at its next poll
 
     def describe(self) -> str:
         c = self.config
+        release = ("" if self.release_policy == "proactive" else
+                   f", release only when needed or after {self.long_idle:.0f} s idle")
         return (f"gpushare: idle_timeout {c.idle_timeout:.0f} s, pressure below "
                 f"{c.pressure_free_fraction:.0%} free after {c.pressure_idle_timeout:.0f} s idle, "
-                f"poll {self.poll_interval:g} s")
+                f"poll {self.poll_interval:g} s{release}, ahead_grace {self.ahead_grace:.0f} s")

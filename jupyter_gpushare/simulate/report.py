@@ -288,3 +288,35 @@ def plot(f: dict[str, Any], title: str, path: Path) -> str | None:
     fig.savefig(path)
     plt.close(fig)
     return None
+
+
+def ahead_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    """The restore-ahead sensitivity (issue 21): per release policy and lead, delays at the
+    node's GPUs and the fewest GPUs under each transfer model, with the delays there."""
+    models = list(rows[0]["fewest_gpus"]) if rows else []
+    first = models[0] if models else ""
+    out = []
+    for r in rows:
+        there = r["fewest_gpus"].get(first, {})
+        served = there.get("gpus") is not None
+        out.append([r["release_policy"], f"{r['ahead_lead_s']:g}", _s(r["cell_delay_p99_s"]),
+                    _s(r["delay_max_s"]), f"{r['cells_delayed_pct']:.2f}",
+                    f"{r['ahead_restores']:,}", f"{r['releases']:,}",
+                    there.get("gpus") if served else "none",
+                    f"{_s(there['cell_delay_p99_s'])} / {_s(there['delay_max_s'])}" if served else "-",
+                    f"{there['cells_delayed_pct']:.2f}" if served else "-",
+                    *[_gpus(r["fewest_gpus"][m]) for m in models[1:]]])
+    if wide:
+        return table(["release policy", "ahead lead s", "p99 all cells s", "worst delay s",
+                      "delayed %", "restores ahead", "releases", f"fewest GPUs ({first})",
+                      "p99 / worst there s", "delayed % there",
+                      *[f"fewest GPUs ({m})" for m in models[1:]]], out)
+    return "\n".join([
+        table(["release", "lead", "p99", "worst", "delayed %", "ahead", "releases", first,
+               "p99 / worst", "delayed %", *models[1:]], out, WIDTH),
+        wrap(f"lead: s from the person's first activity to their cell; at the node's GPUs: p99 "
+             f"delay over every cell and worst wait in s, share of cells delayed, restores "
+             f"started ahead of a cell, releases. {first}: the fewest GPUs that serve every user "
+             f"under that transfer model, with p99 / worst delay and delayed % at that count; "
+             + ", ".join(models[1:]) + ": the fewest GPUs under that model."),
+    ])

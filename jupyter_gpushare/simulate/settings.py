@@ -28,6 +28,11 @@ class Settings:
     max_users_per_gpu: int = 12
     seed: int = 0
     bin_seconds: float = 600.0
+    ahead_lead: float = 0.0  # s between a person's first activity and their cell (0: none seen)
+    ahead_share: float = 1.0  # of cells, the share with activity the lab sees before them
+    ahead_grace: float = 300.0  # s a kernel restored ahead waits for its cell (the product's)
+    release_policy: str = "proactive"  # proactive | needs (policies.RELEASE_POLICIES)
+    long_idle: float = 7200.0  # s: under ``needs``, released however much room there is
 
     @property
     def total_gpus(self) -> int:
@@ -38,6 +43,11 @@ POLICIES: dict[str, Callable[[Settings], Policy]] = {
     "exclusive": lambda s: Exclusive(),
     "static": lambda s: Static(),
     "cull": lambda s: Cull(s.cull_after, s.cull_interval),
-    "gpushare": lambda s: GPUShare(s.config, s.poll_interval, s.seed),
-    "gpushare-hub": lambda s: GPUShareHub(s.config, s.poll_interval, s.seed),
+    "gpushare": lambda s: GPUShare(s.config, s.poll_interval, s.seed, **_release(s)),
+    "gpushare-hub": lambda s: GPUShareHub(s.config, s.poll_interval, s.seed, **_release(s)),
 }
+
+
+def _release(s: Settings) -> dict:
+    return {"release_policy": s.release_policy, "long_idle": s.long_idle,
+            "ahead_grace": s.ahead_grace}
