@@ -16,7 +16,6 @@ import asyncio
 import itertools
 import logging
 import os
-import tempfile
 from contextlib import ExitStack, suppress
 from typing import Any
 
@@ -39,10 +38,11 @@ from traitlets import (
 
 from . import hub_link, metrics, selection, server_hooks
 from .agent_ops import AgentOps, check_reply
+from .ahead import AheadRestores
 from .channel import AgentServer, socket_path
 from .controller import Controller
 from .events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
-from .gate import SETTINGS_KEY
+from .gate import GATES_KEY, SETTINGS_KEY, Gates
 from .handlers import handlers
 from .hostmem import HostRoom
 from .node_locks import NodeLocks
@@ -222,18 +222,27 @@ class GPUShareApp(ExtensionApp):
     ).tag(config=True)
 
     node_lock_dir = Unicode(
-        help="""A directory every Jupyter server on this machine shares, where restores take a
-        lock file per GPU (named by the GPU's UUID), so that restores on different servers
-        (a JupyterHub's users) take turns on a GPU instead of both filling the same free
-        memory. Created mode 1777 when missing; the lock files are mode 0666. Default:
-        jupyter-gpushare-locks in the system's temporary directory. "" = restores take turns
-        only within this server. Not used with a private simulated node (no other server
-        sees it). A lock held longer than 60 s by another server is not waited for.""",
+        help="""A directory the Jupyter servers of this machine share, where restores take a
+        lock file per GPU (named by the GPU's UUID), so that restores on different servers take
+        turns on a GPU instead of both filling the same free memory. Used only where no other
+        user can take the locks: the directory (not a symbolic link) must belong to this
+        server's user and be writable by nobody else, or belong to root and be writable by
+        nobody else or sticky; a lock file must be a regular file of this user or root.
+        Created (mode 0700) when missing. Default: gpushare-locks in this user's Jupyter
+        runtime directory, which serializes this user's own servers. For a node with several
+        users' servers, an admin creates a root-owned directory and one root-owned lock file
+        per GPU (see the admin guide) and sets it here. A directory or lock file that does not
+        qualify is refused with a warning in the log, and restores on that GPU then go on
+        without a turn and ask for room for twice their state, read twice 0.5 s apart. The wait
+        for a turn another server holds is shown in the cell and status, and is bounded per
+        GPU: 60 s per holder, after which restores there go on without a turn while it keeps
+        it. "" = restores take turns only within this server. Not used with a private
+        simulated node (no other server sees it).""",
     ).tag(config=True)
 
     @default("node_lock_dir")
     def _default_node_lock_dir(self) -> str:
-        return os.path.join(tempfile.gettempdir(), "jupyter-gpushare-locks")  # not at import
+        return os.path.join(jupyter_runtime_dir(), "gpushare-locks")  # not at import
 
     kernel_env = Dict(
         default_value={"TF_FORCE_GPU_ALLOW_GROWTH": "true", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
@@ -294,6 +303,22 @@ class GPUShareApp(ExtensionApp):
         network file systems: point this at a local directory then. A directory where the
         socket cannot be created keeps the extension from loading (the log says why).""",
     ).tag(config=True)
+
+    ahead_grace = Float(
+        300.0,
+        help="""Seconds a kernel restored ahead of its person's next cell (the JupyterLab
+        extension asks for that when someone opens or edits a notebook whose kernel is
+        released) stays on the GPU without running a cell before it may be released again,
+        without waiting for idle_timeout. Taken as an automatic release would be: never a
+        pinned kernel, one computing on the GPU, or one whose idle timeout is 0. Default 300.
+        0 = a kernel restored ahead is kept like any other (released again by idle_timeout).""",
+    ).tag(config=True)
+
+    @validate("ahead_grace")
+    def _check_ahead_grace(self, proposal: Any) -> float:
+        if proposal["value"] < 0:
+            raise TraitError(f"GPUShareApp.ahead_grace must be >= 0, got {proposal['value']}")
+        return proposal["value"]
 
     @validate("poll_interval", "restore_grace", "history_seconds", "lock_timeout")
     def _check_positive(self, proposal: Any) -> float:
@@ -421,6 +446,7 @@ class GPUShareApp(ExtensionApp):
             raise ExtensionOff(_off(f"cannot create the agent socket {self.socket_path}: {e}")) from e
         teardown.callback(self.channel.close_now)
         self.hub_link = hub_link.connect(self.config, self.controller, self.refresh)
+        self.ahead = AheadRestores(self.controller, self.ahead_grace)
 
     def _open_telemetry(self, teardown: ExitStack) -> None:
         settings = TelemetrySettings(tuple(self.simulated_gpus), self.simulated_node)
@@ -483,7 +509,12 @@ class GPUShareApp(ExtensionApp):
         private_node = self.node is not None and not self.simulated_node
         if not self.node_lock_dir or private_node:
             return None
-        return NodeLocks(self.node_lock_dir)
+        locks = NodeLocks(self.node_lock_dir)
+        why = locks.refusal()  # said once at start; each restore's turn checks again
+        if why:
+            self.log.warning("gpushare: %s; restores go on without a turn across servers, with a "
+                             "stricter room check (see GPUShareApp.node_lock_dir)", why)
+        return locks
 
     def _hook_in(self, teardown: ExitStack) -> None:
         """The changes outside the extension, each undone by ``teardown``."""
@@ -504,6 +535,9 @@ class GPUShareApp(ExtensionApp):
         server_hooks.install_gate(server, self.settings, self.log, teardown)
         server_hooks.publish(SETTINGS_KEY, self.controller, self.settings,
                              server.web_app.settings, teardown)
+        gates = Gates(self.controller)
+        server_hooks.publish(GATES_KEY, gates, self.settings, server.web_app.settings, teardown)
+        server_hooks.hook_kernel_manager(server.kernel_manager, gates, self.log, teardown)
         server_hooks.at_exit(self.channel.remove_file, teardown)
         _active = self
         teardown.callback(self._no_longer_active)
@@ -578,6 +612,7 @@ class GPUShareApp(ExtensionApp):
             await self.tracker.poll()
             metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
             await self.controller.tick()
+            self.ahead.tick()
             metrics.export_sample(self.tracker.gpus.values(), self.tracker.kernels)
 
     async def stop_extension(self) -> None:

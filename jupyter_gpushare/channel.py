@@ -46,6 +46,8 @@ ReplyCheck = Callable[[str, dict[str, Any]], None]
 
 READ_CHUNK = 1 << 16
 HELLO_TIMEOUT = 10.0
+#: s: the first refused peer is logged in full, the others of each such interval as one count
+REFUSAL_LOG_INTERVAL = 60.0
 
 
 class Refused(Exception):
@@ -206,6 +208,9 @@ class AgentServer:
         self.check_reply = check_reply
         self.connections: dict[str, AgentConnection] = {}  # kernel_id -> newest connection
         self.refusals = 0
+        self.refusal_log_interval = REFUSAL_LOG_INTERVAL
+        self._unlogged: tuple[int, str] = (0, "")  # refusals since the last line, the last why
+        self._refusal_timer: asyncio.TimerHandle | None = None  # an interval is open
         self.rebinds = 0  # times the socket file was found gone and bound again
         self.hello_extra: dict[str, Any] = {}  # sent to every agent in the hello reply
         self._server: asyncio.AbstractServer | None = None
@@ -271,6 +276,9 @@ class AgentServer:
     def close_now(self) -> None:
         """Stop listening and drop every agent at once, without the event loop running (a
         server that was abandoned for another in the same process). ``stop`` is the clean way."""
+        if self._refusal_timer is not None:  # the loop may be gone: no summary line
+            self._refusal_timer.cancel()
+            self._refusal_timer = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -310,6 +318,7 @@ class AgentServer:
 
     async def stop(self) -> None:
         """Stop listening, drop every agent, remove the socket file. Safe to call twice."""
+        self._flush_refusals()
         if self._sock is not None:  # bound, never served
             self._sock.close()
             self._sock = None
@@ -322,9 +331,35 @@ class AgentServer:
             self._server = None
         self.remove_file()
 
+    def _log_refusal(self, why: str) -> None:
+        """The first refused peer in full; the rest of each interval as one count (a flood of
+        connections from another process must not flood the log)."""
+        if self._refusal_timer is None:
+            log.warning("gpushare agent channel: refused a peer: %s", why)
+            self._refusal_timer = asyncio.get_running_loop().call_later(
+                self.refusal_log_interval, self._refusal_summary)
+        else:
+            self._unlogged = (self._unlogged[0] + 1, why)
+
+    def _refusal_summary(self, closing: bool = False) -> None:
+        n, why = self._unlogged
+        self._unlogged = (0, "")
+        self._refusal_timer = None
+        if n:
+            log.warning("gpushare agent channel: refused %d more peer(s) in the last %.0f s (the "
+                        "last: %s)", n, self.refusal_log_interval, why)
+            if not closing:  # still refusing: the next interval is counted as well
+                self._refusal_timer = asyncio.get_running_loop().call_later(
+                    self.refusal_log_interval, self._refusal_summary)
+
+    def _flush_refusals(self) -> None:
+        if self._refusal_timer is not None:
+            self._refusal_timer.cancel()
+            self._refusal_summary(closing=True)
+
     async def _refuse(self, writer: asyncio.StreamWriter, reply_to: Any, why: str) -> None:
         self.refusals += 1
-        log.warning("gpushare agent channel: refused a peer: %s", why)
+        self._log_refusal(why)
         if not isinstance(reply_to, (int, str)) or len(str(reply_to)) > 64:
             reply_to = None
         with contextlib.suppress(Exception):

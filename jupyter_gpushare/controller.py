@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import clock, metrics, policy
+from . import ahead, clock, metrics, policy
 from .hostmem import HostRoom
 from .node_locks import NodeLocks
 from .reclaim import KernelTarget, ReclaimError, ReclaimMethod
@@ -52,6 +52,8 @@ IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
 CLEARED_TRIGGERS = ("gate", "agent")
 RETRY_AFTER_FAILED_RELEASE = 60.0  # s before a kernel whose release failed is tried again
 WAIT_BACKOFF = (0.25, 5.0)  # s between make-room rounds: first, and the most
+STRICT_SETTLE = 0.5  # s between the two readings of a restore without a turn across servers
+MEMORY_WAIT = "waiting for memory"
 
 
 class ControllerError(Exception):
@@ -504,8 +506,8 @@ class Controller:
     def restore_need(self, kernel_id: str) -> dict[int, int]:
         """Bytes per GPU a waiting restore needs free (empty when no restore waits)."""
         st = self.states.get(kernel_id)
-        if st is None or st.held is None or not st.waiting:
-            return {}
+        if st is None or st.held is None or not (st.waiting or "").startswith(MEMORY_WAIT):
+            return {}  # not waiting, or waiting for a restore turn, not for memory
         return self._need(st.held)
 
     def _start_release(self, st: KernelState, reason: str, automatic: bool, by_kernel: bool) -> Operation:
@@ -682,7 +684,11 @@ class Controller:
                                       retryable=False)
             op = st.op
             if op is not None:
+                if ahead.superseded(self, st, op, trigger):  # the cell's own restore takes over
+                    op.stop("a cell's restore took over")
                 outcome = await self._wait(op)
+                if op.trigger == ahead.AHEAD and trigger != ahead.AHEAD:
+                    continue  # an ahead restore that did not bring it back: the cell's does
                 if op.kind == "restore" and not outcome.ok and st.drops == drops:
                     raise ControllerError(409, outcome.message, outcome.retryable and not outcome.dropped)
                 continue
@@ -742,11 +748,23 @@ class Controller:
             grant.release()  # nothing landed: the room is free again
             retryable = e.retryable if isinstance(e, ReclaimError) else True
             why = str(e) or type(e).__name__
-            st.failed, st.retryable = True, retryable
-            st.error = f"restore failed: {why}"
+            ended = self._process_ended(kid, held)
+            if ended:  # the process that held the state is gone: nothing to retry
+                st.drop_after_op = ended  # dropped as the operation ends, before waiters wake
+                metrics.RESTORES.labels(method.name, "failed").inc()
+                self._emit(st, "restore_failed", reason=f"{ended} ({why})",
+                           seconds=time.monotonic() - started)
+                gone = f"{ended}: its released GPU state is gone"
+                await shown(f"gpushare: restore failed: {gone}")
+                log.warning("gpushare: restore of kernel %s failed: %s (%s)", kid, gone, why)
+                return Outcome(False, gone, False, dropped=True)
+            # a restore ahead of a cell that fails leaves the kernel released, the reason shown
+            st.failed, st.retryable = st.failed or op.trigger != ahead.AHEAD, retryable
+            st.error = ahead.failed_restore_error(op.trigger, why)
             metrics.RESTORES.labels(method.name, "failed").inc()
-            self._notify_agent(kid, FAILED)
-            self._emit(st, "restore_failed", reason=why, seconds=time.monotonic() - started)
+            self._notify_agent(kid, FAILED if st.failed else RELEASED)
+            self._emit(st, "restore_failed", reason=why, seconds=time.monotonic() - started,
+                       trigger=op.trigger)
             await shown(f"gpushare: restore failed, your state is still held: {why}")
             log.warning("gpushare: restore of kernel %s failed: %s", kid, why)
             await self._refresh()
@@ -771,6 +789,14 @@ class Controller:
         await self._refresh()
         return Outcome(True)
 
+    def _process_ended(self, kernel_id: str, held: Held) -> str | None:
+        """Why the process that holds the state is gone (restarted, died), else None."""
+        ended = getattr(self.tracker, "process_ended", None)  # a tracker that cannot tell: None
+        if held.kernel_pid is None or ended is None:
+            return None
+        why: str | None = ended(kernel_id, held.kernel_pid)
+        return why
+
     async def _wait_for_room(
         self, st: KernelState, op: Operation, held: Held, need: dict[int, int], shown: _Shower,
         wait: bool,
@@ -786,21 +812,38 @@ class Controller:
                 raise asyncio.CancelledError
             if st.held is not held:
                 return Outcome(False, f"{st.error or 'the held state was dropped'}", False, dropped=True)
-            # a turn behind another restore on the same GPU is not `waiting` (that, and REST's
-            # 202, mean "no memory"): the other one moves its bytes and gives the GPU back
-            grant = await self.reservations.acquire(list(need))
+            if ahead.yields(self, st, op, need):  # a cell's restore waits for these GPUs: it goes first
+                try:
+                    await asyncio.wait_for(self._freed.wait(), WAIT_BACKOFF[1])
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            # a turn behind another restore of this server on the same GPU is not `waiting`
+            # (the other one moves its bytes and gives the GPU back); a turn another server
+            # holds is (it may keep it): the cell and status say so
+            grant = await self._take_turn(st, need, shown)
             want = need
+            strict = set(grant.unguarded) & set(need)  # no turn across servers on these GPUs
             try:
                 want = await self._still_to_land(st, held, need)
                 free = await self.read_free(list(need))
+                room = {g: None if f is None else f - self._releases_may_take_back(g)
+                        for g, f in free.items()}
+                short = self._short(want, room, strict)
+                if not short and strict:  # and the room must still be there a moment later
+                    await asyncio.sleep(STRICT_SETTLE)
+                    again = await self.read_free(sorted(strict))
+                    room.update({g: None if f is None else f - self._releases_may_take_back(g)
+                                 for g, f in again.items()})
+                    short = self._short(want, room, strict)
             except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
                 grant.release()
                 raise
             except Exception as e:
                 log.warning("gpushare: cannot read free GPU memory: %s", e)
                 free = {g: None for g in need}
-            room = {g: None if f is None else f - self._releases_may_take_back(g) for g, f in free.items()}
-            short = {g: n for g, n in want.items() if room.get(g) is None or (room[g] or 0) < n}
+                room = {g: None for g in need}
+                short = dict(want)
             if op.stopped:
                 grant.release()
                 raise asyncio.CancelledError
@@ -812,9 +855,11 @@ class Controller:
             if not short:
                 continue  # dropped meanwhile: the check at the top says so
             shortfall = [(f"{format_bytes(n)} on GPU {g}",
-                          f"{format_bytes(max(room[g] or 0, 0))} free" if room.get(g) is not None
-                          else "free memory unknown") for g, n in short.items()]
-            st.waiting = "waiting for memory: needs " + ", ".join(
+                          (f"{format_bytes(max(room[g] or 0, 0))} free" if room.get(g) is not None
+                           else "free memory unknown")
+                          + ("; twice that without a restore turn" if g in strict else ""))
+                         for g, n in short.items()]
+            st.waiting = f"{MEMORY_WAIT}: needs " + ", ".join(
                 f"{needs} ({free})" for needs, free in shortfall)
             if not wait:
                 return Outcome(False, st.waiting)
@@ -823,7 +868,8 @@ class Controller:
                 # the event's reason has no parentheses (the lab's toast adds its own) and
                 # does not repeat "waiting for memory" (the toast says it waits)
                 why = "needs " + "; ".join(f"{needs}, {free}" for needs, free in shortfall)
-                self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=why)
+                self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=why,
+                           trigger=op.trigger)
                 await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
                             "(interrupt to stop waiting)")
             if await self._make_room(st, want, free):
@@ -835,6 +881,45 @@ class Controller:
                 delay = WAIT_BACKOFF[0]
             except asyncio.TimeoutError:
                 delay = min(delay * 2, WAIT_BACKOFF[1])
+
+    @staticmethod
+    def _short(want: dict[int, int], room: dict[int, int | None], strict: set[int]) -> dict[int, int]:
+        """GPUs without room for ``want``: on a GPU without a restore turn across servers
+        (``strict``), room for twice the state, so that two such restores started at the same
+        moment both fit."""
+        return {g: n for g, n in want.items()
+                if room.get(g) is None or (room[g] or 0) < n * (2 if g in strict else 1)}
+
+    async def _take_turn(self, st: KernelState, need: dict[int, int], shown: _Shower) -> Grant:
+        """The restore turn of every GPU in ``need``. While another server holds one, the
+        cell's progress line and ``status`` say so (``waiting``)."""
+        said = asyncio.Event()
+
+        def on_turn_wait(gpu: int, holder: int | None, left: float) -> None:
+            by = f" (process {holder})" if holder else ""
+            st.waiting = (f"waiting for another server's restore turn on GPU {gpu}{by}, "
+                          f"at most {left:.0f} s more")
+            said.set()
+
+        task = asyncio.ensure_future(self.reservations.acquire(list(need), on_turn_wait))
+        heard = asyncio.ensure_future(said.wait())
+        try:
+            while not task.done():
+                await asyncio.wait({task, heard}, return_when=asyncio.FIRST_COMPLETED)
+                if heard.done() and not task.done():
+                    said.clear()
+                    heard = asyncio.ensure_future(said.wait())
+                    await shown(f"gpushare: {st.waiting} (interrupt to stop waiting)")
+        except asyncio.CancelledError:
+            task.cancel()
+            try:
+                (await task).release()  # it had finished: give its locks back
+            except BaseException:
+                pass
+            raise
+        finally:
+            heard.cancel()
+        return task.result()
 
     def _releases_may_take_back(self, gpu: int) -> int:
         """Bytes that releases in flight may put back on ``gpu``: an undo re-allocates what the

@@ -7,7 +7,13 @@ in the kernel (widget callbacks); kernel_info, completions and everything on the
 channel (interrupt, shutdown) pass straight through.
 
 The restore belongs to the controller: when this connection closes, only its waiting
-stops; an interrupt stops a restore that still waits for memory, never one moving bytes.
+stops. A held cell is stopped by every way Jupyter stops a cell: an ``interrupt_request``
+over the websocket, and (through :class:`Gates`, which the server's kernel manager calls)
+the REST interrupt JupyterLab's stop button sends, a restart and a shutdown. The held cells
+get their error reply at once and never run later; a restore that still waits stops. A
+restore already moving bytes finishes (it cannot be stopped half-way): after an interrupt
+its cells run once the bytes have landed, after a restart or shutdown they are answered at
+once. An interrupt never drops the held state.
 
 Message order: the cell whose restore shows progress gets ``status: busy`` first, from here
 (the kernel has not seen the cell yet, and the protocol puts a cell's outputs after its
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import weakref
 from typing import Any
 
 from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1
@@ -33,6 +40,8 @@ log = logging.getLogger(__name__)
 
 V1 = "v1.kernel.websocket.jupyter.org"
 SETTINGS_KEY = "gpushare_controller"
+GATES_KEY = "gpushare_gates"
+INTERRUPTED = "interrupted while waiting for the GPU state to be restored"
 #: shell messages that run user code in the kernel, besides execute_request (eager mode)
 COMM_MESSAGES = ("comm_open", "comm_msg", "comm_close")
 
@@ -50,6 +59,11 @@ class GateConnection(ZMQChannelsWebsocketConnection):
     def controller(self) -> Controller | None:
         handler = getattr(self, "websocket_handler", None)
         return handler.settings.get(SETTINGS_KEY) if handler is not None else None
+
+    @property
+    def gates(self) -> Gates | None:
+        handler = getattr(self, "websocket_handler", None)
+        return handler.settings.get(GATES_KEY) if handler is not None else None
 
     def connect(self) -> Any:
         # A reply is several small websocket frames; with Nagle's algorithm on, the last one
@@ -87,7 +101,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         is_comm = on_shell and msg_type in COMM_MESSAGES
         if not (is_execute or is_comm):
             if channel == "control" and msg_type == "interrupt_request" and self._held:
-                self._cancel_waiting("interrupted while waiting for the GPU state to be restored")
+                self.interrupt_held(INTERRUPTED)
             super().handle_incoming_message(incoming_msg)
             return
         must_wait = self._must_wait(controller, is_comm)
@@ -95,6 +109,9 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             if not self._held and is_execute and controller.restore_mode == "eager":
                 self._send_busy(header)  # its restore's progress lines come next
             self._held.append((incoming_msg, header))
+            gates = self.gates
+            if gates is not None:
+                gates.add(self)
             if self._drain_task is None:
                 self._drain_task = asyncio.ensure_future(self._drain(controller))
             return
@@ -152,18 +169,36 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         except Exception:
             log.exception("gpushare gate: forwarding held messages failed")
         finally:
-            self._drain_task = None
+            if self._drain_task is asyncio.current_task():
+                self._drain_task = None
 
-    def _cancel_waiting(self, why: str) -> None:
-        """Interrupt while a restore waits for memory: stop waiting, answer the held cells.
-        A restore already moving bytes finishes; the cells then run."""
-        controller = self.controller
-        if controller is None or not controller.stop_waiting(self.kernel_id, why):
+    def interrupt_held(self, why: str) -> None:
+        """An interrupt (websocket or REST): the held cells are answered with a
+        KeyboardInterrupt now and never run; a restore that waits stops, the state stays
+        held. A restore already moving bytes finishes first; its cells then run."""
+        if not self._held:
             return
+        controller = self.controller
+        st = controller.states.get(self.kernel_id) if controller is not None else None
+        op = st.op if st is not None else None
+        if op is not None and op.kind == "restore" and op.phase == "moving":
+            return
+        if controller is not None:
+            controller.stop_waiting(self.kernel_id, why)
+        self.answer_held("KeyboardInterrupt", f"gpushare: {why}")
+
+    def answer_held(self, ename: str, text: str) -> None:
+        """Answer every held cell with an error now; none of them runs later. Only this
+        connection's waiting stops (the restore, if any, is the controller's)."""
         batch, self._held = self._held, []
+        task, self._drain_task = self._drain_task, None
+        if task is not None:
+            task.cancel()
         for _, header in batch:
             if header.get("msg_type") == "execute_request":
-                self._reply_error(header, "KeyboardInterrupt", f"gpushare: {why}")
+                self._reply_error(header, ename, text)
+            else:
+                log.info("gpushare gate: dropped a held %s: %s", header.get("msg_type"), text)
 
     def _send_busy(self, parent: dict[str, Any]) -> None:
         """``status: busy`` for a held cell, as the kernel sends it when a cell starts."""
@@ -199,4 +234,43 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         if self._drain_task is not None:
             self._drain_task.cancel()
         self._held = []
+        gates = self.gates
+        if gates is not None:
+            gates.discard(self)
         super().disconnect()
+
+
+class Gates:
+    """The gate connections that hold cells, per kernel: a stop that does not come over the
+    websocket (JupyterLab's stop, restart and shutdown buttons are REST calls) reaches them
+    through the server's kernel manager, which calls :meth:`interrupted` and
+    :meth:`ending` (:func:`.server_hooks.hook_kernel_manager`)."""
+
+    def __init__(self, controller: Controller):
+        self.controller = controller
+        self._conns: dict[str, weakref.WeakSet[GateConnection]] = {}
+
+    def add(self, conn: GateConnection) -> None:
+        self._conns.setdefault(conn.kernel_id, weakref.WeakSet()).add(conn)
+
+    def discard(self, conn: GateConnection) -> None:
+        conns = self._conns.get(conn.kernel_id)
+        if conns is not None:
+            conns.discard(conn)
+            if not conns:
+                del self._conns[conn.kernel_id]
+
+    def _of(self, kernel_id: str) -> list[GateConnection]:
+        return list(self._conns.get(kernel_id, ()))
+
+    def interrupted(self, kernel_id: str) -> None:
+        """The kernel is interrupted (REST): as an ``interrupt_request`` on each websocket."""
+        for conn in self._of(kernel_id):
+            conn.interrupt_held(INTERRUPTED)
+
+    def ending(self, kernel_id: str, why: str) -> None:
+        """The kernel restarts or shuts down: its held cells are answered now, whatever the
+        restore is doing, and never run (not in the old process, not in a new one)."""
+        self.controller.stop_waiting(kernel_id, why)
+        for conn in self._of(kernel_id):
+            conn.answer_held("GPUStateNotRestored", f"gpushare: {why}; this cell did not run")

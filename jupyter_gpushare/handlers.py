@@ -18,6 +18,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
+from .ahead import AHEAD
 from .controller import ControllerError
 from .views import history_view, kernel_view
 
@@ -156,20 +157,24 @@ class HistoryHandler(GPUShareHandler):
 #: release reason each gives; no trigger: ``rest``
 CLIENT_TRIGGERS = {"panel": "requested from the panel"}
 ACTION_BODY = 'body must be empty, {} or {"trigger": "panel"}'
+#: a restore may also be asked ahead of a person's next cell (:mod:`.ahead`)
+RESTORE_TRIGGERS = (AHEAD, *CLIENT_TRIGGERS)
+RESTORE_BODY = 'body must be empty, {}, {"trigger": "activity"} or {"trigger": "panel"}'
 
 
-def parse_action_body(raw: bytes) -> str:
+def parse_action_body(raw: bytes, triggers: tuple[str, ...] = tuple(CLIENT_TRIGGERS),
+                      refusal: str = ACTION_BODY) -> str:
     """The optional body of a release or restore: who asks (``rest`` without one)."""
     if not raw:
         return "rest"
     body = parse_json_object(raw)
     if set(body) - {"trigger"}:
-        raise BadRequest(ACTION_BODY)
+        raise BadRequest(refusal)
     if "trigger" not in body:
         return "rest"
     trigger = body["trigger"]
-    if not isinstance(trigger, str) or trigger not in CLIENT_TRIGGERS:
-        raise BadRequest(ACTION_BODY)
+    if not isinstance(trigger, str) or trigger not in triggers:
+        raise BadRequest(refusal)
     return trigger
 
 
@@ -194,10 +199,14 @@ class RestoreHandler(GPUShareHandler):
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str) -> None:
-        trigger = parse_action_body(self.request.body or b"")
+        trigger = parse_action_body(self.request.body or b"", RESTORE_TRIGGERS, RESTORE_BODY)
         await self.gpushare.ready()
         controller = self.gpushare.controller
         st = controller.get(kernel_id)
+        if trigger == AHEAD:  # a hint: answered at once, the restore goes on in the background
+            self.gpushare.ahead.request(kernel_id)
+            self.write_json(kernel_view(controller, kernel_id), status=202 if st.is_held else 200)
+            return
         if not st.is_held:
             raise ControllerError(409, f"kernel is {st.state}, not released")
         task = asyncio.ensure_future(controller.restore(kernel_id, trigger=trigger))

@@ -24,6 +24,14 @@ HOST_BYTES = Gauge("gpushare_released_bytes", "GPU state held in host memory by 
 KERNELS = Gauge("gpushare_kernels", "Kernels by state", ["state"])
 RELEASES = Counter("gpushare_releases", "Releases of kernels' GPU memory", ["method", "outcome"])
 RESTORES = Counter("gpushare_restores", "Restores of kernels' GPU memory", ["method", "outcome"])
+AHEAD_RESTORES = Counter(
+    "gpushare_ahead_restores",
+    "Restores ahead of a person's next cell (trigger activity), by outcome: restored, joined "
+    "(one was on its way), resident (nothing to do), no_room (stopped by the server), failed, "
+    "superseded (a cell's restore took over), used (a cell ran after it), released_unused "
+    "(released again after ahead_grace)",
+    ["outcome"],
+)
 RESTORE_SECONDS = Histogram(
     "gpushare_restore_seconds",
     "Time to restore a kernel's GPU state",

@@ -5,7 +5,8 @@ never wait on each other crosswise), checks free memory, and only then reserves 
 and moves them. While it moves, everyone else (the policy, make-room, other restores) sees
 the GPU's free memory minus what is reserved, so two restores whose states do not both fit
 can never both pass the room check. With node locks (:mod:`.node_locks`), the same holds
-across every Jupyter server on the machine.
+across the Jupyter servers of the machine; a GPU whose node lock could not be had is named in
+:attr:`Grant.unguarded` (the caller then checks room more strictly).
 """
 
 from __future__ import annotations
@@ -16,13 +17,19 @@ from collections.abc import Callable
 
 from .node_locks import NodeGrant, NodeLocks
 
+#: on_turn_wait(gpu, holder pid or None, seconds it may still wait)
+OnTurnWait = Callable[[int, "int | None", float], None]
+
 
 class Grant:
     """The GPU locks one restore holds, and the bytes it reserved under them."""
 
-    def __init__(self, ledger: Reservations, gpus: list[int], node: NodeGrant | None = None):
+    def __init__(self, ledger: Reservations, gpus: list[int], node: NodeGrant | None = None,
+                 unguarded: dict[int, str] | None = None):
         self._ledger = ledger
         self.gpus = gpus
+        #: GPU -> why no turn across servers was had on it (refused, or held too long elsewhere)
+        self.unguarded = dict(unguarded or {})
         self.reserved: dict[int, int] = {}
         self._released = False
         self._node = node
@@ -72,8 +79,9 @@ class Reservations:
         """A restore holds this GPU now."""
         return self._locks[gpu].locked()
 
-    async def acquire(self, gpus: list[int]) -> Grant:
-        """Wait for the locks of ``gpus``; cancellation leaves none of them held."""
+    async def acquire(self, gpus: list[int], on_turn_wait: OnTurnWait | None = None) -> Grant:
+        """Wait for the locks of ``gpus``; cancellation leaves none of them held.
+        ``on_turn_wait`` hears when a GPU's turn is held by another server's restore."""
         order = sorted(set(gpus))
         taken: list[int] = []
         try:
@@ -81,11 +89,19 @@ class Reservations:
                 await self._locks[gpu].acquire()
                 taken.append(gpu)
             node = None
+            unguarded: dict[int, str] = {}
             if self.node_locks is not None:
-                keys = [u for u in (self.uuid_of(g) for g in order) if u]
-                node = await self.node_locks.acquire(keys) if keys else None
+                by_key = {u: g for g, u in ((g, self.uuid_of(g)) for g in order) if u}
+
+                def waits(key: str, holder: int | None, left: float) -> None:
+                    if on_turn_wait is not None:
+                        on_turn_wait(by_key[key], holder, left)
+
+                node = await self.node_locks.acquire(list(by_key), waits) if by_key else None
+                if node is not None:
+                    unguarded = {by_key[k]: why for k, why in node.unguarded.items()}
         except BaseException:
             for gpu in reversed(taken):
                 self._locks[gpu].release()
             raise
-        return Grant(self, order, node)
+        return Grant(self, order, node, unguarded)

@@ -17,8 +17,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from jupyter_core.utils import ensure_async
+
 from . import provisioner
-from .gate import GateConnection
+from .gate import GateConnection, Gates
 
 PACKAGE_LOGGER = "jupyter_gpushare"
 WEBSOCKET_CLASS = "kernel_websocket_connection_class"
@@ -108,6 +110,50 @@ def install_gate(server: Any, app_settings: MutableMapping[str, Any], log: loggi
             "gpushare: ServerApp.kernel_websocket_connection_class is %s; the gate is off, so "
             "cells restore through the kernel agent only", current,
         )
+
+
+def hook_kernel_manager(km: Any, gates: Gates, log: logging.Logger, undo: ExitStack) -> None:
+    """The server's kernel manager tells the gate about interrupts, restarts and shutdowns
+    (REST: JupyterLab's buttons, the culler), so held cells are stopped by them too. Each
+    method is wrapped on the instance; the undo puts the class's (or the earlier wrapper) back."""
+
+    def wrap(name: str, before: Callable[[str], None],
+             after: Callable[[str], None] | None = None) -> None:
+        original = getattr(km, name)
+        own = name in vars(km)  # someone wrapped it on the instance before us
+
+        async def hooked(*args: Any, **kwargs: Any) -> Any:
+            kernel_id = args[0] if args else kwargs.get("kernel_id")
+            if isinstance(kernel_id, str):
+                try:
+                    before(kernel_id)
+                except Exception:  # the kernel manager's own work goes on regardless
+                    log.exception("gpushare: before %s of kernel %s", name, kernel_id)
+            result = await ensure_async(original(*args, **kwargs))
+            if after is not None and isinstance(kernel_id, str):
+                try:
+                    after(kernel_id)
+                except Exception:
+                    log.exception("gpushare: after %s of kernel %s", name, kernel_id)
+            return result
+
+        setattr(km, name, hooked)
+
+        def restore() -> None:
+            if own:
+                setattr(km, name, original)
+            else:
+                vars(km).pop(name, None)
+
+        undo.callback(restore)
+
+    controller = gates.controller
+    wrap("interrupt_kernel", gates.interrupted)
+    wrap("restart_kernel",
+         lambda kid: gates.ending(kid, "the kernel is being restarted: its released GPU state is gone"),
+         lambda kid: controller.drop_held(kid, "the kernel restarted"))
+    wrap("shutdown_kernel",
+         lambda kid: gates.ending(kid, "the kernel is shutting down: its released GPU state is gone"))
 
 
 def publish(key: str, value: Any, app_settings: MutableMapping[str, Any],

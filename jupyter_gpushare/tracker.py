@@ -149,6 +149,16 @@ def _children_by_parent() -> dict[int, list[int]]:
     return children
 
 
+def process_gone(pid: int) -> bool:
+    """The process has exited (a zombie not yet reaped counts as exited)."""
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # cannot tell (access denied): alive, as far as we know
+        return False
+
+
 def _gpu_device_pids(pids: Iterable[int]) -> list[int]:
     """Pids with an NVIDIA device file open: those with a CUDA context (when NVML cannot
     tell us, e.g. in a container, this is how we know which processes to checkpoint)."""
@@ -293,6 +303,13 @@ class Tracker:
         if pid is None:
             return []
         return self._descendants(pid, _children_by_parent())
+
+    def process_ended(self, kernel_id: str, pid: int) -> str | None:
+        """Why the kernel's process ``pid`` is no longer its process (None: it still is)."""
+        now = self.kernel_pid(kernel_id)
+        if now is not None and now != pid:
+            return "the kernel restarted"
+        return "the kernel died" if process_gone(pid) else None
 
     def owns_pid(self, kernel_id: str, pid: int) -> bool:
         return pid in self.kernel_pids(kernel_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import clock
+from . import ahead, clock
 from .controller import Controller, KernelState
 from .tracker import KernelRecord, Tracker
 
@@ -36,7 +36,8 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "last_restore_seconds": _round(st.last_restore_seconds, 3),
         "last_release_seconds": _round(st.last_release_seconds, 3),
         "error": st.error,
-        "waiting": f"{st.waiting}; {st.waiting_note}" if st.waiting and st.waiting_note else st.waiting,
+        "waiting": ahead.view_waiting(
+            st, f"{st.waiting}; {st.waiting_note}" if st.waiting and st.waiting_note else st.waiting),
         "restore_need": {str(g): n for g, n in controller.restore_need(kernel_id).items()},
         "execution_state": rec.execution_state if rec else "unknown",
         "release_blocked": st.release_blocked,

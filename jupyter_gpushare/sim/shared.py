@@ -12,6 +12,12 @@ processes (``BEGIN IMMEDIATE`` takes the write lock before the check); readers n
 for writers. A process's memory is dropped when the process is gone, whichever server
 notices first, exactly as the driver frees a dead process's memory.
 
+The ledger decides what every server may restore, so only its owner may change it: it is
+created writable by its owner alone (mode 0644, and SQLite gives its -wal and -shm files the
+same), and a ledger file that another user could write (group or other write permission, a
+non-root owner other than this process's user, a symbolic link) is refused with
+:class:`LedgerRefused`, which says why and how to fix it.
+
 It keeps :class:`~jupyter_gpushare.sim.node.SimNode`'s interface, so the agent channel, the
 telemetry and the tests use either without knowing which. The node's id (and so its GPU
 UUIDs) is made when the file is created: two files are two nodes.
@@ -23,6 +29,7 @@ import json
 import logging
 import os
 import sqlite3
+import stat
 import threading
 import time
 import uuid
@@ -58,6 +65,45 @@ CREATE INDEX IF NOT EXISTS busy_gpu ON busy (gpu, stop);
 """
 
 
+class LedgerRefused(RuntimeError):
+    """A shared node's ledger file that another user could change."""
+
+
+def _check_ledger(path: str) -> None:
+    """Create the ledger file writable by its owner only, or check an existing one (and its
+    -wal and -shm files): raises LedgerRefused when another user could write it."""
+    me = os.geteuid()
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        os.close(fd)
+        return
+    except FileExistsError:
+        pass
+    for name in (path, path + "-wal", path + "-shm"):
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise LedgerRefused(f"the shared simulated node {name} cannot be opened safely "
+                                f"({e.strerror}; a symbolic link is refused)") from None
+        try:
+            info = os.fstat(fd)
+        finally:
+            os.close(fd)
+        mode = stat.S_IMODE(info.st_mode)
+        if not stat.S_ISREG(info.st_mode):
+            raise LedgerRefused(f"the shared simulated node {name} is not a regular file")
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise LedgerRefused(
+                f"the shared simulated node {name} is writable by other users (mode {mode:04o}): "
+                f"any of them could change its accounting; run chmod go-w on it")
+        if info.st_uid not in (me, 0):
+            raise LedgerRefused(
+                f"the shared simulated node {name} belongs to another user (uid {info.st_uid}), "
+                "who could change its accounting; use a ledger of this user or root's")
+
+
 class SharedSimNode:
     """The simulated node's ledger in a SQLite file that every server on the machine opens.
 
@@ -67,6 +113,7 @@ class SharedSimNode:
     def __init__(self, path: str | os.PathLike[str], capacities: tuple[int, ...] | None = None):
         self.path = str(path)
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        _check_ledger(self.path)
         self._lock = threading.Lock()  # one connection, used by the loop and the sampler
         self._db = sqlite3.connect(self.path, timeout=LOCK_TIMEOUT, isolation_level=None,
                                    check_same_thread=False)

@@ -25,6 +25,8 @@ export class APIError extends Error {
 
 /** The optional body of a release or restore asked from the panel. */
 const PANEL_ACTION = JSON.stringify({ trigger: 'panel' });
+/** The body of a restore ahead of a person's next cell. */
+const ACTIVITY_ACTION = JSON.stringify({ trigger: 'activity' });
 
 /** The REST client; one instance per application. */
 export class GPUShareAPI {
@@ -55,6 +57,15 @@ export class GPUShareAPI {
     return this._request<IKernel>(`kernels/${encodeURIComponent(kernelId)}/restore`, {
       method: 'POST',
       body: PANEL_ACTION
+    });
+  }
+
+  /** A person works in the kernel's notebook: restore it ahead of their next cell (answered
+   * at once; the restore goes on in the background). */
+  restoreAhead(kernelId: string): Promise<IKernel> {
+    return this._request<IKernel>(`kernels/${encodeURIComponent(kernelId)}/restore`, {
+      method: 'POST',
+      body: ACTIVITY_ACTION
     });
   }
 

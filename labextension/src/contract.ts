@@ -172,7 +172,11 @@ export interface IKernel {
   last_release_seconds: number | null;
   /** The last failure. */
   error: string | null;
-  /** Why a restore waits (for memory); null when none waits. */
+  /**
+   * Why a restore waits (for memory, another server's restore turn); null when none waits. While a
+   * restore ahead of the next cell is on its way: "restoring ahead of your next cell" (then "; "
+   * and the wait, if it waits).
+   */
   waiting: string | null;
   /** jupyter_server's execution_state (idle, busy, starting, ...; unknown). */
   execution_state: string;

@@ -9,10 +9,11 @@ import {
   JupyterFrontEndPlugin
 } from '@jupyterlab/application';
 import { ICommandPalette, IThemeManager } from '@jupyterlab/apputils';
-import { INotebookTracker } from '@jupyterlab/notebook';
+import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 
+import { AheadRestorer } from './ahead';
 import { GPUShareAPI } from './api';
 import { gpuIcon } from './icon';
 import { CommandIDs, PLUGIN_ID, WidgetIDs } from './ids';
@@ -52,8 +53,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
     palette: ICommandPalette | null
   ) => {
     const settings: ISettings = { ...DEFAULTS };
+    const api = new GPUShareAPI(app.serviceManager.serverSettings);
     const model = new GPUShareModel({
-      api: new GPUShareAPI(app.serviceManager.serverSettings),
+      api,
       refreshInterval: settings.refreshInterval,
       historySeconds: settings.historySeconds
     });
@@ -137,6 +139,27 @@ const plugin: JupyterFrontEndPlugin<void> = {
         notebooks.currentChanged.connect(follow);
         follow();
       }
+    }
+
+    if (notebooks) {
+      // Restore ahead: a person works in a notebook whose kernel is released (it becomes the
+      // current notebook, or a code cell of it is edited). Only the current notebook asks,
+      // so a page load with many open tabs asks for one kernel at most.
+      const ahead = new AheadRestorer({
+        kernel: id => model.kernel(id),
+        send: id => api.restoreAhead(id).then(() => model.refresh())
+      });
+      const kernelOf = (nb: NotebookPanel | null) => nb?.sessionContext.session?.kernel?.id ?? null;
+      const follow = (nb: NotebookPanel) => {
+        nb.content.modelContentChanged.connect(() => {
+          if (notebooks.currentWidget === nb && nb.content.activeCell?.model.type === 'code') {
+            ahead.activity(kernelOf(nb));
+          }
+        });
+      };
+      notebooks.forEach(follow);
+      notebooks.widgetAdded.connect((_, nb) => follow(nb));
+      notebooks.currentChanged.connect((_, nb) => ahead.activity(kernelOf(nb)));
     }
 
     // The panel and status bar follow the server's events at once, not at the next poll.

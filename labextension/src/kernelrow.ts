@@ -2,6 +2,7 @@
  * One kernel's row in the panel, created once per kernel id and updated in place.
  */
 import { IKernel } from './api';
+import { isAheadText } from './ahead';
 import { allowedActions, displayedState, PendingAction } from './rules';
 import { Attr, CSS } from './ids';
 import { el, setAttr, setClauses, setDisabled, setHidden, setText, Sparkline } from './dom';
@@ -139,7 +140,8 @@ export class KernelRow {
       parts.push(`last restore ${formatDuration(k.last_restore_seconds)}`);
     }
     if (k.waiting) {
-      parts.push(`waiting: ${k.waiting}`);
+      // a restore ahead says what it does ("restoring ahead of your next cell")
+      parts.push(isAheadText(k.waiting) ? k.waiting : `waiting: ${k.waiting}`);
     }
     setClauses(this._timing, parts);
 

@@ -20,6 +20,8 @@ export interface IKernelEvent {
   seconds?: number | null;
   method?: string | null;
   reason?: string | null;
+  /** What asked for the restore (restore_waiting, restore_failed); `activity`: ahead of a cell. */
+  trigger?: string | null;
 }
 
 export interface INotifierOptions {
@@ -47,6 +49,11 @@ export function describeEvent(
       ? ` in ${formatDuration(event.seconds)}`
       : '';
   const why = event.reason ? ` (${event.reason})` : '';
+  if (event.trigger === 'activity' && event.action !== 'restored') {
+    // a restore ahead of a cell is a hint: its wait or failure shows in the panel row, and
+    // the cell restores as it would without it
+    return null;
+  }
   switch (event.action) {
     case 'released':
       return {
@@ -59,7 +66,9 @@ export function describeEvent(
     case 'restored':
       return {
         type: 'success',
-        message: `Restored ${bytes ?? 'the'} GPU memory of ${name}${took}.`
+        message:
+          `Restored ${bytes ?? 'the'} GPU memory of ${name}${took}` +
+          (event.reason === 'activity' ? ', ahead of your next cell.' : '.')
       };
     case 'restore_waiting':
       return {

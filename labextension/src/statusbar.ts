@@ -11,11 +11,15 @@ import { CSS } from './ids';
 import { formatBytes, formatPercent } from './format';
 import { GPUShareModel } from './model';
 import { displayedState } from './rules';
+import { isAheadText } from './ahead';
 
 /** The status text for a kernel, or null when there is nothing GPU-related to say. */
 export function statusText(kernel: IKernel | undefined): { text: string; busy: boolean } | null {
   if (!kernel) {
     return null;
+  }
+  if (isAheadText(kernel.waiting)) {
+    return { text: `GPU ${kernel.waiting}`, busy: true };
   }
   if (kernel.waiting) {
     // a restore waiting for memory keeps the kernel 'released' until bytes move

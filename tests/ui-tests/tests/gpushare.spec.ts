@@ -153,7 +153,12 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await page.screenshot({ path: path.join(ARTIFACTS, 'toast-beside-panel.png') });
   await shot(page, 'panel-released');
 
-  // The status bar follows the current notebook; switch to A and see it released.
+  // The status bar follows the current notebook; switch to A and see it released. (This test
+  // is about a cell's restore: the lab's restore ahead of the cell, which switching to A
+  // asks for, is turned away here and tested on its own below.)
+  await page.route(/\/api\/gpushare\/kernels\/[^/?]+\/restore(\?|$)/, route =>
+    (route.request().postData() ?? '').includes('activity') ? route.abort() : route.continue()
+  );
   await page.notebook.activate('alloc-a.ipynb');
   await expect(page.locator('.jp-GPUShare-statusItem')).toHaveText(
     'GPU released (1.0 GiB on host)'
@@ -458,4 +463,66 @@ test.describe('with a poll once a minute', () => {
     await expect(r).toHaveAttribute('data-state', 'released', SOON);
     await expect(r.locator('.jp-GPUShare-kernelStats-memory')).toHaveText('1.0 GiB on host');
   });
+});
+
+test('a released kernel is restored ahead when its notebook is focused and a cell typed', async ({
+  page,
+  tmpPath
+}) => {
+  await allocatingNotebook(page, tmpPath, 'ahead-a.ipynb');
+  await allocatingNotebook(page, tmpPath, 'ahead-b.ipynb'); // B is the current notebook now
+  await openPanel(page);
+  const a = row(page, 'ahead-a.ipynb');
+  await expect(a).toHaveAttribute('data-gpu-memory-bytes', String(GiB));
+  const kernelId = async (): Promise<string> => {
+    const status = await (await page.request.get('/api/gpushare/status')).json();
+    return status.kernels.find((k: any) => k.path.endsWith('ahead-a.ipynb')).id;
+  };
+  const id = await kernelId();
+  const kernel = async (): Promise<any> => {
+    const status = await (await page.request.get('/api/gpushare/status')).json();
+    return status.kernels.find((k: any) => k.id === id);
+  };
+
+  // Every gpushare event of A the server pushes, with when the page had it.
+  await page.evaluate(kid => {
+    const seen: any[] = [];
+    (window as any).gpushareEvents = seen;
+    (window as any).galata.app.serviceManager.events.stream.connect((_: any, e: any) => {
+      if (e.schema_id?.includes('jupyter_gpushare') && e.kernel_id === kid) {
+        seen.push({ ...e, at: Date.now() });
+      }
+    });
+  }, id);
+
+  await a.locator('button[data-action="release"]').click();
+  await expect(a).toHaveAttribute('data-state', 'released');
+  const restoresBefore = (await kernel()).restores;
+
+  // The person comes back to A: focuses it and types a cell (without running it yet).
+  await page.notebook.activate('ahead-a.ipynb');
+  await page.notebook.addCell('code', 'print("back", x.shape)');
+  await expect
+    .poll(async () => (await kernel()).state, { timeout: 30_000 })
+    .toMatch(/^(active|idle)$/);
+  const restored = async () =>
+    (await page.evaluate(() => (window as any).gpushareEvents)).filter(
+      (e: any) => e.action === 'restored'
+    );
+  await expect.poll(async () => (await restored()).length).toBe(1);
+  expect((await restored())[0].reason).toBe('activity');
+
+  // Then runs it: the state is there already; no restore, nothing of gpushare's in the cell.
+  const sentAt = await page.evaluate(() => Date.now());
+  await page.notebook.runCell((await page.notebook.getCellCount()) - 1);
+  const output = page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-OutputArea-output');
+  await expect(output.filter({ hasText: 'back' })).toContainText('(256, 1024, 1024)');
+  await expect(output.filter({ hasText: 'gpushare:' })).toHaveCount(0);
+  const events: any[] = await page.evaluate(() => (window as any).gpushareEvents);
+  const restores = events.filter((e: any) => e.action.startsWith('restore'));
+  expect(restores.map((e: any) => [e.action, e.reason])).toEqual([['restored', 'activity']]);
+  expect(restores[0].at).toBeLessThan(sentAt); // ended before the cell was sent
+  const after = await kernel();
+  expect(after.restores).toBe(restoresBefore + 1); // one restore: the one ahead
+  expect(after.state).toMatch(/^(active|idle)$/);
 });

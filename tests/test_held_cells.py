@@ -1,0 +1,133 @@
+"""A cell held for a restore is stopped by every way Jupyter stops a cell, and says what
+became of the kernel's GPU state.
+
+JupyterLab's stop button is a REST call (``POST /api/kernels/{id}/interrupt``), not an
+``interrupt_request`` on the websocket; restart and shutdown are REST too. Each answers the
+held cell with an error at once, and the cell never runs later (here: when memory frees).
+An interrupt keeps the held state; a restart or a kill says the state is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from .helpers import kernel_status, wait_for
+from .scenarios import SMALL_NODE, crowded, hold, intact, rest
+
+#: no background polls: only the kernel manager's own call can tell the gate in time
+NO_POLLS = {**SMALL_NODE, "poll_interval": 3600.0}
+
+
+def touch(path: object) -> str:
+    """A cell that leaves a mark if it ever runs."""
+    return f"open({str(path)!r}, 'w').close()\nprint('ran')"
+
+
+def stall(step: str, seconds: float) -> str:
+    return ("from jupyter_gpushare.sim import device as _device\n"
+            f"_stall = _device.get_device().stall({step!r}, seconds={seconds})")
+
+
+@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+async def test_rest_interrupt_stops_a_cell_waiting_for_memory_and_it_never_runs(
+    jp_fetch, kernels, gpushare_app, tmp_path
+):
+    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    mark = tmp_path / "ran"
+    msg_id = a.send(touch(mark))
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="a to wait for memory")
+    r = await jp_fetch("api", "kernels", a.id, "interrupt", method="POST", body=b"")
+    assert r.code == 204
+    ex = await a.wait(msg_id, timeout=5)  # at once, not when memory frees
+    assert ex.status == "error" and ex.error and ex.error["ename"] == "KeyboardInterrupt"
+    assert "interrupted while waiting" in ex.error["evalue"]
+    st = gpushare_app.controller.states[a.id]
+    assert st.state == "released" and st.held is not None  # nothing lost
+    await wait_for(lambda: st.op is None and st.waiting is None, what="the restore to stop waiting")
+    await b.run("del b")  # memory frees: the interrupted cell must not run now
+    await gpushare_app.poll_once()
+    await asyncio.sleep(1.0)
+    assert not mark.exists() and st.state == "released"
+    await a.run(intact("a"))  # the next cell restores, every byte back
+
+
+async def test_rest_interrupt_stops_a_cell_held_behind_a_release_in_flight(
+    jp_fetch, kernels, gpushare_app, tmp_path
+):
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall("checkpoint", 1.5))
+    await gpushare_app.poll_once()
+    pending = asyncio.ensure_future(rest(jp_fetch, k.id, "release"))
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "releasing", what="the release")
+    mark = tmp_path / "ran"
+    msg_id = k.send(touch(mark))
+    await asyncio.sleep(0.2)
+    await jp_fetch("api", "kernels", k.id, "interrupt", method="POST", body=b"")
+    ex = await k.wait(msg_id, timeout=1.0)  # before the release has ended
+    assert ex.error and ex.error["ename"] == "KeyboardInterrupt"
+    code, body = await pending
+    assert code == 200 and body["state"] == "released", body  # the release ended whole
+    await asyncio.sleep(0.5)
+    st = gpushare_app.controller.states[k.id]
+    assert not mark.exists() and st.state == "released" and st.op is None  # no restore for it
+    await k.run(intact())
+
+
+@pytest.mark.parametrize("gpushare_config", [NO_POLLS])
+async def test_rest_restart_answers_a_held_cell_at_once_and_says_the_state_is_gone(
+    jp_fetch, kernels, gpushare_app, tmp_path
+):
+    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    mark = tmp_path / "ran"
+    msg_id = a.send(touch(mark))
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="a to wait for memory")
+    restart = asyncio.ensure_future(jp_fetch("api", "kernels", a.id, "restart", method="POST", body=b""))
+    ex = await a.wait(msg_id, timeout=5)
+    assert not restart.done()  # answered before the restart, not when a poll sees it
+    assert ex.status == "error" and ex.error and "being restarted" in ex.error["evalue"]
+    assert "gone" in ex.error["evalue"] and "still held" not in ex.error["evalue"]
+    await restart
+    info = await kernel_status(jp_fetch, a.id)  # status agrees at once
+    assert info is not None and info["state"] != "released" and "gone" in (info["error"] or ""), info
+    await b.run("del b")
+    await a.ready()
+    assert not mark.exists()  # not run in the new process either
+
+
+@pytest.mark.parametrize("gpushare_config", [NO_POLLS])
+async def test_shutdown_answers_a_held_cell_at_once(jp_fetch, kernels, gpushare_app, tmp_path):
+    a, _ = await crowded(jp_fetch, kernels, gpushare_app)
+    msg_id = a.send(touch(tmp_path / "ran"))
+    await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="a to wait for memory")
+    shutdown = asyncio.ensure_future(jp_fetch("api", "kernels", a.id, method="DELETE"))
+    ex = await a.wait(msg_id, timeout=5)
+    assert ex.status == "error" and ex.error and "shutting down" in ex.error["evalue"]
+    await shutdown
+    with pytest.raises(HTTPClientError):
+        await jp_fetch("api", "kernels", a.id)
+
+
+async def test_a_kernel_killed_mid_restore_answers_the_held_cell_that_its_state_is_gone(
+    jp_fetch, kernels, gpushare_app
+):
+    k = await kernels.start()
+    await k.run(hold(256) + "\n" + stall("restore", 30.0))
+    await gpushare_app.poll_once()
+    pid = gpushare_app.tracker.kernel_pid(k.id)
+    assert (await rest(jp_fetch, k.id, "release"))[0] == 200
+    msg_id = k.send("print('never runs')")
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "restoring", what="the restore")
+    await asyncio.sleep(0.2)  # inside the stalled restore
+    os.kill(pid, 9)
+    ex = await k.wait(msg_id)
+    assert ex.status == "error" and ex.error
+    text = ex.error["evalue"]
+    assert "still held" not in text and "run the cell again" not in text, text
+    assert "gone" in text and "died" in text, text
+    await wait_for(lambda: gpushare_app.controller.states[k.id].held is None, what="the state dropped")
+    info = await kernel_status(jp_fetch, k.id)
+    assert info is not None and "gone" in (info["error"] or ""), info
