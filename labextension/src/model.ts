@@ -7,7 +7,7 @@
  */
 import { Poll } from '@lumino/polling';
 import { ISignal, Signal } from '@lumino/signaling';
-import { IDisposable } from '@lumino/disposable';
+import { DisposableDelegate, IDisposable } from '@lumino/disposable';
 
 import type { GPUShareAPI } from './api';
 import type { IHistory, IKernel, IStatus } from './contract';
@@ -149,18 +149,7 @@ export class GPUShareModel implements IDisposable {
       }
     };
     stream.connect(onEvent);
-    let disposed = false;
-    return {
-      get isDisposed() {
-        return disposed;
-      },
-      dispose() {
-        if (!disposed) {
-          disposed = true;
-          stream.disconnect(onEvent);
-        }
-      }
-    };
+    return new DisposableDelegate(() => stream.disconnect(onEvent));
   }
 
   release(id: string): Promise<void> {

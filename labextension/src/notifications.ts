@@ -4,7 +4,7 @@
  */
 import { Notification } from '@jupyterlab/apputils';
 import { Event } from '@jupyterlab/services';
-import { IDisposable } from '@lumino/disposable';
+import { DisposableDelegate, IDisposable } from '@lumino/disposable';
 
 import type { RestoreMode } from './contract';
 import { formatBytes, formatDuration } from './format';
@@ -109,16 +109,5 @@ export function connectNotifications(options: INotifierOptions): IDisposable {
     });
   };
   stream.connect(onEvent);
-  let disposed = false;
-  return {
-    get isDisposed() {
-      return disposed;
-    },
-    dispose() {
-      if (!disposed) {
-        disposed = true;
-        stream.disconnect(onEvent);
-      }
-    }
-  };
+  return new DisposableDelegate(() => stream.disconnect(onEvent));
 }
