@@ -46,6 +46,7 @@ from .gate import GATES_KEY, SETTINGS_KEY, Gates
 from .handlers import handlers
 from .hostmem import HostRoom
 from .node_locks import NodeLocks
+from .placement import Placer
 from .policy import Policy, PolicyConfig
 from .provisioner import LaunchSettings
 from .reclaim import MethodContext, ReclaimMethod
@@ -218,7 +219,8 @@ class GPUShareApp(ExtensionApp):
         help="""GPU memory, in bytes, that one CUDA context takes. A restore reserves it on
         top of a kernel's bytes when those came from the kernel's own count (NVML could not
         see its processes, e.g. in a container), since that count leaves the context out.
-        Default 512 MiB. 0 = reserve only the counted bytes.""",
+        Placement (see placement) also counts a GPU with less room than this as full, on
+        either backend. Default 512 MiB. 0 = reserve only the counted bytes.""",
     ).tag(config=True)
 
     node_lock_dir = Unicode(
@@ -318,6 +320,37 @@ class GPUShareApp(ExtensionApp):
     def _check_ahead_grace(self, proposal: Any) -> float:
         if proposal["value"] < 0:
             raise TraitError(f"GPUShareApp.ahead_grace must be >= 0, got {proposal['value']}")
+        return proposal["value"]
+
+    placement = Enum(
+        ["room", "off"],
+        default_value="room",
+        help="""How a kernel the server starts gets its GPU(s). "room": the gpushare kernel
+        provisioner sets the kernel's CUDA_VISIBLE_DEVICES to the GPU(s) with the most room
+        (free memory read at launch, less the bytes this server's released kernels will take
+        back and its restores have reserved), then the least SM utilization, then the fewest
+        kernels this server placed there; its device 0 is the one with the most room. An
+        existing CUDA_VISIBLE_DEVICES in the kernel's or the server's environment is the set
+        it chooses within. How many GPUs: the kernelspec's metadata.gpushare.gpus, else
+        placement_gpus. A GPU has room when that is at least context_bytes; a kernel placed
+        where no GPU has room starts anyway and its first cell says so (IPython kernels with
+        the agent; the server log for all). "off": the environment decides, as without
+        gpushare (for spawners that pin GPUs). Needs the gpushare provisioner (kernels of
+        another provisioner are not placed); MIG instances are not placed. Default "room".""",
+    ).tag(config=True)
+
+    placement_gpus = Int(
+        1,
+        help="""How many GPUs a kernel gets with placement = "room" when its kernelspec does not
+        say (metadata.gpushare.gpus). Default 1. Capped at the GPUs the kernel may use (a
+        kernelspec asking for more than that is refused at start with the reason). 0 = no
+        GPU: CUDA_VISIBLE_DEVICES="".""",
+    ).tag(config=True)
+
+    @validate("placement_gpus")
+    def _check_placement_gpus(self, proposal: Any) -> int:
+        if proposal["value"] < 0:
+            raise TraitError(f"GPUShareApp.placement_gpus must be >= 0, got {proposal['value']}")
         return proposal["value"]
 
     @validate("poll_interval", "restore_grace", "history_seconds", "lock_timeout")
@@ -531,6 +564,7 @@ class GPUShareApp(ExtensionApp):
             kernel_env={str(k): str(v) for k, v in self.kernel_env.items()},
             simulated_gpus=list(self.node.capacities) if self.node else None,
             load_agent=self.load_agent,  # kernel_env applies either way
+            placer=Placer.from_app(self) if self.placement == "room" else None,
         ), self.log, teardown)
         server_hooks.install_gate(server, self.settings, self.log, teardown)
         server_hooks.publish(SETTINGS_KEY, self.controller, self.settings,

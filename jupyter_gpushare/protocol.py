@@ -29,6 +29,8 @@ MAX_LINE = 1 << 20  # bytes per line, newline included (1 MiB)
 SOCKET_ENV = "JUPYTER_GPUSHARE_SOCKET"
 KERNEL_ID_ENV = "JUPYTER_GPUSHARE_KERNEL_ID"
 SIMULATED_GPUS_ENV = "JUPYTER_GPUSHARE_SIMULATED_GPUS"
+#: what the agent prints before a kernel's first cell about its GPU placement (no room)
+PLACEMENT_NOTE_ENV = "JUPYTER_GPUSHARE_PLACEMENT_NOTE"
 
 #: how many entries of a growing list (e.g. an offload's ``skipped``) travel, and how long each
 LIST_CAP = 50

@@ -4,7 +4,8 @@ It is the stock LocalProvisioner plus, for each kernel: the agent channel's sock
 and the kernel id in the environment, the admin's ``kernel_env`` defaults (TensorFlow
 allow-growth, JAX no-preallocate) where the user has not set them, and, for IPython
 kernels, ``--ext=jupyter_gpushare.kernel`` so the agent loads in kernels the server
-starts and nowhere else.
+starts and nowhere else; with ``placement = "room"``, ``CUDA_VISIBLE_DEVICES`` set to the
+GPU(s) :mod:`.placement` chooses (the choice is kept as ``gpushare_placement``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from jupyter_client.provisioning import LocalProvisioner
 
-from .protocol import KERNEL_ID_ENV, SIMULATED_GPUS_ENV, SOCKET_ENV
+from .placement import VISIBLE_ENV, Placement, PlacementError, Placer
+from .protocol import KERNEL_ID_ENV, PLACEMENT_NOTE_ENV, SIMULATED_GPUS_ENV, SOCKET_ENV
 
 NAME = "gpushare-provisioner"
 AGENT_EXTENSION = "jupyter_gpushare.kernel"
@@ -26,6 +28,7 @@ class LaunchSettings:
     kernel_env: dict[str, str] = field(default_factory=dict)
     simulated_gpus: list[int] | None = None
     load_agent: bool = True
+    placer: Placer | None = None  # None: placement = "off" (the environment decides)
 
 
 #: set by the server extension at start; None when the extension is not running
@@ -37,10 +40,14 @@ def is_ipykernel(cmd: list[str]) -> bool:
 
 
 class GPUShareProvisioner(LocalProvisioner):
+    #: where placement put this kernel (None: not placed)
+    gpushare_placement: Placement | None = None
+
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
         kwargs = await super().pre_launch(**kwargs)
         if settings is None:
             return kwargs
+        launch = settings  # the same settings throughout, whatever happens while placing
         env = kwargs.setdefault("env", {})
         for key, value in settings.kernel_env.items():
             env.setdefault(key, str(value))
@@ -48,7 +55,23 @@ class GPUShareProvisioner(LocalProvisioner):
         env[KERNEL_ID_ENV] = self.kernel_id
         if settings.simulated_gpus:
             env[SIMULATED_GPUS_ENV] = ",".join(str(n) for n in settings.simulated_gpus)
+        env.pop(PLACEMENT_NOTE_ENV, None)  # only ever this launch's own
+        self.gpushare_placement = None
+        if launch.placer is not None:
+            try:
+                placement = await launch.placer.place(self.kernel_id, self.kernel_spec, env)
+            except PlacementError:
+                raise  # the kernel cannot start as asked: the reason goes to whoever started it
+            except Exception:  # never keep a kernel from starting for want of a choice
+                self.log.exception("gpushare: kernel %s: placement failed; it starts with the "
+                                   "GPUs its environment gives it", self.kernel_id)
+                placement = None
+            if placement is not None:
+                env[VISIBLE_ENV] = placement.value
+                if placement.note:
+                    env[PLACEMENT_NOTE_ENV] = placement.note
+                self.gpushare_placement = placement
         cmd = kwargs.get("cmd") or []
-        if settings.load_agent and is_ipykernel(cmd) and not any(AGENT_EXTENSION in c for c in cmd):
+        if launch.load_agent and is_ipykernel(cmd) and not any(AGENT_EXTENSION in c for c in cmd):
             kwargs["cmd"] = [*cmd, f"--ext={AGENT_EXTENSION}"]
         return kwargs

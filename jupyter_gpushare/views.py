@@ -7,6 +7,7 @@ from typing import Any
 
 from . import ahead, clock
 from .controller import Controller, KernelState
+from .placement import placed_gpus
 from .tracker import KernelRecord, Tracker
 
 
@@ -23,7 +24,9 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "pinned": st.pinned,
         "gpu_memory_bytes": rec.gpu_memory_bytes if rec else 0,
         "released_bytes": st.released_bytes,
-        "gpus": sorted(set(rec.gpu_bytes) | set(st.released_gpus)) if rec else sorted(st.released_gpus),
+        # where it holds or held memory, and where placement put it (before its first bytes)
+        "gpus": sorted(set(rec.gpu_bytes if rec else ()) | set(st.released_gpus)
+                       | set(placed_gpus(getattr(controller.tracker, "km", None), kernel_id))),
         "gpu_bytes": {str(g): b for g, b in (rec.gpu_bytes.items() if rec else ())},
         "sm_utilization": rec.sm_utilization if rec else None,
         "gpu_utilization": {str(g): u for g, u in (rec.gpu_utilization.items() if rec else ())},

@@ -30,6 +30,9 @@ def jp_server_config(gpushare_config):
         "idle_timeout": 0,  # no automatic releases unless a test asks for them
         "min_release_bytes": 0,
         "pressure_free_fraction": 0.0,
+        # kernels see every GPU, numbered as the node numbers them (tests/test_placement.py
+        # turns placement on)
+        "placement": "off",
     }
     cfg.update(gpushare_config)
     return {

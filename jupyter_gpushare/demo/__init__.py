@@ -14,9 +14,9 @@ SIM_CELLS = [
            "Open the **GPU share** panel (the GPU icon in the sidebar) to watch allocation (memory held) against "
            "utilization (SM busy), per GPU and per kernel."),
     ("code", "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n\n"
-             "# 2 GiB on simulated GPU 0 and 1 GiB on GPU 1\n"
+             "# 3 GiB on this kernel's simulated GPU (gpushare placed it on the one with the most room)\n"
              "weights = simgpu.random((512, 1024, 1024), device=0, seed=0)\n"
-             "cache = simgpu.zeros((256, 1024, 1024), device=1)\n"
+             "cache = simgpu.zeros((256, 1024, 1024), device=0)\n"
              "checksum = weights.checksum()\nprint('holding', simgpu.memory_allocated() / 2**30, 'GiB; checksum', checksum[:12])"),
     ("code", "# some 'GPU work': the panel shows this kernel's utilization rise\nsimgpu.burn(5, device=0)\n(weights * 2).sum().get()"),
     ("code", "%gpushare"),

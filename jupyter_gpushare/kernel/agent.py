@@ -17,7 +17,14 @@ import time
 from typing import Any
 
 from .. import states
-from ..protocol import KERNEL_ID_ENV, LIST_CAP, SOCKET_ENV, RemoteError, cap_list
+from ..protocol import (
+    KERNEL_ID_ENV,
+    LIST_CAP,
+    PLACEMENT_NOTE_ENV,
+    SOCKET_ENV,
+    RemoteError,
+    cap_list,
+)
 from . import lazy
 from .client import AgentClient, RemoteBackend
 
@@ -42,6 +49,7 @@ class Agent:
         self.client: AgentClient | None = None
         self.kernel_id = os.environ.get(KERNEL_ID_ENV, "")
         self.why_offline = ""  # why there is no server connection, for %gpushare
+        self.placement_note = ""  # said before the first cell (the server placed it without room)
         self.released = False  # the server holds (or is taking) this kernel's GPU state
         self.executing = False  # a cell runs now (between pre_run_cell and post_run_cell)
         # releases and cells decide under this lock, so a release never starts while a
@@ -63,6 +71,9 @@ class Agent:
         # drop this kernel's own connection. The client keeps the path to reconnect.
         path = os.environ.pop(SOCKET_ENV, None)
         os.environ.pop(KERNEL_ID_ENV, None)
+        self.placement_note = os.environ.pop(PLACEMENT_NOTE_ENV, "")
+        if self.placement_note:  # the server placed this kernel where no GPU had room
+            self.shell.events.register("pre_run_cell", self._say_placement)
         if not path or not self.kernel_id:
             self.why_offline = "this kernel was not started by a gpushare-enabled Jupyter server"
             return
@@ -74,6 +85,11 @@ class Agent:
         if not client.open():  # it keeps trying in the background
             self.why_offline = f"the gpushare server is not reachable ({client.last_error}); retrying"
             log.warning("gpushare agent: %s", self.why_offline)
+
+    def _say_placement(self, info: Any = None) -> None:
+        """Before the first cell only: why this kernel's GPU may run out of memory."""
+        self.shell.events.unregister("pre_run_cell", self._say_placement)
+        print(self.placement_note, file=sys.stderr)
 
     def _hello(self) -> dict[str, Any]:
         return {"kernel_id": self.kernel_id, "pid": os.getpid(), "frameworks": self.frameworks()}

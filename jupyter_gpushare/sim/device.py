@@ -17,6 +17,11 @@ brings the device back to running from any state.
 Memory is accounted on a :class:`~jupyter_gpushare.sim.node.SimNode`: the server's
 (through the agent channel) when the kernel was started by an enabled server, else a
 private in-process node.
+
+GPU indices are the process's own, as CUDA's are: with ``CUDA_VISIBLE_DEVICES`` set (read
+once, when the process's device is made), device ``N`` is the ``N``-th GPU it lists, and an
+index past the visible ones raises :class:`SimInvalidDeviceError` (CUDA's "invalid device
+ordinal"). The node's accounting, and everything the agent reports, uses the node's indices.
 """
 
 from __future__ import annotations
@@ -76,6 +81,29 @@ class LocalBackend:
         return len(self.node.capacities)
 
 
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+
+
+class SimInvalidDeviceError(ValueError):
+    """A device index this process cannot see (CUDA's "invalid device ordinal")."""
+
+
+def visible_gpus(value: str | None, count: int) -> list[int] | None:
+    """The node's GPUs a process sees, in its own order, from ``CUDA_VISIBLE_DEVICES`` as CUDA
+    reads it: comma-separated indices; the list ends at the first entry that is not an index
+    of the node (a negative number, a UUID, one past the last GPU) or repeats one; "" = none.
+    None when ``value`` is None (every GPU, numbered as the node numbers them)."""
+    if value is None:
+        return None
+    out: list[int] = []
+    for part in value.split(","):
+        token = part.strip()
+        if not token.isdigit() or int(token) >= count or int(token) in out:
+            break
+        out.append(int(token))
+    return out
+
+
 class SimCheckpointError(RuntimeError):
     """A checkpoint step called in the wrong state, or a GPU call in the ``failed`` state."""
 
@@ -123,8 +151,10 @@ class Stall:
 class SimDevice:
     """Process-wide simulated GPU state (one per kernel process)."""
 
-    def __init__(self, backend: Backend | None = None):
+    def __init__(self, backend: Backend | None = None, visible: str | None = None):
         self.backend: Backend = backend or LocalBackend()
+        #: CUDA_VISIBLE_DEVICES as the process started with it (None: every GPU)
+        self.visible_env = os.environ.get(VISIBLE_ENV) if visible is None else visible
         #: called as ``on_blocked(thread_name)`` when a thread other than the main thread
         #: makes a GPU call while the device is not running, once per call that waits, on
         #: that thread and without any lock held: the agent asks the server for a restore
@@ -139,9 +169,29 @@ class SimDevice:
         self._faults: dict[str, _Fault] = {}
         self._stalls: dict[str, Stall] = {}
 
+    # -- the process's device numbering ------------------------------------------
+    def visible(self) -> list[int]:
+        """The node's indices of the GPUs this process sees, in its own order."""
+        count = self.backend.device_count()
+        seen = visible_gpus(self.visible_env, count)
+        return list(range(count)) if seen is None else seen
+
+    def physical(self, gpu: int) -> int:
+        """The node's index of this process's device ``gpu``."""
+        if self.visible_env is None:
+            return gpu  # every GPU, numbered as the node numbers them (the node checks it)
+        seen = self.visible()
+        if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < len(seen):
+            raise SimInvalidDeviceError(
+                f"invalid device ordinal {gpu!r}: this process sees {len(seen)} simulated "
+                f"GPU(s) (CUDA_VISIBLE_DEVICES={self.visible_env!r})")
+        return seen[gpu]
+
     # -- allocation ---------------------------------------------------------------
     def register(self, array: Any, gpu: int, nbytes: int) -> None:
-        """Account ``nbytes`` for ``array`` on ``gpu``; freed when the array is collected."""
+        """Account ``nbytes`` for ``array`` on the process's device ``gpu``; freed when the
+        array is collected."""
+        gpu = self.physical(gpu)
         with self.op():
             self.backend.alloc(gpu, nbytes)
             block = _Block(gpu, nbytes)
@@ -244,6 +294,8 @@ class SimDevice:
 
     @contextmanager
     def busy(self, gpu: int) -> Iterator[None]:
+        """The process's device ``gpu`` computes while this runs."""
+        gpu = self.physical(gpu)
         with self.op():
             self.backend.busy_begin(gpu)
             try:
@@ -526,9 +578,11 @@ __all__ = [
     "LocalBackend",
     "SimCheckpointError",
     "SimDevice",
+    "SimInvalidDeviceError",
     "SimOutOfMemoryError",
     "Stall",
     "format_bytes",
     "get_device",
     "set_backend",
+    "visible_gpus",
 ]

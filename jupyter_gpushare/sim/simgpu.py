@@ -9,6 +9,10 @@ Bytes live in this process; the simulated node accounts them per GPU, so allocat
 more than a GPU holds raises :class:`OutOfMemoryError`, and arithmetic marks the GPU
 busy for as long as it runs. While the kernel is released, every call blocks until the
 kernel is restored, exactly as CUDA calls do under the driver's checkpoint lock.
+
+``device=N`` is this process's N-th GPU, as in CUDA: with ``CUDA_VISIBLE_DEVICES`` set (a
+kernel the gpushare server placed has it), device 0 is the first GPU it lists, and an index
+past the visible ones raises :class:`InvalidDeviceError`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from .device import get_device
+from .device import SimInvalidDeviceError, get_device
 from .node import SimOutOfMemoryError
 
 OutOfMemoryError = SimOutOfMemoryError
+InvalidDeviceError = SimInvalidDeviceError
 
 
 class SimArray:
@@ -173,15 +178,18 @@ def burn(seconds: float, device: int = 0) -> None:
 
 
 def memory_allocated(device: int | None = None) -> int:
-    """Bytes this process holds on the simulated GPU(s) now."""
-    return get_device().allocated(device)
+    """Bytes this process holds on the simulated GPU(s) now (all, or its device ``device``)."""
+    dev = get_device()
+    return dev.allocated(None if device is None else dev.physical(device))
 
 
 def device_count() -> int:
-    return get_device().backend.device_count()
+    """How many simulated GPUs this process sees (``CUDA_VISIBLE_DEVICES`` counts)."""
+    return len(get_device().visible())
 
 
 __all__ = [
+    "InvalidDeviceError",
     "OutOfMemoryError",
     "SimArray",
     "array",

@@ -140,7 +140,9 @@ export interface IKernel {
   gpu_memory_bytes: number;
   /** Bytes of GPU state held in host memory while released; 0 otherwise. */
   released_bytes: number;
-  /** GPU indices the kernel uses now or holds state for (-1 = GPU unknown). */
+  /**
+   * GPU indices the kernel uses now, holds state for, or was placed on at start (-1 = GPU unknown).
+   */
   gpus: number[];
   /** Bytes on the GPU now, per GPU index ("-1" = GPU unknown). */
   gpu_bytes: { [key: string]: number };

@@ -18,5 +18,6 @@ c.ServerApp.jpserver_extensions = {"jupyter_gpushare": True}  # noqa: F821
 # on a machine without NVIDIA GPUs shows how the panel reports unavailable telemetry.
 c.GPUShareApp.backend = os.environ.get("GPUSHARE_UI_BACKEND", "simulated")  # noqa: F821
 c.GPUShareApp.poll_interval = 0.5  # noqa: F821
+c.GPUShareApp.placement = "off"  # noqa: F821  # the tests use simulated GPUs 0 and 1
 # No automatic release during a test: the specs release and restore explicitly.
 c.GPUShareApp.idle_timeout = 0  # noqa: F821

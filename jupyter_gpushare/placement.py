@@ -1,0 +1,254 @@
+"""Which GPU(s) a kernel gets when the server starts it (``placement = "room"``).
+
+The gpushare provisioner asks :class:`Placer` before it launches a kernel and sets the
+kernel's ``CUDA_VISIBLE_DEVICES`` to the answer. GPUs are ranked by room, then SM load, then
+how many of this server's kernels were placed there, then index:
+
+- room = free memory read now (on the shared node or from NVML, so other servers' kernels
+  count) less the bytes this server's released kernels will take back and the bytes its
+  restores have reserved;
+- the candidates are the GPUs the kernel's environment allows (an existing
+  ``CUDA_VISIBLE_DEVICES``, the kernel's or the server's), else every GPU;
+- how many: the kernelspec's ``metadata.gpushare.gpus``, else ``placement_gpus``. A
+  kernelspec that asks for more GPUs than there are is refused (:class:`PlacementError`);
+  the option's count is capped at the GPUs there are.
+
+A kernel placed where no GPU has room (less than ``min_room``) starts anyway, on the GPUs
+with the most, and carries a note its agent prints before its first cell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tornado.web import HTTPError
+
+from .telemetry import GPUInfo
+from .units import format_bytes
+
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+READY_WAIT = 30.0  # s a kernel start waits for the server's first GPU sample
+
+ReadFree = Callable[[list[int]], Awaitable[dict[int, "int | None"]]]
+
+
+class PlacementError(HTTPError):
+    """A kernel that cannot start as asked (400, with the reason as the message)."""
+
+    def __init__(self, message: str):
+        super().__init__(400, message, reason="Bad Request")  # APIHandler shows log_message
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class Placement:
+    """Where one kernel was placed."""
+
+    gpus: list[int]  # the node's indices, best first (the kernel's device 0 first)
+    value: str  # what CUDA_VISIBLE_DEVICES was set to
+    room: dict[int, int | None] = field(default_factory=dict)  # bytes per candidate GPU
+    note: str = ""  # said before the kernel's first cell ("" = nothing to say)
+
+
+def requested_gpus(kernel_spec: Any) -> int | None:
+    """``metadata.gpushare.gpus`` of a kernelspec: None when it does not say;
+    :class:`PlacementError` when it is not a count."""
+    metadata = getattr(kernel_spec, "metadata", None) or {}
+    meta = metadata.get("gpushare") if isinstance(metadata, dict) else None
+    if not isinstance(meta, dict) or "gpus" not in meta:
+        return None
+    value = meta["gpus"]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise PlacementError(f"kernelspec {_spec_name(kernel_spec)}: metadata.gpushare.gpus must be "
+                             f"a whole number of GPUs >= 0, got {value!r}")
+    return value
+
+
+def _spec_name(kernel_spec: Any) -> str:
+    return repr(getattr(kernel_spec, "display_name", None) or getattr(kernel_spec, "name", "?"))
+
+
+def allowed(value: str | None, gpus: list[GPUInfo]) -> tuple[list[tuple[GPUInfo, str]], str]:
+    """The GPUs an existing ``CUDA_VISIBLE_DEVICES`` allows, each with its entry (kept as
+    written), and why some could not be matched ("" when all were). Entries are indices or
+    UUIDs; as CUDA does, the list ends at the first entry that names no GPU."""
+    if value is None:
+        return [(g, "") for g in gpus], ""
+    by_index = {str(g.index): g for g in gpus}
+    by_uuid = {g.uuid: g for g in gpus if g.uuid}
+    out: list[tuple[GPUInfo, str]] = []
+    for part in value.split(","):
+        token = part.strip()
+        gpu = by_index.get(token) or by_uuid.get(token)
+        if gpu is None or any(gpu is seen for seen, _ in out):
+            why = f"{VISIBLE_ENV}={value!r}: {token!r} names no GPU this server sees" if token else ""
+            return out, why
+        out.append((gpu, token))
+    return out, ""
+
+
+class Placer:
+    """Chooses a kernel's GPUs from what the server knows (see the module's docstring)."""
+
+    def __init__(
+        self,
+        devices: Callable[[], list[GPUInfo]],
+        read_free: ReadFree,
+        held: Callable[[], dict[int, int]],
+        reserved: Callable[[], dict[int, int]],
+        kernel_ids: Callable[[], list[str]],
+        default_gpus: int = 1,
+        min_room: int = 1,
+        ready: Callable[[], Awaitable[None]] | None = None,
+        log: logging.Logger | None = None,
+    ):
+        self.devices = devices
+        self.read_free = read_free
+        self.held = held
+        self.reserved = reserved
+        self.kernel_ids = kernel_ids
+        self.default_gpus = default_gpus
+        self.min_room = max(1, min_room)
+        self.ready = ready
+        self.log = log or logging.getLogger(__name__)
+        self.placed: dict[str, list[int]] = {}  # kernel id -> GPUs, for the tie-break
+
+    @classmethod
+    def from_app(cls, app: Any) -> Placer:
+        """The placer of a loaded :class:`~jupyter_gpushare.app.GPUShareApp`."""
+
+        def held() -> dict[int, int]:
+            out: dict[int, int] = {}
+            for st in list(app.controller.states.values()):
+                if st.held is not None:
+                    for g, n in st.released_gpus.items():
+                        out[g] = out.get(g, 0) + n
+            return out
+
+        return cls(
+            devices=lambda: [rec.info for rec in list(app.tracker.gpus.values())],
+            read_free=app._read_free,
+            held=held,
+            reserved=lambda: app.controller.reservations.snapshot(),
+            kernel_ids=lambda: list(app.server.kernel_manager.list_kernel_ids()),
+            default_gpus=app.placement_gpus,
+            min_room=app.context_bytes,
+            ready=app.ready,
+            log=app.log,
+        )
+
+    async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:
+        """The GPUs for a kernel about to start with ``env``; None to leave its environment as
+        it is. Raises :class:`PlacementError` for a kernelspec that asks for more GPUs than
+        there are."""
+        asked = requested_gpus(kernel_spec)
+        count = self.default_gpus if asked is None else asked
+        gpus = await self._devices()
+        if any(g.mig for g in gpus):
+            self.log.info("gpushare: kernel %s: MIG instances on this node; placement leaves its "
+                          "GPUs to the environment", kernel_id)
+            return None
+        existing = env.get(VISIBLE_ENV)
+        candidates, why = allowed(existing, gpus)
+        if why:
+            self.log.warning("gpushare: kernel %s: %s; placement chooses among the GPUs before it",
+                             kernel_id, why)
+        if count > len(candidates):
+            where = (f"{VISIBLE_ENV}={existing!r} in its environment allows {len(candidates)}"
+                     if existing is not None else f"this node has {len(candidates)}")
+            if asked is not None:
+                raise PlacementError(
+                    f"kernelspec {_spec_name(kernel_spec)} asks for {asked} GPU(s) "
+                    f"(metadata.gpushare.gpus) and {where}: it cannot start here")
+            count = len(candidates)
+            if not candidates:
+                return None  # no GPU to choose: the environment decides
+        if count == 0:
+            return Placement([], "", {})  # a kernel that asked for no GPU sees none
+        room = await self._room([g.index for g, _ in candidates])
+        placed = self._placed_counts()
+        ranked = sorted(candidates, key=lambda c: (
+            room[c[0].index] is None, -(room[c[0].index] or 0), c[0].utilization or 0.0,
+            placed.get(c[0].index, 0), c[0].index))
+        chosen = ranked[:count]
+        # real GPUs: an entry as written where there was one, else the UUID (CUDA's own
+        # numbering can differ from NVML's); simulated ones by index (all the simulator reads)
+        value = ",".join((token or g.uuid) if g.uuid.startswith("GPU-") else str(g.index)
+                         for g, token in chosen)
+        indices = [g.index for g, _ in chosen]
+        short = [g for g in indices if room[g] is not None and room[g] < self.min_room]  # type: ignore[operator]
+        note = ""
+        if short:
+            note = _no_room_note(indices, short, room)
+        self.placed[kernel_id] = indices
+        self.log.info("gpushare: kernel %s placed on GPU %s (%s=%s; room %s)%s", kernel_id,
+                      ", ".join(map(str, indices)), VISIBLE_ENV, value, _rooms(room),
+                      "; no GPU had room" if short else "")
+        return Placement(indices, value, room, note)
+
+    async def _devices(self) -> list[GPUInfo]:
+        gpus = self.devices()
+        if not gpus and self.ready is not None:  # the server's first sample is not in yet
+            try:
+                await asyncio.wait_for(self.ready(), READY_WAIT)
+            except asyncio.TimeoutError:
+                self.log.warning("gpushare: no GPU sample after %.0f s; a kernel starts unplaced",
+                                 READY_WAIT)
+            gpus = self.devices()
+        return sorted(gpus, key=lambda g: g.index)
+
+    async def _room(self, indices: list[int]) -> dict[int, int | None]:
+        free = await self.read_free(indices)
+        held, reserved = self.held(), self.reserved()
+        known = {g.index: g for g in self.devices()}
+        room: dict[int, int | None] = {}
+        for g in indices:
+            n = free.get(g)
+            info = known.get(g)
+            if n is None and info is not None and info.memory_total is not None \
+                    and info.memory_used is not None:
+                n = info.memory_total - info.memory_used  # the last sample's
+            room[g] = None if n is None else n - held.get(g, 0) - reserved.get(g, 0)
+        return room
+
+    def _placed_counts(self) -> dict[int, int]:
+        alive = set(self.kernel_ids())
+        for kid in [k for k in self.placed if k not in alive]:
+            del self.placed[kid]
+        counts: dict[int, int] = {}
+        for gpus in self.placed.values():
+            for g in gpus:
+                counts[g] = counts.get(g, 0) + 1
+        return counts
+
+
+def _rooms(room: dict[int, int | None]) -> str:
+    return ", ".join(f"GPU {g}: {'unknown' if n is None else format_bytes(max(0, n))}"
+                     for g, n in sorted(room.items()))
+
+
+def _no_room_note(indices: list[int], short: list[int], room: dict[int, int | None]) -> str:
+    where = ("GPU " if len(indices) == 1 else "GPUs ") + ", ".join(map(str, indices))
+    full = ("GPU " if len(short) == 1 else "GPUs ") + ", ".join(map(str, short))
+    return (f"gpushare: no GPU had room for this kernel when it started (room = free memory "
+            f"less what released kernels will take back: {_rooms(room)}). It runs on {where}, "
+            f"the most there was; its allocations on {full} may fail with out-of-memory until "
+            "other kernels free memory or are released. Restart the kernel later to place it "
+            "again.")
+
+
+def placed_gpus(kernel_manager: Any, kernel_id: str) -> list[int]:
+    """The GPUs the gpushare provisioner placed a running kernel on ([] when it did not)."""
+    try:
+        provisioner = kernel_manager.get_kernel(kernel_id).provisioner
+    except Exception:  # gone, or not a kernel this manager knows
+        return []
+    placement = getattr(provisioner, "gpushare_placement", None)
+    return list(placement.gpus) if isinstance(placement, Placement) else []

@@ -1,0 +1,264 @@
+"""Placement at kernel start: the provisioner sets CUDA_VISIBLE_DEVICES to the GPU(s) with the
+most room, and the simulated node numbers a kernel's GPUs as CUDA does (device 0 is its first
+visible GPU). Real server, real kernels."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from tornado.httpclient import HTTPClientError
+
+from jupyter_gpushare.placement import PlacementError, Placer, allowed
+from jupyter_gpushare.sim import device as device_module
+from jupyter_gpushare.sim import simgpu
+from jupyter_gpushare.sim.device import LocalBackend, SimDevice, visible_gpus
+from jupyter_gpushare.sim.node import GiB, SimNode
+from jupyter_gpushare.telemetry import GPUInfo
+
+from . import scenarios
+from .helpers import Execution, KernelConn, kernel_status, wait_for
+from .scenarios import MiB
+
+ROOM = {"placement": "room", **scenarios.SMALL_NODE}  # two GPUs of 2 GiB
+
+
+# -- the simulated node honours CUDA_VISIBLE_DEVICES ------------------------------------------
+@pytest.mark.parametrize(("value", "seen"), [
+    (None, None), ("1", [1]), ("1,0", [1, 0]), ("", []), ("-1", []), (" 0 , 1 ", [0, 1]),
+    ("0,2,1", [0]), ("1,1", [1]), ("GPU-abc,0", []),
+])
+def test_visible_gpus_read_as_cuda_reads_them(value, seen):
+    assert visible_gpus(value, 2) == seen
+
+
+def test_a_process_device_0_is_its_first_visible_gpu(monkeypatch):
+    node = SimNode((GiB, GiB))
+    dev = SimDevice(LocalBackend(node), visible="1")
+    monkeypatch.setattr(device_module, "_device", dev)
+    assert dev.visible() == [1] and simgpu.device_count() == 1
+    with pytest.raises(simgpu.InvalidDeviceError, match=r"invalid device ordinal 1: this process sees 1"):
+        simgpu.zeros((16,), device=1)
+    assert issubclass(simgpu.InvalidDeviceError, ValueError) and node.pids() == {}
+    x = simgpu.zeros((64, 1024, 1024), dtype=np.uint8, device=0)
+    pid = os.getpid()
+    assert node.pids() == {pid: {1: 64 * MiB}} and simgpu.memory_allocated(0) == 64 * MiB
+    simgpu.burn(0.01, device=0)
+    assert node.busy_fraction(pid, 1, 0, 1e12) > 0 and node.busy_fraction(pid, 0, 0, 1e12) == 0
+    dev.lock()
+    assert dev.checkpoint()["gpus"] == {"1": 64 * MiB} and node.used(1) == 0
+    dev.restore()
+    dev.unlock()
+    assert node.used(1) == 64 * MiB and dev.placement()["device"] == {"1": 64 * MiB}
+    assert x.device == 0  # the process's own numbering
+
+
+def test_unset_keeps_the_node_numbering(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    node = SimNode((GiB, GiB))
+    dev = SimDevice(LocalBackend(node))
+    monkeypatch.setattr(device_module, "_device", dev)
+    y = simgpu.zeros((16,), device=1)
+    assert list(node.pids().values()) == [{1: y.nbytes}] and simgpu.device_count() == 2
+    with pytest.raises(ValueError, match="invalid device 5: this node has 2 simulated GPUs"):
+        simgpu.zeros((16,), device=5)  # the node's own refusal, as before
+
+
+# -- the choice --------------------------------------------------------------------------------
+def gpu(index: int, used: int = 0, util: float | None = 0.0, uuid: str = "") -> GPUInfo:
+    return GPUInfo(index, uuid or f"SIM-{index}", "Simulated GPU", 2 * GiB, used, util)
+
+
+class Spec:
+    def __init__(self, gpus: Any = None):
+        self.display_name = "Test"
+        self.metadata = {} if gpus is None else {"gpushare": {"gpus": gpus}}
+
+
+def placer(gpus: list[GPUInfo], held: dict[int, int] | None = None,
+           reserved: dict[int, int] | None = None, **kw: Any) -> Placer:
+    async def read_free(indices: list[int]) -> dict[int, int | None]:
+        return {g.index: 2 * GiB - (g.memory_used or 0) for g in gpus if g.index in indices}
+
+    return Placer(lambda: gpus, read_free, lambda: held or {}, lambda: reserved or {},
+                  lambda: [], min_room=512 * MiB, **kw)
+
+
+async def test_most_room_then_least_load_and_held_and_reserved_bytes_count():
+    two = [gpu(0, used=GiB), gpu(1)]
+    assert (await placer(two).place("k", Spec(), {})).value == "1"
+    assert (await placer(two, held={1: 1536 * MiB}).place("k", Spec(), {})).value == "0"
+    assert (await placer(two, reserved={1: 1536 * MiB}).place("k", Spec(), {})).value == "0"
+    busy = [gpu(0, util=80.0), gpu(1, util=10.0)]
+    assert (await placer(busy).place("k", Spec(), {})).value == "1"
+    both = await placer(two).place("k", Spec(2), {})
+    assert both is not None and both.gpus == [1, 0] and both.value == "1,0" and not both.note
+
+
+async def test_within_an_existing_set_and_counts_that_do_not_fit():
+    real = [gpu(0, uuid="GPU-aaa"), gpu(1, used=GiB, uuid="GPU-bbb"), gpu(2, uuid="GPU-ccc")]
+    got = await placer(real).place("k", Spec(), {"CUDA_VISIBLE_DEVICES": "1,GPU-ccc"})
+    assert got is not None and got.value == "GPU-ccc" and got.gpus == [2]  # kept as written
+    got = await placer(real).place("k", Spec(), {})
+    assert got is not None and got.value == "GPU-aaa"  # real GPUs are named by UUID
+    assert [g.index for g, _ in allowed("2,nope,0", real)[0]] == [2]  # ends at "nope"
+    with pytest.raises(PlacementError, match=r"asks for 2 GPU\(s\).*allows 1"):
+        await placer(real).place("k", Spec(2), {"CUDA_VISIBLE_DEVICES": "1"})
+    with pytest.raises(PlacementError, match="must be a whole number"):
+        await placer(real).place("k", Spec("two"), {})
+    capped = await placer(real, default_gpus=5).place("k", Spec(), {})
+    assert capped is not None and len(capped.gpus) == 3  # the option's count is capped
+    none = await placer(real).place("k", Spec(0), {})
+    assert none is not None and none.value == "" and none.gpus == []
+
+
+async def test_no_room_anywhere_still_places_with_a_note():
+    full = [gpu(0, used=1900 * MiB), gpu(1, used=1800 * MiB)]
+    got = await placer(full).place("k", Spec(), {})
+    assert got is not None and got.gpus == [1] and "no GPU had room" in got.note
+
+
+# -- end to end: a real server and real kernels ----------------------------------------------
+async def start(jp_fetch, jp_ws_fetch, kernels, app, name: str = "python3") -> tuple[KernelConn, Execution]:
+    """A kernel of kernelspec ``name`` and the output of its first cell."""
+    r = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": name}))
+    kid = json.loads(r.body)["id"]
+    ws = await jp_ws_fetch("api", "kernels", kid, "channels")
+    conn = KernelConn(kid, ws, app.serverapp.kernel_manager)
+    kernels.started.append(conn)
+    first = await conn.run("print('first')")
+    await wait_for(lambda: kid in app.channel.connections, what="the agent to connect")
+    return conn, first
+
+
+PROBE = ("import os\nfrom jupyter_gpushare.sim import simgpu\n"
+         "print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')), simgpu.device_count())")
+
+
+def fill(mib: int, device: int = 0, name: str = "x") -> str:
+    return ("from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
+            f"{name} = simgpu.zeros(({mib}, 1024, 1024), dtype=np.uint8, device={device})")
+
+
+def spec(jp_data_dir, name: str, gpus: int) -> str:
+    spec_dir = jp_data_dir / "kernels" / name
+    spec_dir.mkdir(parents=True)
+    (spec_dir / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": f"Python ({gpus} GPUs)", "language": "python",
+        "metadata": {"gpushare": {"gpus": gpus}},
+    }))
+    return name
+
+
+@pytest.mark.parametrize("gpushare_config", [ROOM])
+async def test_a_new_kernel_lands_on_the_gpu_with_room(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, monkeypatch
+):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    node = gpushare_app.node
+    a, _ = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)  # an empty node: GPU 0
+    b, _ = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)  # GPU 0 has a kernel: GPU 1
+    assert (await a.run(PROBE)).stdout == "'0' 1\n" and (await b.run(PROBE)).stdout == "'1' 1\n"
+    await a.run(fill(1800))  # GPU 0 is full of an active kernel
+    await b.run(fill(256))
+    assert (node.used(0), node.used(1)) == (1800 * MiB, 256 * MiB)
+
+    c, first = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)
+    assert first.stdout == "first\n" and not first.stderr  # it had room: nothing to say
+    assert (await c.run(PROBE)).stdout == "'1' 1\n"  # the most room, not the lowest index
+    assert (await kernel_status(jp_fetch, c.id))["gpus"] == [1]  # shown before its first byte
+    await c.run(fill(512))  # its device 0 is the node's GPU 1
+    assert (node.used(0), node.used(1)) == (1800 * MiB, 768 * MiB)
+    ex = await c.run(fill(1, device=1), ok=False)
+    assert ex.error is not None and ex.error["ename"] == "SimInvalidDeviceError"
+    assert "invalid device ordinal 1" in ex.error["evalue"]
+
+    # a released kernel's bytes will come back: its GPU has no room for a newcomer
+    code, body = await scenarios.rest(jp_fetch, a.id, "release")
+    assert code == 200 and body["state"] == "released" and node.used(0) == 0
+    d, _ = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)
+    assert (await d.run(PROBE)).stdout == "'1' 1\n"
+    await a.run("print(x.shape)")  # restored first
+    assert node.used(0) == 1800 * MiB  # back on its own GPU
+
+
+@pytest.mark.parametrize("gpushare_config", [{"placement": "off", **scenarios.SMALL_NODE}])
+async def test_placement_off_leaves_the_environment_alone(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, monkeypatch
+):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    k, _ = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)
+    assert (await k.run(PROBE)).stdout == "None 2\n"
+    assert (await kernel_status(jp_fetch, k.id))["gpus"] == []
+    await k.run(fill(64, device=1))
+    assert gpushare_app.node.used(1) == 64 * MiB
+
+
+@pytest.mark.parametrize("gpushare_config", [ROOM])
+async def test_the_servers_cuda_visible_devices_is_the_set_to_choose_within(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, jp_data_dir, monkeypatch
+):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    k, _ = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)
+    assert (await k.run(PROBE)).stdout == "'1' 1\n"
+    with pytest.raises(HTTPClientError) as refused:
+        await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app, spec(jp_data_dir, "two", 2))
+    assert refused.value.code == 400
+    assert "allows 1" in json.loads(refused.value.response.body)["message"]
+
+
+@pytest.mark.parametrize("gpushare_config", [ROOM])
+async def test_a_kernelspec_asking_for_two_gpus_gets_both(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, jp_data_dir, monkeypatch
+):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    k, _ = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app, spec(jp_data_dir, "two", 2))
+    assert (await k.run(PROBE)).stdout == "'0,1' 2\n"
+    assert (await kernel_status(jp_fetch, k.id))["gpus"] == [0, 1]
+    await k.run(fill(100, device=0, name="a") + "\n" + fill(200, device=1, name="b"))
+    assert gpushare_app.node.pids()[k.km.get_kernel(k.id).provisioner.pid] == {0: 100 * MiB,
+                                                                              1: 200 * MiB}
+
+
+@pytest.mark.parametrize("gpushare_config", [ROOM])
+async def test_a_kernelspec_asking_for_more_gpus_than_exist_is_refused_at_start(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, jp_data_dir, monkeypatch
+):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(HTTPClientError) as refused:
+        await jp_fetch("api", "kernels", method="POST",
+                       body=json.dumps({"name": spec(jp_data_dir, "three", 3)}))
+    assert refused.value.code == 400
+    message = json.loads(refused.value.response.body)["message"]
+    assert message == ("kernelspec 'Python (3 GPUs)' asks for 3 GPU(s) (metadata.gpushare.gpus) "
+                       "and this node has 2: it cannot start here")
+    with pytest.raises(HTTPClientError) as refused:  # JupyterLab starts kernels with a session
+        await jp_fetch("api", "sessions", method="POST", body=json.dumps(
+            {"path": "a.ipynb", "type": "notebook", "kernel": {"name": "three"}}))
+    assert refused.value.code == 500  # jupyter_server's sessions answer any start error so
+    assert json.loads(refused.value.response.body)["message"] == message
+    assert gpushare_app.serverapp.kernel_manager.list_kernel_ids() == []
+
+
+@pytest.mark.parametrize("gpushare_config", [ROOM])
+async def test_no_room_anywhere_the_first_cell_says_so(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, monkeypatch
+):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    for _ in range(2):
+        k, _ = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)
+        await k.run(fill(1800))
+    late, first = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app)
+    assert first.stdout == "first\n"
+    assert first.stderr.startswith(
+        "gpushare: no GPU had room for this kernel when it started (room = free memory less what "
+        "released kernels will take back: GPU 0: 248.0 MiB, GPU 1: 248.0 MiB). It runs on GPU 0, "
+        "the most there was; its allocations on GPU 0 may fail with out-of-memory"), first.stderr
+    assert not (await late.run("print('second')")).stderr  # said once
+    ex = await late.run(fill(512), ok=False)  # and that is what happens
+    assert ex.error is not None and "out of memory" in ex.error["evalue"]
