@@ -23,7 +23,7 @@ from .settings import POLICIES, Settings
 from .transfer import TransferModel
 from .workload import GiB, Workload
 
-AHEAD_LEADS = (0.0, 2.0, 5.0, 10.0, 30.0)  # s: the sensitivity table's leads (issue 21)
+AHEAD_LEADS = (0.0, 2.0, 5.0, 10.0, 30.0)  # s: the sensitivity table's leads
 
 
 def run(workload: Workload, policy: str, s: Settings, series: bool = False,

@@ -10,7 +10,7 @@ The headline: for each policy, the fewest GPUs that serve all the workload's use
 GPU-hours they cost against reserving GPUs for each user's sessions; under the transfer
 model chosen and the other of ``driver`` / ``pinned``. Then the most users per GPU on the
 node, as a second table. ``--ahead-sensitivity``: gpushare's delays and fewest GPUs for leads
-of 0-30 s between a person's first activity and their cell (restores ahead, issue 21), under
+of 0-30 s between a person's first activity and their cell (restores ahead), under
 both release policies (``--release-policy``).
 """
 
@@ -97,7 +97,7 @@ def parser() -> argparse.ArgumentParser:
     tm.add_argument("--restore-bandwidth", type=float, help="GB/s (overrides the model's)")
     tm.add_argument("--release-overhead", type=float, help="s (overrides the model's)")
     tm.add_argument("--release-bandwidth", type=float, help="GB/s (overrides the model's)")
-    ah = ap.add_argument_group("restores ahead of the person, and when to release (issue 21)")
+    ah = ap.add_argument_group("restores ahead of the person, and when to release")
     ah.add_argument("--ahead-lead", type=float, default=0.0, metavar="SECONDS",
                     help="s from a person's first activity in a notebook (focus, an edit) to "
                          "their cell; a released kernel restores from the activity on (default "

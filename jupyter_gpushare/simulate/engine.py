@@ -10,7 +10,7 @@ goes, whether it fits, what to release, when to restore). Time is the simulation
 Restore modes: ``eager`` (every cell that arrives at a released kernel restores it first, as
 the product's gate does by default) and ``lazy`` (a cell that uses no GPU runs at once, its
 kernel's state staying on the host; only cells that use the GPU restore it).
-Restores ahead (``ahead_lead`` > 0, issue 21): the person's first activity (focusing the
+Restores ahead (``ahead_lead`` > 0): the person's first activity (focusing the
 notebook, editing a cell) comes ``ahead_lead`` s before a cell; where the kernel is released
 then, the policy hears of it (:meth:`~.policies.Policy.on_activity`) and may restore it before
 the cell arrives (``ahead_share``: the share of cells the lab sees activity before, drawn per

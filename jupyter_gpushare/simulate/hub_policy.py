@@ -7,7 +7,7 @@ room from other people's kernels on that GPU by calling
 plus fair shares from :mod:`jupyter_gpushare.fairshare`), with candidates built as
 ``GPUShare.candidate`` builds them. The releases then run in turn, as the service's do.
 
-A restore ahead of a cell (issue 21) is not pushed: it takes room only from its own server's
+A restore ahead of a cell is not pushed: it takes room only from its own server's
 kernels, below every cell's restore. Registered in ``settings.POLICIES`` as ``gpushare-hub``.
 """
 

@@ -291,7 +291,7 @@ def plot(f: dict[str, Any], title: str, path: Path) -> str | None:
 
 
 def ahead_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
-    """The restore-ahead sensitivity (issue 21): per release policy and lead, delays at the
+    """The restore-ahead sensitivity: per release policy and lead, delays at the
     node's GPUs and the fewest GPUs under each transfer model, with the delays there."""
     models = list(rows[0]["fewest_gpus"]) if rows else []
     first = models[0] if models else ""
