@@ -220,7 +220,9 @@ class Server:
     ):
         self.name = name
         self.extension = extension
-        self.gpushare = {"backend": "simulated", **(gpushare or {})}
+        # placement off unless asked for: the benchmarks and the tests that use this server
+        # address GPUs by the node's numbering (device=1 is the node's second GPU)
+        self.gpushare = {"backend": "simulated", "placement": "off", **(gpushare or {})}
         self.server_config = server or {}
         self.token = uuid.uuid4().hex
         self.port = free_port()
