@@ -38,6 +38,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from .. import clock, crossuser, policy
 from ..fairshare import Share, shares_of
 from ..sim.node import format_bytes
@@ -283,11 +285,21 @@ class Coordinator:
         """Room made for a restore that has landed is done with; one that has not after
         ``claim_grace`` costs its user."""
         for key, served in list(self.served.items()):
-            if self._used(key, served):
+            if self._used(key, served) or self._ended(key, served):
                 del self.served[key]
             elif t - served.at >= self.settings.claim_grace:
                 del self.served[key]
                 self._strike(key, served, t)
+
+    def _ended(self, key: tuple[str, str, str], served: Served) -> bool:
+        """The kernel is gone: its server no longer lists it and none of its processes runs.
+        A restore that landed and whose kernel was then shut down between two readings (a
+        second) must not count as unused: that struck honest people who ran one cell and
+        closed the notebook. What a kernel that ends unused cost others stays bounded by the
+        checks on its claim (real host memory of that user's own processes)."""
+        if self.view.find(*key) is not None:
+            return False
+        return not any(psutil.pid_exists(pid) for pid in served.pids)
 
     def _used(self, key: tuple[str, str, str], served: Served) -> bool:
         if served.measured and self.measured is not None:  # measured: the bytes are back on a GPU
