@@ -19,7 +19,6 @@ with the most, and carries a note its agent prints before its first cell.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from .telemetry import GPUInfo
 from .units import format_bytes
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
-READY_WAIT = 30.0  # s a kernel start waits for the server's first GPU sample
+SAMPLE_WAIT = 10.0  # s a kernel start waits for a reading of the GPUs before the first poll
 
 ReadFree = Callable[[list[int]], Awaitable[dict[int, "int | None"]]]
 
@@ -106,7 +105,7 @@ class Placer:
         kernel_ids: Callable[[], list[str]],
         default_gpus: int = 1,
         min_room: int = 1,
-        ready: Callable[[], Awaitable[None]] | None = None,
+        sample: Callable[[], Awaitable[list[GPUInfo]]] | None = None,
         log: logging.Logger | None = None,
     ):
         self.devices = devices
@@ -116,7 +115,7 @@ class Placer:
         self.kernel_ids = kernel_ids
         self.default_gpus = default_gpus
         self.min_room = max(1, min_room)
-        self.ready = ready
+        self.sample = sample
         self.log = log or logging.getLogger(__name__)
         self.placed: dict[str, list[int]] = {}  # kernel id -> GPUs, for the tie-break
 
@@ -140,7 +139,9 @@ class Placer:
             kernel_ids=lambda: list(app.server.kernel_manager.list_kernel_ids()),
             default_gpus=app.placement_gpus,
             min_room=app.context_bytes,
-            ready=app.ready,
+            # the GPUs read now, when the server's first poll is not in yet: waiting for that
+            # poll could wait on this very kernel's start (a server started with a kernel)
+            sample=lambda: app.tracker.off_loop(app.tracker.telemetry.devices, SAMPLE_WAIT),
             log=app.log,
         )
 
@@ -195,13 +196,13 @@ class Placer:
 
     async def _devices(self) -> list[GPUInfo]:
         gpus = self.devices()
-        if not gpus and self.ready is not None:  # the server's first sample is not in yet
+        if not gpus and self.sample is not None:  # the server's first poll is not in yet
             try:
-                await asyncio.wait_for(self.ready(), READY_WAIT)
-            except asyncio.TimeoutError:
-                self.log.warning("gpushare: no GPU sample after %.0f s; a kernel starts unplaced",
-                                 READY_WAIT)
-            gpus = self.devices()
+                gpus = await self.sample()
+            except Exception as e:  # a kernel must start: unplaced, and say why
+                self.log.warning("gpushare: the GPUs could not be read for placement (%s); a "
+                                 "kernel starts unplaced", e or type(e).__name__)
+                gpus = []
         return sorted(gpus, key=lambda g: g.index)
 
     async def _room(self, indices: list[int]) -> dict[int, int | None]:
