@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING
 from . import clock, metrics, policy
 
 if TYPE_CHECKING:
-    from .controller import Controller, KernelState, Operation
+    from .controller import Controller
+    from .lifecycle import Lifecycle
+    from .operations import Operation
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +42,14 @@ AHEAD_TEXT = "restoring ahead of your next cell"
 ROOM_WAIT = 5.0
 
 
-def _gpus(controller: Controller, st: KernelState) -> set[int]:
-    return set(controller._need(st.held)) if st.held is not None else set()
+def _gpus(controller: Controller, st: Lifecycle) -> set[int]:
+    return set(controller.need(st.held)) if st.held is not None else set()
 
 
-def cells_waiting(controller: Controller, st: KernelState, gpus: set[int]) -> bool:
+def cells_waiting(controller: Controller, st: Lifecycle, gpus: set[int]) -> bool:
     """Another kernel's restore for a cell (any trigger but ``activity``) waits for one of
     ``gpus``: an ahead restore lets it go first."""
-    for other in list(controller.states.values()):
+    for other in controller.lifecycles():
         op = other.op
         if other is st or op is None or op.kind != "restore" or op.trigger == AHEAD:
             continue
@@ -56,12 +58,12 @@ def cells_waiting(controller: Controller, st: KernelState, gpus: set[int]) -> bo
     return False
 
 
-def yields(controller: Controller, st: KernelState, op: Operation, need: dict[int, int]) -> bool:
+def yields(controller: Controller, st: Lifecycle, op: Operation, need: dict[int, int]) -> bool:
     """An ahead restore that must not take a turn or room now (a cell's restore waits)."""
     return op.trigger == AHEAD and cells_waiting(controller, st, set(need))
 
 
-def superseded(controller: Controller, st: KernelState, op: Operation, trigger: str) -> bool:
+def superseded(controller: Controller, st: Lifecycle, op: Operation, trigger: str) -> bool:
     """A cell (``trigger``) arrives while ``op``, an ahead restore, still waits for room or a
     turn: the cell's own restore takes over (it shows its progress, and waits as long as it
     takes). An ahead restore checking room, or moving bytes, is simply joined."""
@@ -74,7 +76,7 @@ def failed_restore_error(trigger: str, why: str) -> str:
     return f"restore ahead of your next cell failed: {why}" if trigger == AHEAD else f"restore failed: {why}"
 
 
-def view_waiting(st: KernelState, waiting: str | None) -> str | None:
+def view_waiting(st: Lifecycle, waiting: str | None) -> str | None:
     """Status's ``waiting`` for a kernel: says so while an ahead restore is on its way."""
     op = st.op
     if op is None or op.kind != "restore" or op.trigger != AHEAD:
@@ -131,12 +133,12 @@ class AheadRestores:
 
     async def _restore(self, kernel_id: str, op: Operation | None) -> None:
         c = self.controller
-        st = c.states.get(kernel_id)
+        st = c.find(kernel_id)
         if st is None:  # gone meanwhile
             return
         if op is None:
             while st.op is not None and st.op.kind == "release":  # released as the person came back
-                await c._wait(st.op)
+                await c.wait(st.op)
             if st.held is None or st.op is not None or c.closing:
                 return
             op = c.start_restore(kernel_id, trigger=AHEAD)
@@ -145,8 +147,8 @@ class AheadRestores:
             why = st.waiting or "restores for cells go first"
             op.stop(f"no room within {self.room_wait:g} s ({why})")
             metrics.AHEAD_RESTORES.labels("no_room").inc()
-            c._emit(st, "restore_failed", reason=op.stop_reason, trigger=AHEAD)
-        outcome = await c._wait(op)
+            c.announce(kernel_id, "restore_failed", method=st.method, reason=op.stop_reason, trigger=AHEAD)
+        outcome = await c.wait(op)
         rec = c.tracker.kernels.get(kernel_id)
         if outcome.ok:
             metrics.AHEAD_RESTORES.labels("restored").inc()
@@ -157,7 +159,7 @@ class AheadRestores:
                 metrics.AHEAD_RESTORES.labels("superseded").inc()
             return  # a cell's restore took over, or the state is gone (a restart)
         if op.stopped:  # no room soon, an interrupt, the server closing: nothing moved
-            st.error = f"not restored ahead of your next cell: {outcome.message}"
+            st.note_error(f"not restored ahead of your next cell: {outcome.message}")
         else:  # the method failed: the controller kept the kernel released, the reason in error
             metrics.AHEAD_RESTORES.labels("failed").inc()
         log.info("gpushare: kernel %s not restored ahead: %s", kernel_id, outcome.message)
@@ -170,7 +172,7 @@ class AheadRestores:
         c = self.controller
         now = clock.now() if now is None else now
         for kid, (at, activity) in list(self.unused.items()):
-            st, rec = c.states.get(kid), c.tracker.kernels.get(kid)
+            st, rec = c.find(kid), c.tracker.kernels.get(kid)
             if st is None or rec is None or st.held is not None:
                 del self.unused[kid]
                 continue
@@ -188,8 +190,8 @@ class AheadRestores:
             if not policy.eligible(candidate, c.config) or c.closing:
                 continue  # pinned, opted out, computing on the GPU...: kept, as any other
             try:
-                c._start_release(st, f"restored ahead of a cell that did not come within "
-                                     f"ahead_grace {self.grace:g} s", automatic=True, by_kernel=False)
+                c.release_automatically(kid, f"restored ahead of a cell that did not come within "
+                                             f"ahead_grace {self.grace:g} s")
             except ControllerError as e:
                 log.debug("gpushare: kernel %s restored ahead stays: %s", kid, e.message)
                 continue

@@ -1,17 +1,20 @@
-"""The per-kernel state machine: the only place a kernel's gpushare state changes.
+"""The orchestration of kernels' releases and restores: the only caller of their steps.
 
 The promise it keeps: a released kernel comes back exactly as it was, or says why not and
 keeps its state; no kernel is left wedged; the state shown is true. How:
 
-- **Operations are owned here.** A release or a restore runs in a task the controller owns;
-  callers (the gate, REST, the agent, make-room) only *wait* for it, shielded. A closed tab,
-  a network blip or an interrupt stops their waiting, never the bytes in flight; every exit
-  of an operation, cancellation included, ends in a true state. One operation per kernel.
-- **The held state is one value** (:class:`Held`): set the moment bytes may start to leave
+- **The states and their steps** are :mod:`.lifecycle`'s (one table); this module decides
+  when each step happens.
+- **Operations are owned here** (:mod:`.operations`). A release or a restore runs in a task
+  the controller owns; callers (the gate, REST, the agent, make-room) only *wait* for it,
+  shielded. Every exit of an operation, cancellation included, ends in a true state. One
+  operation per kernel.
+- **What is said about an action is said once** (:mod:`.announce`): event, metrics, agent.
+- **The held state is one value** (:class:`.lifecycle.Held`): set the moment bytes may start to leave
   the GPU, cleared only when a method confirms the kernel runs with all of it on the GPU.
   Undo is reported by the method, never assumed: an unconfirmed one is ``failed`` (held,
   restorable, reason shown), never ``active``.
-- **Restores reserve room first** (:mod:`.reservations`): one restore at a time per GPU, its
+- **Restores reserve room first** (:mod:`.reservations`, the need from :mod:`.room`): one restore at a time per GPU, its
   bytes reserved before it moves them, so no restore runs without room (a restore without
   room wedges a real process for good).
 - **Only a restore's waiting can be cancelled** (an interrupt, server shutdown); once bytes
@@ -24,14 +27,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from . import ahead, clock, metrics, policy
+from .announce import Announcer
 from .hostmem import HostRoom
+from .lifecycle import Held, Lifecycle
 from .node_locks import NodeLocks
+from .operations import Operation, Outcome, to_the_end, wait_for
 from .reclaim import KernelTarget, ReclaimError, ReclaimMethod
 from .reservations import Grant, Reservations
+from .room import lacking, to_reserve
 from .states import (
     ACTIVE,
     ALL,
@@ -39,7 +46,6 @@ from .states import (
     IDLE,
     RELEASED,
     RELEASING,
-    RESTORING,
     UNTRACKED,
 )
 from .tracker import KernelRecord, Tracker
@@ -64,109 +70,6 @@ class ControllerError(Exception):
         self.status = status
         self.message = message
         self.retryable = retryable
-
-
-@dataclass
-class Held:
-    """A kernel's GPU state while it is (or may be) off the GPU."""
-
-    method: str
-    bytes: int  # bytes that left (or may have left) the GPU
-    gpus: dict[int, int]  # GPU index -> bytes to bring back; -1 = a GPU we could not tell
-    pids: list[int]  # the processes the method acts on
-    pid_bytes: dict[int, dict[int, int]]  # pid -> GPU -> bytes, when known per pid
-    kernel_pid: int | None  # the kernel's process when released (a new one = a restart)
-    attributed: bool  # bytes measured per process (NVML, simulated) rather than self-reported
-    since: float  # clock.now() when the release began
-    complete: bool = False  # the release finished: everything is off the GPU
-
-
-@dataclass
-class Outcome:
-    """How an operation ended, for whoever waited for it."""
-
-    ok: bool
-    message: str = ""
-    retryable: bool = True
-    dropped: bool = False  # the held state is gone (restart, death): nothing left to restore
-
-
-@dataclass
-class Operation:
-    kind: str  # "release" | "restore"
-    trigger: str
-    task: asyncio.Task[Outcome] = field(init=False, repr=False)  # ends with the operation; never cancelled
-    body: asyncio.Task[Outcome] = field(init=False, repr=False)  # the work; only its waiting is stopped
-    phase: str = "waiting"  # "waiting" (may be stopped) | "moving" (runs to its end)
-    stop_reason: str = ""
-    stopped: bool = False  # stop() was called: the waiting loop ends even if its cancel was lost
-    on_end: Callable[[], None] | None = None  # gives back what the work claimed, however it ends
-
-    def stop(self, why: str) -> None:
-        """Stop the work, not the task waiters await: that one still ends in an Outcome,
-        even when the work is stopped before it began."""
-        self.stop_reason, self.stopped = why, True
-        self.body.cancel()
-
-
-@dataclass
-class KernelState:
-    kernel_id: str
-    pinned: bool = False
-    held: Held | None = None
-    op: Operation | None = None
-    failed: bool = False  # the last operation went wrong and the state is held
-    resident: str = UNTRACKED  # active / idle / untracked, from the last poll
-    method: str | None = None
-    releases: int = 0
-    restores: int = 0
-    last_restore_seconds: float | None = None
-    last_release_seconds: float | None = None
-    error: str | None = None
-    retryable: bool = True
-    waiting: str | None = None  # why a restore waits, None when it does not
-    waiting_note: str | None = None  # what the node-wide service says about that wait
-    release_failed_at: float | None = None
-    idle_timeout: float | None = None  # per-kernel override (kernelspec metadata, magic)
-    background: str | None = None  # the agent saw threads use the GPU outside cells (sticky)
-    idle_gpu_work_at: float | None = None  # last sample with GPU work while no cell ran
-    allow_background: bool = False  # the user accepts releases despite background work
-    host_refusal: str | None = None  # why the state would not fit in host memory now
-    drops: int = 0  # times a held state was dropped (restarts): waiters compare it
-    drop_after_op: str | None = None  # a restart seen while bytes were moving
-
-    @property
-    def state(self) -> str:
-        op = self.op
-        if op is not None and (op.kind == "release" or op.phase == "moving"):
-            return RELEASING if op.kind == "release" else RESTORING
-        if self.held is not None:
-            return FAILED if self.failed else RELEASED
-        return self.resident
-
-    @property
-    def is_held(self) -> bool:
-        """Cells must wait: the GPU state is (or may soon be) off the GPU."""
-        return self.held is not None or (self.op is not None and self.op.kind == "release")
-
-    @property
-    def released_bytes(self) -> int:
-        return self.held.bytes if self.held is not None else 0
-
-    @property
-    def released_gpus(self) -> dict[int, int]:
-        return dict(self.held.gpus) if self.held is not None else {}
-
-    @property
-    def release_blocked(self) -> str | None:
-        """Why an idle kernel is not released automatically (None: nothing stops it)."""
-        if self.background and not self.allow_background:
-            return self.background
-        if self.idle_gpu_work_at is not None and not self.allow_background:
-            return ("the GPU computed while no cell ran (a background thread?): a release would "
-                    "make that work wait; release by hand or allow it with "
-                    "%gpushare allow-background")
-        return self.host_refusal
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -226,7 +129,8 @@ class Controller:
         self.host_memory_reserve = host_memory_reserve
         self.context_bytes = context_bytes
         self.live_state = live_state or (lambda kid: "unknown")
-        self.states: dict[str, KernelState] = {}
+        self.announce = Announcer(emit, agent, self._path_of, lambda: self.restore_mode)
+        self.states: dict[str, Lifecycle] = {}
         self.reservations = Reservations(node_locks, uuid_of=self._gpu_uuid)
         self.host_inflight: dict[str, int] = {}  # host-memory scope -> bytes being released
         self.closing = False
@@ -236,23 +140,31 @@ class Controller:
         self._busy_since: dict[str, float] = {}
 
     # -- reading -------------------------------------------------------------------------
-    def get(self, kernel_id: str) -> KernelState:
+    def get(self, kernel_id: str) -> Lifecycle:
         if kernel_id not in self.states:
             if kernel_id not in self.tracker.kernels and kernel_id not in self.tracker.km:
                 raise ControllerError(404, f"no kernel {kernel_id!r} on this server")
-            st = self.states[kernel_id] = KernelState(kernel_id)
+            st = self.states[kernel_id] = Lifecycle(kernel_id)
             st.idle_timeout = self.kernel_overrides(kernel_id).get("idle_timeout")
         return self.states[kernel_id]
+
+    def find(self, kernel_id: str) -> Lifecycle | None:
+        """The kernel's record, None when nothing was recorded for it yet (read only)."""
+        return self.states.get(kernel_id)
+
+    def lifecycles(self) -> list[Lifecycle]:
+        """Every kernel's record (a copy of the list: safe to walk while operations run)."""
+        return list(self.states.values())
 
     def needs_restore(self, kernel_id: str) -> bool:
         st = self.states.get(kernel_id)
         return st is not None and st.is_held
 
-    def idle_timeout(self, st: KernelState) -> float:
+    def idle_timeout(self, st: Lifecycle) -> float:
         """The kernel's idle timeout in effect (its own, else the server's; 0 = never)."""
         return policy.effective_idle_timeout(st.idle_timeout, self.config.idle_timeout)
 
-    def candidate(self, st: KernelState, rec: KernelRecord, now: float,
+    def candidate(self, st: Lifecycle, rec: KernelRecord, now: float,
                   pressure_window: float | None = None) -> policy.Candidate:
         """The policy's view of a kernel. ``pressure_window``: seconds over which quietness
         on the GPU is judged for room-making (default ``pressure_idle_timeout``)."""
@@ -311,7 +223,7 @@ class Controller:
             try:
                 st = self.get(kid)
                 self._check_restart(st, rec)
-                st.resident = self._resident_state(st, rec, now)
+                st.observe(self._resident_state(st, rec, now))
                 self._note_background(st, rec, now)
                 self._note_host_room(st, rec)
                 candidates.append(self.candidate(st, rec, now))
@@ -320,9 +232,7 @@ class Controller:
                 log.exception("gpushare: kernel %s: could not apply the policy", kid)
         for decision in self.rules.decide(candidates, self.seen_free(), self.total_bytes()):
             st = self.states[decision.kernel_id]
-            recently_failed = st.release_failed_at is not None and (
-                now - st.release_failed_at < max(self.idle_timeout(st), RETRY_AFTER_FAILED_RELEASE))
-            if recently_failed or st.op is not None or self.closing:
+            if self._failed_recently(st, now) or st.op is not None or self.closing:
                 continue
             try:
                 self._start_release(st, decision.reason, automatic=True, by_kernel=False)
@@ -331,19 +241,26 @@ class Controller:
         self._signal_freed()  # waiting restores look again after every poll
         self._update_metrics()
 
-    def _resident_state(self, st: KernelState, rec: KernelRecord, now: float) -> str:
+    def _failed_recently(self, st: Lifecycle, now: float) -> bool:
+        """A kernel whose release failed is not tried again, automatically or to make room,
+        for its idle timeout (at least ``RETRY_AFTER_FAILED_RELEASE``): the same refusal
+        would come back at every poll."""
+        return st.release_failed_at is not None and (
+            now - st.release_failed_at < max(self.idle_timeout(st), RETRY_AFTER_FAILED_RELEASE))
+
+    def _resident_state(self, st: Lifecycle, rec: KernelRecord, now: float) -> str:
         if not rec.gpu_memory_bytes:
             return UNTRACKED
         if rec.busy or rec.idle_seconds(now) < min(IDLE_AFTER, self.idle_timeout(st) or IDLE_AFTER):
             return ACTIVE
         return IDLE
 
-    def _check_restart(self, st: KernelState, rec: KernelRecord) -> None:
+    def _check_restart(self, st: Lifecycle, rec: KernelRecord) -> None:
         held = st.held
         if held is not None and held.kernel_pid is not None and rec.pids and rec.pids[0] != held.kernel_pid:
             self.drop_held(st.kernel_id, "the kernel restarted")
 
-    def _note_background(self, st: KernelState, rec: KernelRecord, now: float) -> None:
+    def _note_background(self, st: Lifecycle, rec: KernelRecord, now: float) -> None:
         """GPU work while no cell runs means a thread of the kernel uses the GPU: a release
         would block that thread until a cell comes, so automatic releases stop. The agent's
         word (threads it saw use the GPU) holds until the user allows it; GPU work seen by
@@ -358,7 +275,7 @@ class Controller:
         if st.idle_gpu_work_at is not None and now - st.idle_gpu_work_at > max(self.idle_timeout(st), 1.0):
             st.idle_gpu_work_at = None
 
-    def _note_host_room(self, st: KernelState, rec: KernelRecord) -> None:
+    def _note_host_room(self, st: Lifecycle, rec: KernelRecord) -> None:
         st.host_refusal = None if st.held is not None else self._host_refusal(
             rec.host_room, rec.gpu_memory_bytes)
 
@@ -375,7 +292,7 @@ class Controller:
         return (f"its GPU state ({format_bytes(need)}) would not fit in host memory: "
                 f"{room.detail}{extra}, host_memory_reserve {format_bytes(self.host_memory_reserve)}")
 
-    def _watchdog(self, st: KernelState, rec: KernelRecord, now: float) -> None:
+    def _watchdog(self, st: Lifecycle, rec: KernelRecord, now: float) -> None:
         """Lazy mode: a released kernel busy for longer than restore_grace gets restored."""
         if st.state != RELEASED or not rec.busy or st.op is not None:
             self._busy_since.pop(st.kernel_id, None)
@@ -404,13 +321,13 @@ class Controller:
         self._freed = asyncio.Event()
 
     # -- operations: start, wait ------------------------------------------------------------
-    def _start(self, st: KernelState, op: Operation, body: Awaitable[Outcome]) -> Operation:
+    def _start(self, st: Lifecycle, op: Operation, body: Awaitable[Outcome]) -> Operation:
+        """Start ``op`` (its first step already taken: ``st.op`` is ``op``)."""
         op.body = asyncio.ensure_future(body)
         op.task = asyncio.ensure_future(self._run(st, op))
-        st.op = op
         return op
 
-    async def _run(self, st: KernelState, op: Operation) -> Outcome:
+    async def _run(self, st: Lifecycle, op: Operation) -> Outcome:
         """Every operation ends here: whatever happened, ``op`` is cleared and waiters wake."""
         try:
             return await op.body
@@ -418,49 +335,32 @@ class Controller:
             return Outcome(False, op.stop_reason or "stopped while waiting for GPU memory")
         except Exception as e:  # a bug: never leave the state or the waiters stuck on it
             log.exception("gpushare: %s of kernel %s failed unexpectedly", op.kind, st.kernel_id)
-            if st.held is not None:
-                st.failed, st.error = True, f"{op.kind} failed: {type(e).__name__}: {e}"
+            st.crashed(f"{op.kind} failed: {type(e).__name__}: {e}")
             return Outcome(False, f"{op.kind} failed: {type(e).__name__}: {e}")
         finally:
             if op.on_end is not None:
                 op.on_end()
-            if st.op is op:
-                st.op = None
-            st.waiting = st.waiting_note = None
-            if st.drop_after_op:
-                why, st.drop_after_op = st.drop_after_op, None
-                self.drop_held(st.kernel_id, why)
+            dropped = st.operation_ended(op)
+            if dropped:
+                self.drop_held(st.kernel_id, dropped)
             self._signal_freed()
             self._update_metrics()
 
-    @staticmethod
-    async def _to_the_end(aw: Awaitable[Any]) -> Any:
-        """Await ``aw`` to its end even if our task is cancelled meanwhile: bytes in flight
-        finish, so the state that follows is true."""
-        inner = asyncio.ensure_future(aw)
-        while True:
-            try:
-                return await asyncio.shield(inner)
-            except asyncio.CancelledError:
-                if inner.done():
-                    return inner.result()
-                log.warning("gpushare: an operation that moves bytes was asked to stop; it finishes first")
-
-    async def _wait(self, op: Operation) -> Outcome:
-        """Wait for an operation without being able to stop it (our cancellation stays ours)."""
-        return await asyncio.shield(op.task)
+    async def wait(self, op: Operation) -> Outcome:
+        """Wait for ``op`` to end; cancelling the waiter never stops the operation."""
+        return await wait_for(op)
 
     async def settle(self, kernel_id: str) -> None:
         """Wait until no operation is in flight on the kernel (lazy mode's gate)."""
         st = self.states.get(kernel_id)
         while st is not None and st.op is not None:
-            await self._wait(st.op)
+            await wait_for(st.op)
 
     def stop_waiting(self, kernel_id: str, why: str) -> bool:
         """Stop a restore that waits for memory (an interrupt). Never stops bytes in flight."""
         st = self.states.get(kernel_id)
         op = st.op if st is not None else None
-        if op is None or op.kind != "restore" or op.phase != "waiting":
+        if op is None or not op.stoppable:
             return False
         op.stop(why)
         return True
@@ -469,15 +369,15 @@ class Controller:
     async def release(
         self, kernel_id: str, reason: str = "requested", automatic: bool = False,
         by_kernel: bool = False,
-    ) -> KernelState:
+    ) -> Lifecycle:
         st = self.get(kernel_id)
         op = self._start_release(st, reason, automatic=automatic, by_kernel=by_kernel)
-        outcome = await self._wait(op)
+        outcome = await wait_for(op)
         if not outcome.ok:
             raise ControllerError(409, outcome.message, outcome.retryable)
         return st
 
-    async def release_if_idle(self, kernel_id: str, idle_for: float, reason: str) -> KernelState:
+    async def release_if_idle(self, kernel_id: str, idle_for: float, reason: str) -> Lifecycle:
         """Release as an automatic release would, for someone outside this server (the
         node-wide service): only a kernel the policy may take, idle for at least ``idle_for``
         seconds (409 says why not). Nobody working is released this way."""
@@ -503,14 +403,28 @@ class Controller:
                 "not released automatically (idle timeout 0, too small, or no method)")
         raise ControllerError(409, f"kernel is {why}: not released for another user")
 
+    def release_automatically(self, kernel_id: str, reason: str) -> Operation:
+        """Start a release as the policy would (a pinned kernel is refused: 409)."""
+        return self._start_release(self.get(kernel_id), reason, automatic=True, by_kernel=False)
+
+    def note_waiting(self, kernel_id: str, note: str | None) -> None:
+        """What the node-wide service says about a restore's wait (shown beside it)."""
+        st = self.states.get(kernel_id)
+        if st is not None and st.waiting:
+            st.waiting_note = note
+
+    def stop_now(self) -> None:
+        """The server goes without waiting (another one took over): no new operation starts."""
+        self.closing = True
+
     def restore_need(self, kernel_id: str) -> dict[int, int]:
         """Bytes per GPU a waiting restore needs free (empty when no restore waits)."""
         st = self.states.get(kernel_id)
         if st is None or st.held is None or not (st.waiting or "").startswith(MEMORY_WAIT):
             return {}  # not waiting, or waiting for a restore turn, not for memory
-        return self._need(st.held)
+        return self.need(st.held)
 
-    def _start_release(self, st: KernelState, reason: str, automatic: bool, by_kernel: bool) -> Operation:
+    def _start_release(self, st: Lifecycle, reason: str, automatic: bool, by_kernel: bool) -> Operation:
         """Check what can be checked at once, then start the release (409s say why not)."""
         if self.closing:
             raise ControllerError(409, "the server is shutting down")
@@ -526,7 +440,9 @@ class Controller:
         method_name = self.choose_method(st.kernel_id)
         if method_name is None:
             raise ControllerError(409, "no release method is available for this kernel")
+        st.observe(self._resident_state(st, rec, clock.now()))  # this moment's, not the last tick's
         op = Operation("release", reason)
+        st.begin_release(op)
         return self._start(st, op, self._release_op(st, op, rec, method_name, reason, automatic, by_kernel))
 
     def _release_target(self, kid: str, rec: KernelRecord) -> KernelTarget:
@@ -535,15 +451,16 @@ class Controller:
         # only pids with GPU memory (or, unmeasured, a GPU device open) have a context to move
         pids = [p for p in rec.pids if p in pid_bytes] or list(rec.gpu_pids) or rec.pids[:1]
         return KernelTarget(kernel_id=kid, pids=pids, gpu_bytes=gpu_bytes, agent=self.agent(kid),
-                            extra={"pid_gpu_bytes": {p: dict(b) for p, b in pid_bytes.items()}})
+                            pid_bytes={p: dict(b) for p, b in pid_bytes.items()})
 
-    async def _refuse(self, st: KernelState, op: Operation, message: str) -> Outcome:
+    async def _refuse(self, st: Lifecycle, op: Operation, message: str) -> Outcome:
         """Nothing moved and nothing changed: say why, keep the kernel as it is."""
+        st.release_refused()
         log.info("gpushare: release of kernel %s refused: %s", st.kernel_id, message)
         return Outcome(False, message)
 
     async def _release_op(
-        self, st: KernelState, op: Operation, rec: KernelRecord, method_name: str, reason: str,
+        self, st: Lifecycle, op: Operation, rec: KernelRecord, method_name: str, reason: str,
         automatic: bool, by_kernel: bool,
     ) -> Outcome:
         kid = st.kernel_id
@@ -581,13 +498,13 @@ class Controller:
 
         op.phase = "moving"
         held = Held(method=method_name, bytes=need, gpus=gpus, pids=list(target.pids),
-                    pid_bytes=target.extra["pid_gpu_bytes"], kernel_pid=kernel_pid,
+                    pid_bytes=target.pid_bytes, kernel_pid=kernel_pid,
                     attributed=attributed, since=clock.now())
-        st.held, st.method, st.failed, st.error = held, method_name, False, None
-        self._notify_agent(kid, RELEASING)
+        st.hold(held)
+        self.announce.tell_agent(kid, RELEASING)
         started = time.monotonic()
         try:
-            result = await self._to_the_end(method.release(target, self._progress_log(kid)))
+            result = await to_the_end(method.release(target, self._progress_log(kid)))
         except ReclaimError as e:
             return await self._release_failed(st, held, method_name, str(e), e.resident,
                                               e.retryable, started)
@@ -599,35 +516,26 @@ class Controller:
         seconds = time.monotonic() - started
         if st.held is not held:  # dropped meanwhile (a restart): nothing left to show
             return Outcome(False, st.error or "the held state was dropped", dropped=True)
-        held.complete = True
-        held.bytes = result.bytes or need
-        st.release_failed_at = None
-        st.releases += 1
-        st.last_release_seconds = seconds
-        self._notify_agent(kid, RELEASED)
-        metrics.RELEASES.labels(method_name, "ok").inc()
-        metrics.RELEASE_SECONDS.observe(seconds)
-        self._emit(st, "released", bytes=held.bytes, seconds=seconds, reason=reason)
-        log.info("gpushare: released %s of kernel %s in %.2f s (%s)",
-                 format_bytes(held.bytes), kid, seconds, reason)
+        st.release_done(held, result.bytes or need, seconds, result.detail)
+        self.announce(kid, "released", method=method_name, state=RELEASED, bytes=held.bytes,
+                      seconds=seconds, reason=reason, detail=result.detail or None)
+        log.info("gpushare: released %s of kernel %s in %.2f s (%s)%s",
+                 format_bytes(held.bytes), kid, seconds, reason,
+                 f": {result.detail}" if result.detail else "")
         await self._refresh()
-        return Outcome(True)
+        return Outcome(True, result.detail)
 
     async def _release_failed(
-        self, st: KernelState, held: Held, method_name: str, why: str, resident: bool,
+        self, st: Lifecycle, held: Held, method_name: str, why: str, resident: bool,
         retryable: bool, started: float,
     ) -> Outcome:
         kid = st.kernel_id
-        st.release_failed_at = clock.now()
-        if resident and st.held is held:
-            st.held = None
-            st.error = f"release failed: {why}"
-        elif st.held is held:
-            st.failed, st.retryable = True, retryable
-            st.error = f"release failed and the kernel could not be confirmed running: {why}"
-        metrics.RELEASES.labels(method_name, "failed").inc()
-        self._notify_agent(kid, st.state)
-        self._emit(st, "release_failed", reason=why, seconds=time.monotonic() - started)
+        if resident:
+            st.release_undone(held, why, clock.now())
+        else:
+            st.release_unconfirmed(held, why, retryable, clock.now())
+        self.announce(kid, "release_failed", method=method_name, state=st.state, reason=why,
+                      seconds=time.monotonic() - started)
         log.warning("gpushare: release of kernel %s failed: %s", kid, st.error)
         await self._refresh()
         return Outcome(False, st.error or why, retryable)
@@ -650,7 +558,7 @@ class Controller:
         return {g: b for g, b in rec.gpu_bytes.items() if b}
 
     # -- restore ---------------------------------------------------------------------------
-    async def restore(self, kernel_id: str, trigger: str = "rest", parent: dict | None = None) -> KernelState:
+    async def restore(self, kernel_id: str, trigger: str = "rest", parent: dict | None = None) -> Lifecycle:
         """Restore a held kernel; 409 when it is not held."""
         st = self.get(kernel_id)
         if not st.is_held:
@@ -667,11 +575,12 @@ class Controller:
         if self.closing:
             raise ControllerError(409, "the server is shutting down")
         op = Operation("restore", trigger)
+        st.begin_restore(op)
         return self._start(st, op, self._restore_op(st, op, st.held, parent, wait=True))
 
     async def ensure_resident(
         self, kernel_id: str, trigger: str = "gate", parent: dict | None = None
-    ) -> KernelState:
+    ) -> Lifecycle:
         """Return once the kernel's GPU state is on the GPU (waits for a release in flight).
 
         Raises ControllerError when the restore fails, is stopped, or the held state is
@@ -686,7 +595,7 @@ class Controller:
             if op is not None:
                 if ahead.superseded(self, st, op, trigger):  # the cell's own restore takes over
                     op.stop("a cell's restore took over")
-                outcome = await self._wait(op)
+                outcome = await wait_for(op)
                 if op.trigger == ahead.AHEAD and trigger != ahead.AHEAD:
                     continue  # an ahead restore that did not bring it back: the cell's does
                 if op.kind == "restore" and not outcome.ok and st.drops == drops:
@@ -696,45 +605,38 @@ class Controller:
                 return st
             self.start_restore(kernel_id, trigger, parent)
 
-    def _need(self, held: Held) -> dict[int, int]:
-        """Bytes to reserve per GPU: what the kernel held, on every GPU when we could not tell
-        which, plus a CUDA context where the bytes were the kernel's own count."""
-        known = {g: b for g, b in held.gpus.items() if g >= 0}
-        unknown = held.gpus.get(-1, 0)
-        margin = 0 if held.attributed else self.context_bytes
-        if unknown or (not known and held.bytes):
-            every = list(self.total_bytes()) or [0]
-            return {g: known.get(g, 0) + (unknown or held.bytes) + margin for g in every}
-        return {g: b + margin for g, b in known.items()}
+    def need(self, held: Held) -> dict[int, int]:
+        """Bytes to reserve per GPU before restoring ``held`` (see :func:`.room.to_reserve`)."""
+        return to_reserve(held.gpus, held.bytes, held.attributed, self.context_bytes,
+                               list(self.total_bytes()))
 
     async def _restore_op(
-        self, st: KernelState, op: Operation, held: Held, parent: dict | None, wait: bool
+        self, st: Lifecycle, op: Operation, held: Held, parent: dict | None, wait: bool
     ) -> Outcome:
-        need = self._need(held)
+        need = self.need(held)
         shown = _Shower(self.agent(st.kernel_id), parent,
                         clear_when_done=self.clear_progress and op.trigger in CLEARED_TRIGGERS)
         grant = await self._wait_for_room(st, op, held, need, shown, wait)
         if isinstance(grant, Outcome):
             return grant
         try:
-            op.phase = "moving"
-            return await self._to_the_end(self._move_back(st, op, held, shown, grant))
+            st.restore_moving()
+            return await to_the_end(self._move_back(st, op, held, shown, grant))
         finally:
             grant.release()
 
     async def _move_back(
-        self, st: KernelState, op: Operation, held: Held, shown: _Shower, grant: Grant
+        self, st: Lifecycle, op: Operation, held: Held, shown: _Shower, grant: Grant
     ) -> Outcome:
         kid = st.kernel_id
         method = self.methods[held.method]
-        st.error = None
         expected = st.last_restore_seconds
         gpus = ", ".join(str(g) for g in sorted(held.gpus) if g >= 0) or "-"
         await shown(f"gpushare: restoring {format_bytes(held.bytes)} to GPU {gpus}"
                     + (f" (last time {expected:.2f} s)" if expected else "") + " ...")
         rec = self.tracker.kernels.get(kid)
         target = KernelTarget(kernel_id=kid, pids=list(held.pids), gpu_bytes=dict(held.gpus),
-                              agent=self.agent(kid), extra={"pid_gpu_bytes": held.pid_bytes})
+                              agent=self.agent(kid), pid_bytes=held.pid_bytes)
         if rec is not None and not target.pids:
             target.pids = rec.pids[:1]
         started = time.monotonic()
@@ -750,38 +652,30 @@ class Controller:
             why = str(e) or type(e).__name__
             ended = self._process_ended(kid, held)
             if ended:  # the process that held the state is gone: nothing to retry
-                st.drop_after_op = ended  # dropped as the operation ends, before waiters wake
-                metrics.RESTORES.labels(method.name, "failed").inc()
-                self._emit(st, "restore_failed", reason=f"{ended} ({why})",
-                           seconds=time.monotonic() - started)
+                st.drop(ended)  # bytes were moving: dropped as the operation ends, before waiters wake
+                self.announce(kid, "restore_failed", method=method.name, reason=f"{ended} ({why})",
+                              seconds=time.monotonic() - started)
                 gone = f"{ended}: its released GPU state is gone"
                 await shown(f"gpushare: restore failed: {gone}")
                 log.warning("gpushare: restore of kernel %s failed: %s (%s)", kid, gone, why)
                 return Outcome(False, gone, False, dropped=True)
             # a restore ahead of a cell that fails leaves the kernel released, the reason shown
-            st.failed, st.retryable = st.failed or op.trigger != ahead.AHEAD, retryable
-            st.error = ahead.failed_restore_error(op.trigger, why)
-            metrics.RESTORES.labels(method.name, "failed").inc()
-            self._notify_agent(kid, FAILED if st.failed else RELEASED)
-            self._emit(st, "restore_failed", reason=why, seconds=time.monotonic() - started,
-                       trigger=op.trigger)
+            st.restore_failed(ahead.failed_restore_error(op.trigger, why), retryable,
+                              stays_released=op.trigger == ahead.AHEAD)
+            self.announce(kid, "restore_failed", method=method.name,
+                          state=FAILED if st.failed else RELEASED, reason=why,
+                          seconds=time.monotonic() - started, trigger=op.trigger)
             await shown(f"gpushare: restore failed, your state is still held: {why}")
             log.warning("gpushare: restore of kernel %s failed: %s", kid, why)
             await self._refresh()
-            return Outcome(False, st.error, retryable)
+            return Outcome(False, st.error or why, retryable)
         grant.release()  # landed bytes count as used from here: not twice, as reserved too
         seconds = time.monotonic() - started
         moved = result.bytes or held.bytes
-        if st.held is held:
-            st.held = None
-        st.failed, st.error, st.retryable = False, None, True
-        st.restores += 1
-        st.last_restore_seconds = seconds
+        st.restore_done(held, seconds)
         self.tracker.touch(kid)
-        self._notify_agent(kid, ACTIVE)
-        metrics.RESTORES.labels(method.name, "ok").inc()
-        metrics.RESTORE_SECONDS.observe(seconds)
-        self._emit(st, "restored", bytes=moved, seconds=seconds, reason=op.trigger)
+        self.announce(kid, "restored", method=method.name, state=ACTIVE, bytes=moved,
+                      seconds=seconds, reason=op.trigger)
         await shown(f"gpushare: restored {format_bytes(moved)} in {seconds:.2f} s")
         await shown.done()  # before the cell's code runs (saved notebooks carry no timings)
         log.info("gpushare: restored %s of kernel %s in %.2f s (%s)",
@@ -798,7 +692,7 @@ class Controller:
         return why
 
     async def _wait_for_room(
-        self, st: KernelState, op: Operation, held: Held, need: dict[int, int], shown: _Shower,
+        self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int], shown: _Shower,
         wait: bool,
     ) -> Grant | Outcome:
         """Never restore without room: take the GPUs, check, reserve; else make room per
@@ -829,13 +723,13 @@ class Controller:
                 free = await self.read_free(list(need))
                 room = {g: None if f is None else f - self._releases_may_take_back(g)
                         for g, f in free.items()}
-                short = self._short(want, room, strict)
+                short = lacking(want, room, strict=strict)
                 if not short and strict:  # and the room must still be there a moment later
                     await asyncio.sleep(STRICT_SETTLE)
                     again = await self.read_free(sorted(strict))
                     room.update({g: None if f is None else f - self._releases_may_take_back(g)
                                  for g, f in again.items()})
-                    short = self._short(want, room, strict)
+                    short = lacking(want, room, strict=strict)
             except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
                 grant.release()
                 raise
@@ -868,8 +762,8 @@ class Controller:
                 # the event's reason has no parentheses (the lab's toast adds its own) and
                 # does not repeat "waiting for memory" (the toast says it waits)
                 why = "needs " + "; ".join(f"{needs}, {free}" for needs, free in shortfall)
-                self._emit(st, "restore_waiting", bytes=sum(want.values()), reason=why,
-                           trigger=op.trigger)
+                self.announce(st.kernel_id, "restore_waiting", method=st.method,
+                              bytes=sum(want.values()), reason=why, trigger=op.trigger)
                 await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
                             "(interrupt to stop waiting)")
             if await self._make_room(st, want, free):
@@ -882,15 +776,7 @@ class Controller:
             except asyncio.TimeoutError:
                 delay = min(delay * 2, WAIT_BACKOFF[1])
 
-    @staticmethod
-    def _short(want: dict[int, int], room: dict[int, int | None], strict: set[int]) -> dict[int, int]:
-        """GPUs without room for ``want``: on a GPU without a restore turn across servers
-        (``strict``), room for twice the state, so that two such restores started at the same
-        moment both fit."""
-        return {g: n for g, n in want.items()
-                if room.get(g) is None or (room[g] or 0) < n * (2 if g in strict else 1)}
-
-    async def _take_turn(self, st: KernelState, need: dict[int, int], shown: _Shower) -> Grant:
+    async def _take_turn(self, st: Lifecycle, need: dict[int, int], shown: _Shower) -> Grant:
         """The restore turn of every GPU in ``need``. While another server holds one, the
         cell's progress line and ``status`` say so (``waiting``)."""
         said = asyncio.Event()
@@ -931,7 +817,7 @@ class Controller:
                 total += other.held.gpus.get(gpu, 0) + other.held.gpus.get(-1, 0)
         return total
 
-    async def _still_to_land(self, st: KernelState, held: Held, need: dict[int, int]) -> dict[int, int]:
+    async def _still_to_land(self, st: Lifecycle, held: Held, need: dict[int, int]) -> dict[int, int]:
         """``need`` less what the kernel's process still holds on each GPU. A release that
         failed part-way (or before moving anything) left those bytes in place, and they count
         as used already: charging them again left such a kernel waiting for memory it does not
@@ -945,7 +831,7 @@ class Controller:
             return need  # not measured per process, or another process now: charge it all
         return {g: max(0, n - rec.gpu_bytes.get(g, 0)) for g, n in need.items()}
 
-    async def _make_room(self, st: KernelState, need: dict[int, int], free: dict[int, int | None]) -> bool:
+    async def _make_room(self, st: Lifecycle, need: dict[int, int], free: dict[int, int | None]) -> bool:
         """Release idle kernels per policy; a victim whose release failed recently is skipped.
         True when some victim was released (a refused or failed one frees nothing: the caller
         backs off, or a victim refused again and again would be asked in a tight loop)."""
@@ -957,7 +843,7 @@ class Controller:
             other = self.states.get(k)
             if other is None or other.op is not None or k == st.kernel_id:
                 continue
-            if other.release_failed_at is not None and now - other.release_failed_at < RETRY_AFTER_FAILED_RELEASE:
+            if self._failed_recently(other, now):
                 continue
             cands.append(self.candidate(other, rec, now))
         plan = self.rules.make_room(need, {g: f for g, f in known_free.items() if f is not None},
@@ -969,26 +855,26 @@ class Controller:
             except ControllerError as e:
                 log.info("gpushare: could not make room with %s: %s", d.kernel_id, e.message)
                 continue
-            outcome = await self._wait(victim_op)
+            outcome = await wait_for(victim_op)
             if not outcome.ok:
                 log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
             made = made or outcome.ok
         return made
 
     # -- pin, drop, shutdown ------------------------------------------------------------------
-    def set_pinned(self, kernel_id: str, pinned: bool) -> KernelState:
+    def set_pinned(self, kernel_id: str, pinned: bool) -> Lifecycle:
         st = self.get(kernel_id)
         if st.pinned != pinned:
             st.pinned = pinned
-            self._emit(st, "pinned" if pinned else "unpinned")
+            self.announce(kernel_id, "pinned" if pinned else "unpinned", method=st.method)
         return st
 
-    def set_idle_timeout(self, kernel_id: str, seconds: float | None) -> KernelState:
+    def set_idle_timeout(self, kernel_id: str, seconds: float | None) -> Lifecycle:
         st = self.get(kernel_id)
         st.idle_timeout = seconds
         return st
 
-    def set_allow_background(self, kernel_id: str, allow: bool) -> KernelState:
+    def set_allow_background(self, kernel_id: str, allow: bool) -> Lifecycle:
         st = self.get(kernel_id)
         st.allow_background = allow
         return st
@@ -999,16 +885,12 @@ class Controller:
         if st is None or st.held is None:
             return
         op = st.op
-        if op is not None and op.phase == "moving":
-            st.drop_after_op = why  # the method fails on its own; drop once it has
-            return
+        if not st.drop(why):
+            return  # bytes are moving: the method fails on its own, the drop follows its end
         log.warning("gpushare: kernel %s: %s; its released GPU state is gone with the old process",
                     kernel_id, why)
-        st.held, st.failed, st.waiting = None, False, None
-        st.error, st.retryable = f"{why}: its released GPU state is gone", False
-        st.drops += 1
         if op is not None:
-            op.stop(st.error)
+            op.stop(st.error or why)
         metrics.forget_kernel(kernel_id)
         self._signal_freed()
 
@@ -1041,9 +923,10 @@ class Controller:
             if st.held is None or st.op is not None:
                 continue
             op = Operation("restore", "shutdown")
+            st.begin_restore(op)
             self._start(st, op, self._restore_op(st, op, st.held, None, wait=False))
             try:
-                outcome = await asyncio.wait_for(self._wait(op), timeout)
+                outcome = await asyncio.wait_for(wait_for(op), timeout)
             except asyncio.TimeoutError:
                 log.error("gpushare: at shutdown the restore of kernel %s did not finish in %.0f s",
                           kid, timeout)
@@ -1067,28 +950,9 @@ class Controller:
     def _progress_log(self, kernel_id: str) -> Callable[[str], None]:
         return lambda text: log.debug("gpushare: kernel %s: %s", kernel_id, text)
 
-    def _notify_agent(self, kernel_id: str, state: str) -> None:
-        agent = self.agent(kernel_id)
-        if agent is not None:
-            try:
-                agent.notify("state", state=state, restore_mode=self.restore_mode)
-            except Exception as e:  # the agent learns its state again when it reconnects
-                log.debug("gpushare: could not tell kernel %s its state: %s", kernel_id, e)
-
-    def _emit(self, st: KernelState, action: str, **data: Any) -> None:
-        rec = self.tracker.kernels.get(st.kernel_id)
-        payload: dict[str, Any] = {"kernel_id": st.kernel_id, "action": action}
-        if st.method:
-            payload["method"] = st.method
-        if rec is not None and rec.path:
-            payload["path"] = rec.path
-        for k, v in data.items():
-            if v is not None:
-                payload[k] = int(v) if k == "bytes" else v
-        try:
-            self.emit(payload)
-        except Exception:
-            log.exception("gpushare: could not emit event %s", action)
+    def _path_of(self, kernel_id: str) -> str:
+        rec = self.tracker.kernels.get(kernel_id)
+        return rec.path if rec is not None else ""
 
     def _update_metrics(self) -> None:
         counts: dict[str, int] = {}
@@ -1140,5 +1004,4 @@ class _Shower:
         return True
 
 
-__all__ = ["ACTIVE", "FAILED", "IDLE", "RELEASED", "RELEASING", "RESTORING", "UNTRACKED",
-           "Controller", "ControllerError", "Held", "KernelState", "Operation", "Outcome"]
+__all__ = ["Controller", "ControllerError", "Held", "Lifecycle", "Operation", "Outcome"]

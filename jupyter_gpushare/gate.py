@@ -130,7 +130,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             return False
 
     def _must_wait(self, controller: Controller, is_comm: bool) -> bool:
-        st = controller.states.get(self.kernel_id)
+        st = controller.find(self.kernel_id)
         if st is None or not st.is_held:
             return False
         if controller.restore_mode == "eager":
@@ -179,7 +179,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         if not self._held:
             return
         controller = self.controller
-        st = controller.states.get(self.kernel_id) if controller is not None else None
+        st = controller.find(self.kernel_id) if controller is not None else None
         op = st.op if st is not None else None
         if op is not None and op.kind == "restore" and op.phase == "moving":
             return

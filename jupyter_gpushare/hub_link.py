@@ -146,7 +146,7 @@ class HubLink:
             while True:
                 await self.push([kernel_id])
                 await asyncio.sleep(self.options.push_interval)
-                st = self.controller.states.get(kernel_id)
+                st = self.controller.find(kernel_id)
                 if st is None or not st.waiting:
                     return
         finally:
@@ -201,10 +201,8 @@ class HubLink:
             return None
         waits: dict[str, Any] = answer["waits"] if isinstance(answer.get("waits"), dict) else {}
         for kid in kernel_ids:
-            st = self.controller.states.get(kid)
             note = waits.get(kid)
-            if st is not None and st.waiting:
-                st.waiting_note = note[:300] if isinstance(note, str) else None
+            self.controller.note_waiting(kid, note[:300] if isinstance(note, str) else None)
         if isinstance(answer.get("me"), dict):
             self.me = answer["me"]
         if answer.get("released"):

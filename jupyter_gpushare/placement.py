@@ -125,7 +125,7 @@ class Placer:
 
         def held() -> dict[int, int]:
             out: dict[int, int] = {}
-            for st in list(app.controller.states.values()):
+            for st in app.controller.lifecycles():
                 if st.held is not None:
                     for g, n in st.released_gpus.items():
                         out[g] = out.get(g, 0) + n

@@ -6,14 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 from . import ahead, clock
-from .controller import Controller, KernelState
+from .controller import Controller
+from .lifecycle import Lifecycle
 from .placement import placed_gpus
 from .tracker import KernelRecord, Tracker
 
 
 def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
     rec: KernelRecord | None = controller.tracker.kernels.get(kernel_id)
-    st: KernelState = controller.get(kernel_id)
+    st: Lifecycle = controller.get(kernel_id)
     now = clock.now()
     return {
         "id": kernel_id,
@@ -44,6 +45,7 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "restore_need": {str(g): n for g, n in controller.restore_need(kernel_id).items()},
         "execution_state": rec.execution_state if rec else "unknown",
         "release_blocked": st.release_blocked,
+        "release_detail": (st.held.detail or None) if st.held is not None else None,
         "host_room_bytes": _host_room(rec),
     }
 
@@ -61,7 +63,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
                 hub: dict[str, Any] | None = None) -> dict[str, Any]:
     tracker = controller.tracker
     released_per_gpu: dict[int, int] = {}
-    for st in controller.states.values():
+    for st in controller.lifecycles():
         if st.held is not None:
             for g, n in st.released_gpus.items():
                 released_per_gpu[g] = released_per_gpu.get(g, 0) + n

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from openapi_spec_validator import validate as validate_openapi
 
-from jupyter_gpushare import contract, contract_typescript, states
+from jupyter_gpushare import contract, contract_typescript, lifecycle, states
+from jupyter_gpushare.events import KERNEL_SCHEMA_ID
 from jupyter_gpushare.handlers import MAX_BODY_BYTES, handlers
 
 from .helpers import rest, wait_for
@@ -47,18 +48,115 @@ def test_the_contract_is_valid_openapi_and_lists_exactly_the_servers_routes():
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _hand_written_sources() -> list[tuple[Path, str]]:
+    """The lab extension's sources other than the generated contract.ts."""
+    return [(source, source.read_text(encoding="utf-8"))
+            for source in sorted((ROOT / "labextension" / "src").glob("*.ts"))
+            if source.name != "contract.ts"]
+
+
+def _literal_lists(text: str, values: list[str]) -> list[str]:
+    """Places where two of ``values`` are listed side by side ('a', 'b' or 'a' | 'b')."""
+    one = "|".join(re.escape(v) for v in values)
+    return re.findall(rf"'(?:{one})'\s*[,|]\s*'(?:{one})'", text)
+
+
+def _function_body(text: str, name: str) -> str:
+    found = re.search(rf"\nexport function {name}\(.*?\n}}\n", text, re.S)
+    assert found, name
+    return found.group(0)
+
+
 def test_the_lab_extensions_types_are_generated_from_the_contract():
     generated = (ROOT / contract_typescript.OUTPUT).read_text(encoding="utf-8")
     assert generated == contract_typescript.render(), (
         "labextension/src/contract.ts is out of date: run "
         "`python -m jupyter_gpushare.contract_typescript`")
     assert "export * from './contract';" in (ROOT / "labextension/src/api.ts").read_text()
-    names = [contract_typescript.type_name(n) for n in contract.spec()["components"]["schemas"]]
-    for source in (ROOT / "labextension" / "src").glob("*.ts"):
-        if source.name != "contract.ts":  # no hand-kept copy of a contract shape elsewhere
-            text = source.read_text(encoding="utf-8")
-            for name in names:
-                assert not re.search(rf"\b(interface|type|class) {name}\b", text), (source, name)
+    # every name contract.ts declares: the contract's shapes, the allowed-actions table, the event
+    names = re.findall(r"^export (?:interface|type|const) (\w+)\b", generated, re.M)
+    assert {contract_typescript.type_name(n) for n in contract.spec()["components"]["schemas"]} | {
+        contract_typescript.ACTION_TYPE, contract_typescript.ALLOWED_IN,
+        contract_typescript.EVENT_INTERFACE, contract_typescript.EVENT_SCHEMA_ID} <= set(names)
+    for source, text in _hand_written_sources():  # no hand-kept copy of any of it elsewhere
+        for name in names:
+            assert not re.search(rf"\b(interface|type|class|const|let|var|enum) {name}\b", text), (
+                source, name)
+
+
+def test_the_lab_extension_keeps_no_hand_copy_of_the_allowed_actions_or_the_event():
+    """The buttons follow the generated table, toasts read the generated event type: a table,
+    state list or event interface written by hand in labextension/src fails here."""
+    event = contract_typescript.event_schema()
+    event_actions = event["properties"]["action"]["enum"]
+    for source, text in _hand_written_sources():
+        # a hand-kept table of states (['active', 'idle'], 'released' | 'failed') or of actions
+        assert not _literal_lists(text, list(states.ALL)), source
+        assert not _literal_lists(text, event_actions), source
+        assert KERNEL_SCHEMA_ID not in text, source  # the schema id comes from contract.ts
+        for name, body in re.findall(r"\binterface (\w+)[^{]*\{(.*?)\n\}", text, re.S):
+            fields = set(re.findall(r"^\s*(\w+)\??:", body, re.M))
+            assert not set(event["required"]) <= fields, (source, name, "a copy of IKernelEvent")
+    rules = (ROOT / "labextension" / "src" / "rules.ts").read_text(encoding="utf-8")
+    for function in ("allowedActions", "displayedState"):
+        body = _function_body(rules, function)
+        # the states come from the table, none is named in the rules (but what is displayed)
+        named = set(re.findall(r"'(\w+)'", body)) & set(states.ALL)
+        assert named <= ({"releasing", "restoring"} if function == "displayedState" else set()), (
+            function, named)
+    body = _function_body(rules, "allowedActions")
+    for action in lifecycle.ACTIONS:
+        assert f"{action}: {contract_typescript.ALLOWED_IN}.{action}.includes(state)" in body
+    notifications = (ROOT / "labextension" / "src" / "notifications.ts").read_text(encoding="utf-8")
+    assert re.search(r"import \{[^}]*\bIKernelEvent\b[^}]*\} from './contract';", notifications)
+
+
+def _generated() -> str:
+    return (ROOT / contract_typescript.OUTPUT).read_text(encoding="utf-8")
+
+
+def test_the_lab_extensions_allowed_actions_are_the_servers():
+    """The panel's buttons allow what the server allows (its 409 rules, lifecycle.ACTIONS)."""
+    generated = _generated()
+    name = contract_typescript.ALLOWED_IN
+    block = re.search(rf"^export const {name}: (.*?) = \{{\n(.*?)\n\}};$", generated, re.S | re.M)
+    assert block, name
+    action_type = contract_typescript.ACTION_TYPE
+    assert block.group(1) == f"{{ readonly [action in {action_type}]: readonly KernelState[] }}"
+    table = {action: re.findall(r"'(\w+)'", listed)
+             for action, listed in re.findall(r"^  (\w+): \[(.*?)\]", block.group(2), re.S | re.M)}
+    assert table == {action: list(allowed) for action, allowed in lifecycle.ACTIONS.items()}
+    union = re.search(rf"^export type {action_type} =(.*?);$", generated, re.S | re.M)
+    assert union and re.findall(r"'(\w+)'", union.group(1)) == list(lifecycle.ACTIONS)
+
+
+def test_the_allowed_actions_name_only_the_contracts_states(monkeypatch):
+    monkeypatch.setitem(lifecycle.ACTIONS, "restore", ("released", "asleep"))
+    with pytest.raises(ValueError, match="asleep"):
+        contract_typescript.render()
+
+
+def test_the_kernel_event_type_is_generated_from_its_schema():
+    """IKernelEvent is the schema the server registers with jupyter_events: its fields, which
+    are optional, their types, and the action names as a union."""
+    generated = _generated()
+    schema = contract_typescript.event_schema()
+    assert schema["$id"] == KERNEL_SCHEMA_ID
+    assert f"export const {contract_typescript.EVENT_SCHEMA_ID} = '{KERNEL_SCHEMA_ID}';" in generated
+    body = re.search(rf"^export interface {contract_typescript.EVENT_INTERFACE} \{{\n(.*?)\n\}}$",
+                     generated, re.S | re.M)
+    assert body
+    fields = dict(re.findall(r"^  (\w+\??): (.+);$", body.group(1), re.M))
+    required = set(schema["required"])
+    expected = {
+        field + ("" if field in required else "?"):
+            "KernelEventAction" if field == "action" else contract_typescript.ts_type(prop)
+        for field, prop in schema["properties"].items()
+    }
+    assert fields == expected
+    assert fields["kernel_id"] == "string" and fields["bytes?"] == "number"
+    union = re.search(r"^export type KernelEventAction =(.*?);$", generated, re.S | re.M)
+    assert union and re.findall(r"'(\w+)'", union.group(1)) == schema["properties"]["action"]["enum"]
 
 
 def test_the_state_names_are_the_contracts():
@@ -114,7 +212,7 @@ KERNEL = {
     "gpu_utilization": {},
     "idle_seconds": 1.0, "release_in_seconds": None, "idle_timeout": 600.0, "method": "simulated",
     "releases": 1, "restores": 0, "last_restore_seconds": None, "last_release_seconds": 0.1,
-    "error": None, "waiting": None, "execution_state": "idle", "release_blocked": None,
+    "error": None, "waiting": None, "execution_state": "idle", "release_blocked": None, "release_detail": None,
     "host_room_bytes": None, "restore_need": {},
 }
 

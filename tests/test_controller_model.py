@@ -38,7 +38,7 @@ from jupyter_gpushare.controller import (
     Controller,
     ControllerError,
     Held,
-    KernelState,
+    Lifecycle,
 )
 from jupyter_gpushare.hostmem import HostRoom
 from jupyter_gpushare.protocol import RemoteError
@@ -426,7 +426,7 @@ class ControllerModel(RuleBasedStateMachine):
         self.failed_release_at: dict[str, float] = {}  # kernel -> clock of its last failed release
         #: every kernel state the controller has had: one it forgot (a kernel shut down) may
         #: still have an operation moving bytes, which holds GPU locks and room
-        self.known: dict[str, KernelState] = {}
+        self.known: dict[str, Lifecycle] = {}
         self.steps = 0
         self.shutdown_task: asyncio.Task[None] | None = None
         self.bugs = _Bugs(self)
@@ -840,14 +840,14 @@ class ControllerModel(RuleBasedStateMachine):
         ledger = self.controller.reservations
         self.known.update(self.controller.states)
         restores = [s for s in self.known.values() if s.op is not None and s.op.kind == "restore"]
-        needs = [self.controller._need(s.held) for s in restores
+        needs = [self.controller.need(s.held) for s in restores
                  if s.held is not None and s.op is not None and s.op.phase == "moving"]
         for g in CAPACITY:
             reserved = ledger.reserved(g)
             if reserved > sum(n.get(g, 0) for n in needs):
                 out.append(f"GPU {g}: {reserved} bytes reserved, no restore moving there")
             # a restore whose held state was just dropped is being stopped: it may hold a lock
-            if ledger.busy(g) and not any(s.held is None or g in self.controller._need(s.held)
+            if ledger.busy(g) and not any(s.held is None or g in self.controller.need(s.held)
                                           for s in restores):
                 out.append(f"GPU {g} is locked with no restore on it: {ledger.snapshot()}")
         return out
@@ -994,7 +994,7 @@ def test_an_operation_stopped_before_it_began_still_ends():
             return op
 
         op = m.now(start_and_stop)
-        m.wait("restore", "k2", lambda: m.controller._wait(op), 0)
+        m.wait("restore", "k2", lambda: m.controller.wait(op), 0)
         waiter = m.waiters[-1]
         until(m, waiter.task.done, "the stopped restore to end")
         assert not waiter.task.cancelled() and not waiter.task.result().ok

@@ -62,9 +62,9 @@ def one_pid(agent=None):
 
 
 def two_pids(agent=None, per_pid=True):
-    extra = {"pid_gpu_bytes": {1234: {0: 3 * GiB}, 5678: {1: 1 * GiB}}} if per_pid else {}
+    pid_bytes = {1234: {0: 3 * GiB}, 5678: {1: 1 * GiB}} if per_pid else {}
     return KernelTarget("k2", pids=[1234, 5678], gpu_bytes={0: 3 * GiB, 1: 1 * GiB},
-                        agent=agent, extra=extra)
+                        agent=agent, pid_bytes=pid_bytes)
 
 
 # -- happy paths ----------------------------------------------------------------------------

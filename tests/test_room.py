@@ -37,14 +37,14 @@ def held(gpus: dict[int, int], attributed: bool) -> Held:
 
 def test_a_state_on_an_unknown_gpu_needs_room_on_every_gpu_plus_a_context():
     c = controller()
-    assert c._need(held({-1: 4 * GiB}, attributed=False)) == {
+    assert c.need(held({-1: 4 * GiB}, attributed=False)) == {
         0: 4 * GiB + (512 << 20), 1: 4 * GiB + (512 << 20)}
 
 
 def test_a_measured_state_needs_exactly_what_it_held_where_it_held_it():
     c = controller()
-    assert c._need(held({1: 3 * GiB}, attributed=True)) == {1: 3 * GiB}
-    assert c._need(held({0: GiB, 1: 2 * GiB}, attributed=True)) == {0: GiB, 1: 2 * GiB}
+    assert c.need(held({1: 3 * GiB}, attributed=True)) == {1: 3 * GiB}
+    assert c.need(held({0: GiB, 1: 2 * GiB}, attributed=True)) == {0: GiB, 1: 2 * GiB}
 
 
 def test_a_release_acts_on_every_process_with_a_gpu_open_when_nvml_cannot_tell():

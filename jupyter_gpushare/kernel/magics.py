@@ -289,8 +289,9 @@ class GPUShareMagics(Magics):
             agent = agent_module.get_agent()
             when = RESTORE_MODES.get(agent.restore_mode if agent is not None else "eager",
                                      RESTORE_MODES["eager"])
+            detail = f" ({k['release_detail']})" if k.get("release_detail") else ""
             print(f"gpushare: released {format_bytes(k.get('released_bytes') or 0)} to host memory "
-                  f"in {time.monotonic() - started:.2f} s; it comes back {plain(when)}")
+                  f"in {time.monotonic() - started:.2f} s{detail}; it comes back {plain(when)}")
 
     def _restore(self) -> None:
         before = self._ask("status")

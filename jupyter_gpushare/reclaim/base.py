@@ -61,7 +61,9 @@ class KernelTarget:
     pids: list[int]  # the kernel's local pids that hold GPU memory (CUDA contexts)
     gpu_bytes: dict[int, int]  # bytes per GPU index: held now (release) or when released (restore)
     agent: AgentLink | None = None  # None when the kernel has no agent (e.g. R, Julia)
-    extra: dict[str, Any] = field(default_factory=dict)
+    #: pid -> GPU -> bytes, where measured per process: makes a partial restore's room exact
+    pid_bytes: dict[int, dict[int, int]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # what a method of another package needs
 
 
 @dataclass

@@ -24,8 +24,9 @@ Order of operations and why:
 
 ``KernelTarget.gpu_bytes`` on restore must be what the kernel held when it was released (the
 controller keeps it): the GPU holds nothing of it while released. Optional
-``target.extra["pid_gpu_bytes"] = {pid: {gpu: bytes}}`` makes the room check per pid exact
-and the progress lines show sizes per pid.
+``target.pid_bytes = {pid: {gpu: bytes}}`` makes the room check per pid exact and the
+progress lines show sizes per pid. The room rule is :mod:`..room`'s, the controller's too
+(``margin_bytes`` is 0 in the server: the controller reserves a context's margin itself).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import room
 from ..units import format_bytes
 from .base import (
     KernelTarget,
@@ -234,9 +236,8 @@ class DriverMethod(ReclaimMethod):
 
     @staticmethod
     def _pid_bytes(target: KernelTarget, pid: int) -> dict[int, int]:
-        per_pid = target.extra.get("pid_gpu_bytes") or {}
-        if pid in per_pid:
-            return dict(per_pid[pid])
+        if pid in target.pid_bytes:
+            return dict(target.pid_bytes[pid])
         if len(target.pids) == 1:
             return dict(target.gpu_bytes)
         return {}
@@ -247,14 +248,7 @@ class DriverMethod(ReclaimMethod):
 
     def _needed(self, target: KernelTarget, pids: list[int]) -> dict[int, int]:
         """Bytes the given pids need back per GPU (all of the kernel's when not known per pid)."""
-        per_pid = target.extra.get("pid_gpu_bytes") or {}
-        if pids and all(p in per_pid for p in pids):
-            need: dict[int, int] = {}
-            for p in pids:
-                for gpu, b in per_pid[p].items():
-                    need[gpu] = need.get(gpu, 0) + int(b)
-            return need
-        return dict(target.gpu_bytes) if pids else {}
+        return room.of_processes(target.gpu_bytes, target.pid_bytes, pids)
 
     async def _room(self, need: dict[int, int]) -> str | None:
         """None when every GPU has room for ``need``; else why not (a person reads it)."""
@@ -268,7 +262,7 @@ class DriverMethod(ReclaimMethod):
                 free = None
             if free is None:
                 return f"free memory on GPU {gpu} is unknown, so a restore is not safe"
-            if free < b + self.margin_bytes:
+            if room.lacking({gpu: b}, {gpu: free}, self.margin_bytes):
                 return f"GPU {gpu} has {_size(free)} free, {_size(b + self.margin_bytes)} needed"
         return None
 

@@ -1,6 +1,9 @@
 /**
- * The REST API's JSON shapes, generated from jupyter_gpushare/openapi.yaml (the contract).
- * Do not edit: change the contract, then run `python -m jupyter_gpushare.contract_typescript`.
+ * Generated from the server's own definitions: the REST API's JSON shapes from
+ * jupyter_gpushare/openapi.yaml (the contract), which actions each state allows from
+ * jupyter_gpushare/lifecycle.py (`ACTIONS`), and the kernel event from
+ * jupyter_gpushare/events/kernel-v1.yaml. Do not edit: change those, then run
+ * `python -m jupyter_gpushare.contract_typescript`.
  */
 
 /** jupyter_server's error body. */
@@ -183,6 +186,11 @@ export interface IKernel {
   /** jupyter_server's execution_state (idle, busy, starting, ...; unknown). */
   execution_state: string;
   /**
+   * What the release method said about the release that holds the state now (for example "3 objects
+   * left on the GPU": tensors it could not move); null when nothing is held or it said nothing.
+   */
+  release_detail: string | null;
+  /**
    * Why this kernel is not released automatically although it may be idle (threads other than its
    * cells use the GPU; its GPU state would not fit in host memory); null when nothing stops it. A
    * release by hand is still possible.
@@ -230,4 +238,62 @@ export interface IKernelHistory {
    * null where the kernel held nothing on that GPU at that time.
    */
   gpu_utilization: { [key: string]: (number | null)[] };
+}
+
+/** What a person may ask for a kernel (REST, the panel, `%gpushare`). */
+export type KernelAction = 'release' | 'restore' | 'pin';
+
+/**
+ * The states in which the server takes each action (it answers 409 in the others), from
+ * jupyter_gpushare/lifecycle.py `ACTIONS`. A restore asked while a release is in flight waits for
+ * the release, then restores; one asked while a restore runs joins it.
+ */
+export const ALLOWED_IN: { readonly [action in KernelAction]: readonly KernelState[] } = {
+  release: ['active', 'idle'],
+  restore: ['releasing', 'released', 'restoring', 'failed'],
+  pin: ['active', 'idle', 'releasing', 'released', 'restoring', 'failed', 'untracked']
+};
+
+/** The id of the kernel event's schema (jupyter_events), from its `$id`. */
+export const KERNEL_EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpushare/kernel/v1';
+
+/** The kernel event's `action` field: what happened. */
+export type KernelEventAction =
+  | 'released'
+  | 'restored'
+  | 'release_failed'
+  | 'restore_failed'
+  | 'restore_waiting'
+  | 'pinned'
+  | 'unpinned';
+
+/**
+ * Emitted when jupyter-gpushare releases a kernel's GPU memory, restores it, fails to, waits for
+ * memory to restore it, or when a kernel is pinned or unpinned.
+ */
+export interface IKernelEvent {
+  /** The kernel's id. */
+  kernel_id: string;
+  /** What happened. */
+  action: KernelEventAction;
+  /**
+   * Bytes moved off (released) or back onto (restored) the GPU; needed bytes for restore_waiting.
+   */
+  bytes?: number;
+  /** How long the operation took. */
+  seconds?: number;
+  /** driver, framework or simulated. */
+  method?: string;
+  /** Why it happened, or why it failed. */
+  reason?: string;
+  /**
+   * What asked for the restore (restore_waiting, restore_failed): gate, agent, magic, rest, panel,
+   * activity (ahead of the person's next cell), watchdog, shutdown. A restored event gives it as
+   * its reason.
+   */
+  trigger?: string;
+  /** What the method said about a release (released), e.g. "3 objects left on the GPU". */
+  detail?: string;
+  /** The notebook's path, when known. */
+  path?: string;
 }

@@ -157,6 +157,16 @@ export class KernelRow {
         ? "Move this kernel's GPU memory to host memory now (pinned only stops automatic releases)"
         : "Move this kernel's GPU memory to host memory now"
     );
+    // A restore may be asked mid-release (it follows the release) or mid-restore (it joins it).
+    setAttr(
+      this._restore,
+      'title',
+      k.state === 'releasing'
+        ? "Bring this kernel's GPU memory back as soon as the release ends"
+        : k.state === 'restoring'
+          ? 'A restore is under way; this waits for it to end'
+          : "Bring this kernel's GPU memory back now"
+    );
     setText(this._pin, k.pinned ? 'Unpin' : 'Pin');
     setAttr(this._pin, 'aria-pressed', k.pinned ? 'true' : 'false');
 

@@ -6,23 +6,13 @@ import { Notification } from '@jupyterlab/apputils';
 import { Event } from '@jupyterlab/services';
 import { DisposableDelegate, IDisposable } from '@lumino/disposable';
 
-import type { RestoreMode } from './contract';
+import { IKernelEvent, KERNEL_EVENT_SCHEMA_ID, RestoreMode } from './contract';
 import { formatBytes, formatDuration } from './format';
 import { GPUShareModel } from './model';
 import { kernelLabels } from './rules';
 
-export const EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpushare/kernel/v1';
-
-export interface IKernelEvent {
-  kernel_id: string;
-  action: string;
-  bytes?: number | null;
-  seconds?: number | null;
-  method?: string | null;
-  reason?: string | null;
-  /** What asked for the restore (restore_waiting, restore_failed); `activity`: ahead of a cell. */
-  trigger?: string | null;
-}
+/** The id of the events this module reads (`IKernelEvent`, generated from that schema). */
+export const EVENT_SCHEMA_ID = KERNEL_EVENT_SCHEMA_ID;
 
 export interface INotifierOptions {
   stream: Event.Stream;

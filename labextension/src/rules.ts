@@ -1,27 +1,25 @@
 /**
- * Which actions a kernel's state allows (pure; mirrors the server's 409 rules so buttons are
- * disabled instead of failing). The states are the contract's (`KernelState`).
+ * Which actions a kernel's state allows (pure), so buttons are disabled instead of failing. The
+ * table is the server's own (`ALLOWED_IN`, generated from jupyter_gpushare/lifecycle.py), the
+ * states the contract's (`KernelState`).
  */
-import type { IKernel, KernelState } from './contract';
+import { ALLOWED_IN, IKernel, KernelAction, KernelState } from './contract';
 import { distinctNames } from './format';
 
-export interface IAllowed {
-  release: boolean;
-  restore: boolean;
-  pin: boolean;
-}
+/** Whether the server takes each action in a state. */
+export type IAllowed = { readonly [action in KernelAction]: boolean };
 
 /**
  * Pinning is not part of it: a pinned kernel is never released *automatically*, and a person
- * may still release it by hand, as over REST and with `%gpushare release`.
+ * may still release it by hand, as over REST and with `%gpushare release`. A restore may be
+ * asked while a release runs (it waits for it) or a restore runs (it joins it); any kernel may
+ * be pinned, an untracked one included.
  */
 export function allowedActions(state: KernelState): IAllowed {
   return {
-    // Only a resident kernel has GPU memory to release.
-    release: state === 'active' || state === 'idle',
-    // `failed` keeps the held state, so a restore can be retried.
-    restore: state === 'released' || state === 'failed',
-    pin: state !== 'untracked'
+    release: ALLOWED_IN.release.includes(state),
+    restore: ALLOWED_IN.restore.includes(state),
+    pin: ALLOWED_IN.pin.includes(state)
   };
 }
 
@@ -80,18 +78,19 @@ export function kernelLabels(
 }
 
 /** What a request the panel sent for a kernel is doing, while it is in flight. */
-export type PendingAction = 'release' | 'restore' | 'pin';
+export type PendingAction = KernelAction;
 
 /**
  * The state a kernel's row shows: the server's, except while a release or restore asked from
  * this page is in flight, when it shows "releasing"/"restoring" at once rather than the state
- * before the click until the request returns (and "release in 1 min 49 s" meanwhile).
+ * before the click until the request returns (and "release in 1 min 49 s" meanwhile). A restore
+ * asked during a release shows "restoring": the server restores as soon as the release ends.
  */
 export function displayedState(state: KernelState, pending: PendingAction | null): KernelState {
-  if (pending === 'release' && (state === 'active' || state === 'idle')) {
+  if (pending === 'release' && ALLOWED_IN.release.includes(state)) {
     return 'releasing';
   }
-  if (pending === 'restore' && (state === 'released' || state === 'failed')) {
+  if (pending === 'restore' && ALLOWED_IN.restore.includes(state)) {
     return 'restoring';
   }
   return state;

@@ -14,8 +14,8 @@ import {
   formatUtilization
 } from '../src/format';
 import { efficiency, IHistoryLike, mergeHistory, sampleAndHold, stackOnGPU } from '../src/metrics';
-import { KernelState, KernelStateValues } from '../src/contract';
-import { allowedActions, ColorMap, kernelLabels, PALETTE } from '../src/rules';
+import { ALLOWED_IN, KernelState, KernelStateValues } from '../src/contract';
+import { allowedActions, ColorMap, IAllowed, kernelLabels, PALETTE } from '../src/rules';
 
 const GiB = 1024 ** 3;
 
@@ -171,18 +171,30 @@ test('stackOnGPU stacks in order and leaves out kernels holding nothing there', 
   ]);
 });
 
-test('allowedActions follows the state machine; pinning never blocks a release by hand', () => {
-  const resident = new Set<KernelState>(['active', 'idle']);
-  const held = new Set<KernelState>(['released', 'failed']);
+test('allowedActions is the server table; pinning never blocks a release by hand', () => {
+  // The server's 409 rules (jupyter_gpushare/lifecycle.py ACTIONS), written out here so that a
+  // wrong generated table fails: a restore may be asked mid-release (it follows the release) or
+  // mid-restore (it joins it), and any kernel may be pinned, an untracked one included.
+  const expected: { [state in KernelState]: IAllowed } = {
+    active: { release: true, restore: false, pin: true },
+    idle: { release: true, restore: false, pin: true },
+    releasing: { release: false, restore: true, pin: true },
+    released: { release: false, restore: true, pin: true },
+    restoring: { release: false, restore: true, pin: true },
+    failed: { release: false, restore: true, pin: true },
+    untracked: { release: false, restore: false, pin: true }
+  };
   for (const state of KernelStateValues) {
-    assert.deepEqual(
-      allowedActions(state),
-      { release: resident.has(state), restore: held.has(state), pin: state !== 'untracked' },
-      state
-    );
+    assert.deepEqual(allowedActions(state), expected[state], state);
   }
-  assert.deepEqual(allowedActions('idle'), { release: true, restore: false, pin: true });
-  assert.deepEqual(allowedActions('restoring'), { release: false, restore: false, pin: true });
+  assert.deepEqual(Object.keys(ALLOWED_IN), ['release', 'restore', 'pin']);
+  for (const states of Object.values(ALLOWED_IN)) {
+    assert.ok(
+      states.every(s => KernelStateValues.includes(s)),
+      String(states)
+    );
+    assert.equal(new Set(states).size, states.length, String(states));
+  }
 });
 
 test('kernelLabels tells every kernel row apart', () => {

@@ -70,6 +70,11 @@ test('displayedState shows releasing/restoring from the click on, else the serve
   assert.equal(displayedState('idle', 'release'), 'releasing');
   assert.equal(displayedState('released', 'restore'), 'restoring');
   assert.equal(displayedState('failed', 'restore'), 'restoring');
+  // A restore asked mid-release follows it; one asked mid-restore joins it.
+  assert.equal(displayedState('releasing', 'restore'), 'restoring');
+  assert.equal(displayedState('restoring', 'restore'), 'restoring');
+  assert.equal(displayedState('untracked', 'restore'), 'untracked');
+  assert.equal(displayedState('releasing', 'release'), 'releasing');
   // The server's word wins once it says more than "before the click".
   assert.equal(displayedState('released', 'release'), 'released');
   assert.equal(displayedState('active', 'restore'), 'active');
