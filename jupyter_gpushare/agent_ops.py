@@ -1,8 +1,9 @@
 """What a kernel's agent may ask of the server over the agent channel, and who may ask.
 
-The channel's counterpart of ``handlers.py``: thin operations over the controller and the
-simulated node. Every field is checked before anything changes (integers are integers and
-not booleans, byte counts >= 0, a GPU is a valid index, ``pinned`` is a boolean, seconds are
+The channel's counterpart of ``handlers.py``: thin operations over the controller, plus the
+requests the telemetry source adds (``Telemetry.agent_handlers``: the simulated node's
+allocations). Every field is checked before anything changes (integers are integers and not
+booleans, byte counts >= 0, a GPU is a valid index, ``pinned`` is a boolean, seconds are
 finite and >= 0), so an agent's bad request gets an error reply that says why and changes
 nothing. The agent's answers to the server's own requests are checked here too
 (``check_reply``), and its self-report is checked when it arrives: a bad one is refused and
@@ -22,8 +23,7 @@ from typing import Any
 
 from .channel import AgentConnection, Handler, Refused
 from .controller import ControllerError
-from .sim.node import NodeLedger
-from .telemetry.simulated import process_alive
+from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ MAX_FRAMEWORKS = 16
 
 
 # -- field checks (ValueError says what is wrong) ----------------------------------------------
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
+    """``value`` as an error message quotes it (cut to 40 characters)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
@@ -41,7 +42,7 @@ def _shown(value: Any) -> str:
 def integer(msg: Mapping[str, Any], key: str, minimum: int = 0) -> int:
     value = msg.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{key} must be an integer, got {_shown(value)}")
+        raise ValueError(f"{key} must be an integer, got {shown(value)}")
     if value < minimum:
         raise ValueError(f"{key} must be >= {minimum}, got {value}")
     return value
@@ -54,7 +55,7 @@ def optional_integer(msg: Mapping[str, Any], key: str) -> int | None:
 def boolean(msg: Mapping[str, Any], key: str) -> bool:
     value = msg.get(key)
     if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {_shown(value)}")
+        raise ValueError(f"{key} must be true or false, got {shown(value)}")
     return value
 
 
@@ -64,7 +65,7 @@ def seconds_or_none(msg: Mapping[str, Any], key: str) -> float | None:
         return None
     if (not isinstance(value, (int, float)) or isinstance(value, bool)
             or not math.isfinite(value) or value < 0):
-        raise ValueError(f"{key} must be a number of seconds >= 0, got {_shown(value)}")
+        raise ValueError(f"{key} must be a number of seconds >= 0, got {shown(value)}")
     return float(value)
 
 
@@ -128,7 +129,7 @@ class AgentOps:
         self,
         controller: Any,
         tracker: Any,
-        node: NodeLedger | None,
+        telemetry: Telemetry,
         poll: Callable[[], Awaitable[None]],
         kernel_view: Callable[[str], dict[str, Any]],
         backend: str,
@@ -137,7 +138,7 @@ class AgentOps:
     ):
         self.controller = controller
         self.tracker = tracker
-        self.node = node
+        self.telemetry = telemetry  # its agent_handlers() and agent_gone() hooks
         self.poll = poll
         self.kernel_view = kernel_view
         self.backend = backend
@@ -145,12 +146,10 @@ class AgentOps:
         self.hub_view = hub_view
 
     def handlers(self) -> dict[str, Handler]:
+        """The server's own requests, and those the telemetry source adds (its names that
+        clash with the server's are not used)."""
         return {
-            "alloc": self.alloc,
-            "free": self.free,
-            "busy_begin": self.busy_begin,
-            "busy_end": self.busy_end,
-            "sync": self.sync,
+            **self.telemetry.agent_handlers(),
             "report": self.report,
             "status": self.status,
             "restore": self.restore,
@@ -175,11 +174,11 @@ class AgentOps:
 
     def hello_reply(self, kernel_id: str) -> dict[str, Any]:
         """The kernel's gpushare state, so a reconnecting agent knows where it stands."""
-        st = self.controller.states.get(kernel_id)
+        st = self.controller.find(kernel_id)
         return {"state": st.state} if st is not None else {}
 
     def on_connect(self, conn: AgentConnection) -> None:
-        st = self.controller.states.get(conn.kernel_id)
+        st = self.controller.find(conn.kernel_id)
         held = st.held if st is not None else None
         if held is not None and held.kernel_pid not in (None, conn.pid):
             self.controller.drop_held(conn.kernel_id, "the kernel restarted")
@@ -189,12 +188,7 @@ class AgentOps:
         if conn.replaced:
             return  # a newer connection of the same kernel took over; nothing was lost
         log.info("gpushare: agent of kernel %s disconnected", conn.kernel_id)
-        if self.node is not None:
-            # GPU memory belongs to the process until it exits, not to its channel: keep it
-            # (a reconnecting agent syncs it) unless the process is gone already
-            self.node.end_busy(conn.pid)
-            if not process_alive(conn.pid):
-                self.node.drop_pid(conn.pid)
+        self.telemetry.agent_gone(conn.pid)
 
     # -- self-reports (NVML cannot see our pids) -------------------------------------------------
     async def refresh_reports(self) -> None:
@@ -211,56 +205,6 @@ class AgentOps:
         conn = self.connections().get(kernel_id)
         return conn.report if conn else None
 
-    # -- simulated GPU accounting -----------------------------------------------------------------
-    def _sim(self) -> NodeLedger:
-        if self.node is None:
-            raise RuntimeError("the server is not running the simulated backend")
-        return self.node
-
-    def _gpu(self, msg: Mapping[str, Any], key: str = "gpu") -> int:
-        node = self._sim()
-        value = msg.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < len(node.capacities):
-            raise ValueError(f"invalid device {value}: this node has {len(node.capacities)} simulated GPUs")
-        return integer(msg, key)
-
-    def alloc(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        gpu, nbytes = self._gpu(msg), integer(msg, "bytes")
-        self._sim().alloc(conn.pid, gpu, nbytes)
-        return {}
-
-    def free(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
-        gpu, nbytes = self._gpu(msg), integer(msg, "bytes")
-        self._sim().release(conn.pid, gpu, nbytes)
-
-    def busy_begin(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
-        self._sim().busy_begin(conn.pid, self._gpu(msg))
-
-    def busy_end(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
-        self._sim().busy_end(conn.pid, self._gpu(msg))
-
-    def sync(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
-        """After a reconnection: what the agent's process holds, exactly, per GPU
-        (``{"gpus": {"0": bytes}, "busy": [gpu, ...]}``); replaces the node's count for it."""
-        node = self._sim()
-        gpus = msg.get("gpus")
-        if not isinstance(gpus, dict):
-            raise ValueError('gpus must be an object {"GPU index": bytes}')
-        per_gpu: dict[int, int] = {}
-        for key, nbytes in gpus.items():
-            if not (isinstance(key, str) and key.isdigit()):
-                raise ValueError(f"gpus keys must be GPU indexes, got {_shown(key)}")
-            per_gpu[self._gpu({"gpu": int(key)})] = integer({"bytes": nbytes}, "bytes")
-        busy = msg.get("busy", [])
-        if not isinstance(busy, list):
-            raise ValueError("busy must be a list of GPU indexes")
-        busy_gpus = [self._gpu({"gpu": g}) for g in busy]
-        node.set_usage(conn.pid, per_gpu)  # all or nothing
-        node.end_busy(conn.pid)
-        for gpu in busy_gpus:
-            node.busy_begin(conn.pid, gpu)
-        return {}
-
     # -- the kernel's own requests (magics, pre_run_cell) -------------------------------------------
     def report(self, conn: AgentConnection, msg: dict[str, Any]) -> None:
         conn.report = check_report(msg)  # a bad report raises: the previous one stays
@@ -276,7 +220,7 @@ class AgentOps:
     async def restore(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         trigger = msg.get("trigger", "agent")
         if trigger not in RESTORE_TRIGGERS:
-            raise ValueError(f"trigger must be one of {', '.join(RESTORE_TRIGGERS)}, got {_shown(trigger)}")
+            raise ValueError(f"trigger must be one of {', '.join(RESTORE_TRIGGERS)}, got {shown(trigger)}")
         parent = msg.get("parent")
         if parent is not None and not isinstance(parent, dict):
             raise ValueError("parent must be a message header (an object)")

@@ -50,11 +50,7 @@ from .placement import Placer
 from .policy import Policy, PolicyConfig
 from .provisioner import LaunchSettings
 from .reclaim import MethodContext, ReclaimMethod
-from .sim.node import DEFAULT_GPUS as DEFAULT_SIMULATED_GPUS
-from .sim.node import NodeLedger
-from .sim.shared import NODE_ENV
-from .telemetry import Telemetry, TelemetrySettings
-from .telemetry.simulated import SimulatedTelemetry
+from .telemetry import SIMULATED_GPUS_DEFAULT, SIMULATED_NODE_ENV, Telemetry, TelemetrySettings
 from .tracker import Tracker
 from .views import kernel_view, status_view
 
@@ -77,10 +73,10 @@ class GPUShareApp(ExtensionApp):
     backend = Unicode(
         help="""Where GPU numbers come from: "nvml" (the real GPUs), "simulated" (a simulated
         node, see simulated_gpus), "auto" (NVML when a GPU answers, else simulated; the log
-        says which and why) or the name of a backend registered in
-        jupyter_gpushare.telemetry.BACKENDS. Default: the environment variable
-        JUPYTER_GPUSHARE_BACKEND (checked like this option: another value is refused), else
-        "auto".""",
+        says which and why) or the name of a backend another installed package registers
+        (entry point group jupyter_gpushare.telemetry_backends). Default: the environment
+        variable JUPYTER_GPUSHARE_BACKEND (checked like this option: another value is
+        refused), else "auto".""",
     ).tag(config=True)
 
     @default("backend")
@@ -99,7 +95,7 @@ class GPUShareApp(ExtensionApp):
 
     simulated_gpus = List(
         Int(),
-        default_value=list(DEFAULT_SIMULATED_GPUS),
+        default_value=list(SIMULATED_GPUS_DEFAULT),
         help="""Memory of each GPU of the simulated node, in bytes, one entry per GPU.
         Default: two GPUs of 16 GiB. Used only by the simulated backend. An empty list is a
         node with no GPU.""",
@@ -123,7 +119,7 @@ class GPUShareApp(ExtensionApp):
 
     @default("simulated_node")
     def _default_simulated_node(self) -> str:
-        return os.environ.get(NODE_ENV, "")
+        return os.environ.get(SIMULATED_NODE_ENV, "")
 
     poll_interval = Float(
         2.0,
@@ -158,8 +154,8 @@ class GPUShareApp(ExtensionApp):
         frees the CUDA context too; needs driver >= 570, not under MIG), "framework" (the kernel
         agent moves PyTorch/CuPy/JAX objects to host; frees all but the CUDA context), "auto"
         (driver where supported, else framework; "simulated" on the simulated backend), "off"
-        (monitor only, never release), or the name of a method registered in
-        jupyter_gpushare.reclaim.METHODS. Default "auto".""",
+        (monitor only, never release), or the name of a method another package registers
+        (entry point group jupyter_gpushare.release_methods). Default "auto".""",
     ).tag(config=True)
 
     @validate("release_method")
@@ -386,7 +382,6 @@ class GPUShareApp(ExtensionApp):
     _teardown: ExitStack | None = None  # closes what was built, undoes what was changed
     _poll_task: asyncio.Task[None] | None = None
     telemetry: Telemetry | None = None
-    node: NodeLedger | None = None
     backend_name = ""
     backend_reason = ""
     method_name = "off"
@@ -402,6 +397,18 @@ class GPUShareApp(ExtensionApp):
         """The ServerApp we are loaded into (always set once the extension is linked)."""
         assert self.serverapp is not None
         return self.serverapp
+
+    @property
+    def _source(self) -> Telemetry:
+        """The telemetry source, open (set by ``_build`` before anything asks its hooks)."""
+        assert self.telemetry is not None
+        return self.telemetry
+
+    @property
+    def node(self) -> Any:
+        """The source's own ledger of its GPUs, when it keeps one (the simulated node), else
+        None: for tests and tools; the extension itself asks only the source's hooks."""
+        return getattr(self.telemetry, "node", None)
 
     # -- load: all or nothing ---------------------------------------------------------------
     def _link_jupyter_server_extension(self, serverapp: Any) -> None:
@@ -445,7 +452,6 @@ class GPUShareApp(ExtensionApp):
         self._next_poll: asyncio.Future[None] | None = None
         self._open_telemetry(teardown)
         assert self.telemetry is not None
-        self.node = self.telemetry.node if isinstance(self.telemetry, SimulatedTelemetry) else None
         self._choose_method()
         self.tracker = Tracker(
             self.server.kernel_manager, self.telemetry, self.history_seconds, self.poll_interval,
@@ -456,7 +462,7 @@ class GPUShareApp(ExtensionApp):
         self.tracker.idle_utilization = self.idle_utilization
         self.controller = self._make_controller()
         self.agent_ops = AgentOps(
-            self.controller, self.tracker, self.node, poll=self.poll_once,
+            self.controller, self.tracker, self.telemetry, poll=self.poll_once,
             kernel_view=lambda kid: kernel_view(self.controller, kid), backend=self.backend_name,
             connections=lambda: self.channel.connections,
             hub_view=lambda: self.hub_link.view() if self.hub_link is not None else None,
@@ -470,7 +476,7 @@ class GPUShareApp(ExtensionApp):
         )
         self.channel.hello_extra = {
             "restore_mode": self.controller.restore_mode,
-            "simulated_gpus": list(self.node.capacities) if self.node else None,
+            **self.telemetry.hello_extra(),
         }
         try:
             os.makedirs(os.path.dirname(self.socket_path), mode=0o700, exist_ok=True)
@@ -494,7 +500,9 @@ class GPUShareApp(ExtensionApp):
 
     def _choose_method(self) -> None:
         context = MethodContext(free_bytes=self._free_bytes, lock_timeout=self.lock_timeout)
-        choice = selection.choose_method(self.release_method, self.backend_name, context)
+        assert self.telemetry is not None
+        choice = selection.choose_method(self.release_method, self.backend_name, context,
+                                         simulated=self.telemetry.simulated)
         self.methods, self.method_name = choice.methods, choice.name
         named = self.release_method not in (selection.AUTO, selection.OFF)
         if named and choice.name == selection.OFF:
@@ -532,15 +540,14 @@ class GPUShareApp(ExtensionApp):
             refresh=self.refresh,
             host_room=self._host_room,
             host_memory_reserve=self.host_memory_reserve,
-            context_bytes=0 if self.node is not None else self.context_bytes,
+            context_bytes=self._source.context_bytes(self.context_bytes),
             live_state=self._live_state,
             clear_progress=not self.keep_restore_progress,
             node_locks=self._node_locks(),
         )
 
     def _node_locks(self) -> NodeLocks | None:
-        private_node = self.node is not None and not self.simulated_node
-        if not self.node_lock_dir or private_node:
+        if not self.node_lock_dir or not self._source.shares_node_locks():
             return None
         locks = NodeLocks(self.node_lock_dir)
         why = locks.refusal()  # said once at start; each restore's turn checks again
@@ -562,7 +569,7 @@ class GPUShareApp(ExtensionApp):
         server_hooks.install_provisioner(LaunchSettings(
             socket_path=self.socket_path,
             kernel_env={str(k): str(v) for k, v in self.kernel_env.items()},
-            simulated_gpus=list(self.node.capacities) if self.node else None,
+            source_env=self._source.launch_env(),
             load_agent=self.load_agent,  # kernel_env applies either way
             placer=Placer.from_app(self) if self.placement == "room" else None,
         ), self.log, teardown)
@@ -686,7 +693,7 @@ class GPUShareApp(ExtensionApp):
         self.log.warning("gpushare: %s: the extension of the earlier server stops (its agent "
                          "socket %s, its poll loop) and the new server's takes over", why,
                          self.socket_path)
-        held = sorted(k for k, st in self.controller.states.items() if st.held is not None)
+        held = sorted(st.kernel_id for st in self.controller.lifecycles() if st.held is not None)
         if held:
             self.log.error("gpushare: kernels %s of the earlier server stay released: their "
                            "state is held in host memory until they exit", ", ".join(held))
@@ -696,7 +703,7 @@ class GPUShareApp(ExtensionApp):
             self._poll_task = None
         if self.hub_link is not None:
             self.hub_link.stop_now()
-        self.controller.closing = True
+        self.controller.stop_now()
         self.channel.close_now()
         self._unload()
         self._started.set()
@@ -732,8 +739,9 @@ class GPUShareApp(ExtensionApp):
             return "unknown"
 
     def _total_bytes(self) -> dict[int, int]:
-        if self.node is not None:
-            return dict(enumerate(self.node.capacities))
+        known = self._source.total_bytes()
+        if known is not None:
+            return known
         return {g.info.index: g.info.memory_total for g in self.tracker.gpus.values()
                 if g.info.memory_total}
 

@@ -146,6 +146,19 @@ def _check_pid_namespace(p: NVMLProbe) -> Check:
     return Check(name, True, f"all {len(pids)} NVML pids are visible here")
 
 
+def _check_plugins(plugins: list[selection.Plugin]) -> Check | None:
+    """The release methods and telemetry backends other packages register (None: none):
+    a FAIL for one that is ignored (a built-in's name) or whose class does not load."""
+    if not plugins:
+        return None
+    parts, ok = [], True
+    for plugin in plugins:
+        why = f"ignored: {plugin.ignored}" if plugin.ignored else selection.plugin_problem(plugin)
+        ok = ok and not why
+        parts.append(f"{plugin}: {why}" if why else str(plugin))
+    return Check("plug-ins", ok, "; ".join(parts))
+
+
 @dataclass
 class Report:
     """The checks, and what the server will choose here (as ``--json`` gives it)."""
@@ -181,8 +194,14 @@ def diagnose(backend: str = "auto", release_method: str = "auto") -> Report:
         _check_permissions(),
         _check_pid_namespace(p),
     ]
+    plugins = _check_plugins(selection.all_plugins())
+    if plugins is not None:
+        checks.append(plugins)
     chosen, why = selection.resolve_backend(backend, selection.nvml_look(p))
     ok = None if backend != "nvml" else p.ok and bool(p.gpus)
+    problem = selection.backend_problem(chosen)
+    if problem:  # a plug-in that does not load: the server runs, tracking nothing
+        ok, why = False, f"configured, but {problem}"
     arrow = f"{backend} -> {chosen}" if backend == "auto" else backend
     checks.append(Check("telemetry backend", ok, f"{arrow}: {why}"))
     method = selection.choose_method(release_method, chosen, MethodContext(probe=p))

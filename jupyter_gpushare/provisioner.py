@@ -4,7 +4,8 @@ It is the stock LocalProvisioner plus, for each kernel: the agent channel's sock
 and the kernel id in the environment, the admin's ``kernel_env`` defaults (TensorFlow
 allow-growth, JAX no-preallocate) where the user has not set them, and, for IPython
 kernels, ``--ext=jupyter_gpushare.kernel`` so the agent loads in kernels the server
-starts and nowhere else; with ``placement = "room"``, ``CUDA_VISIBLE_DEVICES`` set to the
+starts and nowhere else; the telemetry source's own variables (``Telemetry.launch_env``: the
+simulated node's GPU sizes); with ``placement = "room"``, ``CUDA_VISIBLE_DEVICES`` set to the
 GPU(s) :mod:`.placement` chooses (the choice is kept as ``gpushare_placement``).
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 
 from .placement import VISIBLE_ENV, Placement, PlacementError, Placer
-from .protocol import KERNEL_ID_ENV, PLACEMENT_NOTE_ENV, SIMULATED_GPUS_ENV, SOCKET_ENV
+from .protocol import KERNEL_ID_ENV, PLACEMENT_NOTE_ENV, SOCKET_ENV
 
 NAME = "gpushare-provisioner"
 AGENT_EXTENSION = "jupyter_gpushare.kernel"
@@ -26,7 +27,8 @@ AGENT_EXTENSION = "jupyter_gpushare.kernel"
 class LaunchSettings:
     socket_path: str
     kernel_env: dict[str, str] = field(default_factory=dict)
-    simulated_gpus: list[int] | None = None
+    #: set in every kernel, over its environment: the telemetry source's ``launch_env()``
+    source_env: dict[str, str] = field(default_factory=dict)
     load_agent: bool = True
     placer: Placer | None = None  # None: placement = "off" (the environment decides)
 
@@ -51,10 +53,9 @@ class GPUShareProvisioner(LocalProvisioner):
         env = kwargs.setdefault("env", {})
         for key, value in settings.kernel_env.items():
             env.setdefault(key, str(value))
+        env.update(settings.source_env)
         env[SOCKET_ENV] = settings.socket_path
         env[KERNEL_ID_ENV] = self.kernel_id
-        if settings.simulated_gpus:
-            env[SIMULATED_GPUS_ENV] = ",".join(str(n) for n in settings.simulated_gpus)
         env.pop(PLACEMENT_NOTE_ENV, None)  # only ever this launch's own
         self.gpushare_placement = None
         if launch.placer is not None:

@@ -1,9 +1,16 @@
 """Which telemetry backend and which release method a server uses, and why.
 
 The server (``app.py``) and ``jupyter gpushare doctor`` both decide here, so the doctor says
-what the server will do. The candidates come from the registries
-(``jupyter_gpushare.telemetry.BACKENDS``, ``jupyter_gpushare.reclaim.METHODS``): nothing here
-names a particular method.
+what the server will do. The candidates are the built-ins
+(``jupyter_gpushare.telemetry.BACKENDS``, ``jupyter_gpushare.reclaim.METHODS``) and the
+plug-ins other installed packages register as entry points (groups
+``jupyter_gpushare.telemetry_backends`` and ``jupyter_gpushare.release_methods``, one
+``name = "module:Class"`` line each): nothing here names a particular method.
+
+Plug-ins are read when a name is checked or a choice is made, never at import. A plug-in
+named like a built-in (or "auto", "off") is ignored with a warning; one whose class fails to
+load is not available, with the reason (a method: ``MethodChoice.unusable``; a backend: a
+source whose status says why, see ``UnavailableTelemetry``), never a crash.
 
 Nothing touches hardware at import; the functions that look (a method's ``support()``) are
 called by the server at load and by the doctor.
@@ -13,14 +20,20 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 import os
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from importlib import metadata
 from typing import Any
 
+from .reclaim import ENTRY_POINT_GROUP as METHOD_GROUP
 from .reclaim import METHODS, MethodContext, ReclaimMethod
-from .telemetry import BACKENDS, Telemetry, TelemetrySettings
+from .telemetry import BACKENDS, Telemetry, TelemetrySettings, UnavailableTelemetry
+from .telemetry import ENTRY_POINT_GROUP as BACKEND_GROUP
+
+log = logging.getLogger(__name__)
 
 #: the environment variable that gives ``c.GPUShareApp.backend`` its default
 BACKEND_ENV = "JUPYTER_GPUSHARE_BACKEND"
@@ -35,7 +48,114 @@ class SettingError(ValueError):
 
 def _load(spec: str) -> Any:
     module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+    obj: Any = importlib.import_module(module.strip())
+    for part in name.strip().split(".") if name.strip() else []:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _load_class(spec: str, base: type) -> Any:
+    """The class ``spec`` ("module:Class") names; raises whatever its import raises, or
+    TypeError when it is not a subclass of ``base``."""
+    cls = _load(spec)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise TypeError(f"{spec} is not a {base.__name__} subclass")
+    return cls
+
+
+def _failure(spec: str, e: BaseException) -> str:
+    return f"{spec} failed to load ({type(e).__name__}: {e})"
+
+
+# -- plug-ins: entry points of other packages --------------------------------------------------
+@dataclass(frozen=True)
+class Plugin:
+    """One entry point another installed package registers."""
+
+    group: str  # METHOD_GROUP or BACKEND_GROUP
+    name: str  # the name the option takes
+    spec: str  # where its class lives: "module:Class"
+    dist: str = ""  # who registers it: "mypkg 1.0" ("" unknown)
+    ignored: str = ""  # why it is not used ("" = it is)
+
+    @property
+    def kind(self) -> str:
+        return "release method" if self.group == METHOD_GROUP else "telemetry backend"
+
+    def __str__(self) -> str:
+        who = f" (from {self.dist})" if self.dist else ""
+        return f'{self.kind} "{self.name}" = {self.spec}{who}'
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    """A plug-in's trouble, said once per process (names are read at each check)."""
+    if text not in _warned:
+        _warned.add(text)
+        log.warning("gpushare: %s", text)
+
+
+def _dist_label(ep: Any) -> str:
+    dist = getattr(ep, "dist", None)
+    try:
+        return f"{dist.metadata['Name']} {dist.version}" if dist is not None else ""
+    except Exception:
+        return ""
+
+
+def scan_plugins(group: str, builtins: Mapping[str, str], reserved: tuple[str, ...]) -> list[Plugin]:
+    """Every entry point of ``group`` in the installed distributions, read now, those that
+    are not used with why (``ignored``): a built-in's or a reserved name, a name registered
+    twice (the first is used)."""
+    try:
+        entry_points = list(metadata.entry_points(group=group))
+    except Exception as e:  # one distribution's broken metadata must not stop the server
+        _warn_once(f"cannot read the entry points of {group}: {type(e).__name__}: {e}")
+        return []
+    out: list[Plugin] = []
+    used: dict[str, str] = {}
+    for ep in entry_points:
+        if builtins.get(ep.name) == ep.value or used.get(ep.name) == ep.value:
+            continue  # the same registration seen twice (a package on sys.path twice)
+        why = ""
+        if ep.name in builtins or ep.name in reserved:
+            why = f'"{ep.name}" is built in'
+        elif ep.name in used:
+            why = f'"{ep.name}" is registered already ({used[ep.name]} is used)'
+        else:
+            used[ep.name] = ep.value
+        out.append(Plugin(group, ep.name, ep.value, _dist_label(ep), why))
+    return out
+
+
+def _plugins(group: str, builtins: Mapping[str, str], reserved: tuple[str, ...]) -> dict[str, str]:
+    """The usable plug-ins of ``group``: name -> spec; each ignored one is warned about."""
+    found: dict[str, str] = {}
+    for plugin in scan_plugins(group, builtins, reserved):
+        if plugin.ignored:
+            _warn_once(f"the plug-in {plugin} is ignored: {plugin.ignored}")
+        else:
+            found[plugin.name] = plugin.spec
+    return found
+
+
+def all_plugins() -> list[Plugin]:
+    """Every release method and telemetry backend plug-in installed, ignored ones included
+    (for the doctor)."""
+    return [*scan_plugins(METHOD_GROUP, METHODS, (AUTO, OFF)),
+            *scan_plugins(BACKEND_GROUP, BACKENDS, (AUTO,))]
+
+
+def plugin_problem(plugin: Plugin) -> str:
+    """Why ``plugin``'s class cannot be used ("" when it loads)."""
+    base = ReclaimMethod if plugin.group == METHOD_GROUP else Telemetry
+    try:
+        _load_class(plugin.spec, base)
+    except Exception as e:
+        return _failure(plugin.spec, e)
+    return ""
 
 
 def _one_of(setting: str, value: Any, accepted: list[str]) -> str:
@@ -50,8 +170,13 @@ def _one_of(setting: str, value: Any, accepted: list[str]) -> str:
 
 
 # -- telemetry backend ----------------------------------------------------------------------
+def backends() -> dict[str, str]:
+    """Every telemetry backend: name -> "module:Class", the built-ins then the plug-ins."""
+    return {**BACKENDS, **_plugins(BACKEND_GROUP, BACKENDS, (AUTO,))}
+
+
 def backend_names() -> list[str]:
-    return [AUTO, *BACKENDS]
+    return [AUTO, *backends()]
 
 
 def check_backend(value: Any, setting: str = "GPUShareApp.backend") -> str:
@@ -64,10 +189,39 @@ def backend_from_environment(environ: Mapping[str, str] = os.environ) -> str:
     return check_backend(value, BACKEND_ENV)
 
 
+_unavailable: dict[tuple[str, str], type[Telemetry]] = {}
+
+
 def telemetry_class(backend: str) -> type[Telemetry]:
-    """The class a configured backend uses ("auto" tries NVML first)."""
-    cls: type[Telemetry] = _load(BACKENDS["nvml" if backend == AUTO else backend])
-    return cls
+    """The class a configured backend uses ("auto" tries NVML first). A backend whose class
+    fails to load gets a source that is unavailable for that reason (the same class each
+    time), so the server runs and says why."""
+    name = "nvml" if backend == AUTO else backend
+    spec = backends()[name]
+    try:
+        cls: type[Telemetry] = _load_class(spec, Telemetry)
+        return cls
+    except Exception as e:
+        why = _failure(spec, e)
+        _warn_once(f'the telemetry backend "{name}" is not available: {why}')
+        key = (name, why)
+        if key not in _unavailable:
+            _unavailable[key] = UnavailableTelemetry.failed(name, why)
+        return _unavailable[key]
+
+
+def backend_problem(backend: str) -> str:
+    """Why a registered backend's class cannot be used ("" when it loads, or is unknown)."""
+    cls = telemetry_class(backend) if backend in backends() else None
+    return cls.reason if cls is not None and issubclass(cls, UnavailableTelemetry) else ""
+
+
+def backend_is_simulated(backend: str) -> bool:
+    """Whether a backend's GPUs are simulated (``Telemetry.simulated``); a name that is not
+    registered (a ``telemetry_class`` of its own) counts when it is "simulated"."""
+    if backend not in backends():
+        return backend == SIMULATED
+    return telemetry_class(backend).simulated
 
 
 @dataclass(frozen=True)
@@ -127,8 +281,13 @@ def open_telemetry(backend: str, cls: Any, settings: TelemetrySettings,
 
 
 # -- release method -------------------------------------------------------------------------
+def methods() -> dict[str, str]:
+    """Every release method: name -> "module:Class", the built-ins then the plug-ins."""
+    return {**METHODS, **_plugins(METHOD_GROUP, METHODS, (AUTO, OFF))}
+
+
 def method_names() -> list[str]:
-    return [AUTO, OFF, *METHODS]
+    return [AUTO, OFF, *methods()]
 
 
 def check_method(value: Any, setting: str = "GPUShareApp.release_method") -> str:
@@ -136,7 +295,8 @@ def check_method(value: Any, setting: str = "GPUShareApp.release_method") -> str
 
 
 def method_class(name: str) -> type[ReclaimMethod]:
-    cls: type[ReclaimMethod] = _load(METHODS[name])
+    """The class of a registered method; raises when it fails to load."""
+    cls: type[ReclaimMethod] = _load_class(methods()[name], ReclaimMethod)
     return cls
 
 
@@ -151,18 +311,37 @@ class MethodChoice:
     support: dict[str, str] = field(default_factory=dict)  # name -> why usable
 
 
-def choose_method(release_method: str, backend: str, context: MethodContext) -> MethodChoice:
-    """Create every registered method that acts on this kind of node, keep those whose
-    ``support()`` says yes, and pick: "off" -> none; a named method -> it when usable (on the
-    simulated node, the simulated method whatever is named); "auto" -> the usable method of
-    the highest ``auto_rank``."""
-    simulated = backend == SIMULATED
-    candidates = {n: method_class(n) for n in METHODS}
-    candidates = {n: c for n, c in candidates.items() if c.simulated == simulated}
+def choose_method(release_method: str, backend: str, context: MethodContext,
+                  simulated: bool | None = None) -> MethodChoice:
+    """Create every registered method that acts on this kind of node (``simulated``: the
+    backend's GPUs are simulated; default: ask :func:`backend_is_simulated`), keep those whose
+    ``support()`` says yes, and pick: "off" -> none; a named method -> it when usable (on a
+    simulated node, a usable simulated method, else the best simulated one whatever is
+    named); "auto" -> the usable method of the highest ``auto_rank``. A method whose class
+    fails to load, or whose ``create`` or ``support`` raises, is unusable with the reason;
+    named, it is refused with it (nothing is released)."""
+    if simulated is None:
+        simulated = backend_is_simulated(backend)
     choice = MethodChoice(OFF, "")
+    broken: set[str] = set()
+    candidates: dict[str, type[ReclaimMethod]] = {}
+    for name, spec in methods().items():
+        try:
+            cls: type[ReclaimMethod] = _load_class(spec, ReclaimMethod)
+        except Exception as e:
+            choice.unusable[name] = _failure(spec, e)
+            broken.add(name)
+            _warn_once(f'the release method "{name}" is not available: {choice.unusable[name]}')
+            continue
+        if cls.simulated == simulated:
+            candidates[name] = cls
     for name, cls in candidates.items():
-        method = cls.create(context)
-        support = method.support()
+        try:
+            method = cls.create(context)
+            support = method.support()
+        except Exception as e:  # a plug-in's bug: that method is out, the server goes on
+            choice.unusable[name] = f"{cls.__name__} failed: {type(e).__name__}: {e}"
+            continue
         if support.ok:
             choice.methods[name] = method
             choice.support[name] = support.reason
@@ -174,9 +353,12 @@ def choose_method(release_method: str, backend: str, context: MethodContext) -> 
         choice.reason = "release_method = off: GPU memory is tracked, never released"
     elif release_method in choice.methods and not simulated:
         choice.name, choice.reason = release_method, "configured"
-    elif release_method not in (AUTO, *choice.methods) and not simulated:
+    elif release_method in broken or (release_method not in (AUTO, *choice.methods)
+                                      and not simulated):
         why = choice.unusable.get(release_method) or "it acts on the simulated node only"
         choice.reason = f"release_method = {release_method}, but {why}"
+    elif release_method in choice.methods:  # a simulated node, a method that acts on it
+        choice.name, choice.reason = release_method, choice.support[release_method]
     elif usable:
         choice.name = usable[0]
         passed = [n for n in ranked[:ranked.index(usable[0])] if n in choice.unusable]

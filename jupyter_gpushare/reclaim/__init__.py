@@ -11,15 +11,21 @@ from .base import (
     Support,
 )
 
-#: Every release method, by the name ``c.GPUShareApp.release_method`` takes: where its class
-#: lives (imported when the server or ``doctor`` chooses). A new method is its module plus
-#: one line here; the class's attributes (``needs_agent``, ``supports_lazy``, ``simulated``,
-#: ``auto_rank``) say when it applies, so nothing else names it.
+#: The built-in release methods, by the name ``c.GPUShareApp.release_method`` takes: where
+#: its class lives (imported when the server or ``doctor`` chooses). The class's attributes
+#: (``needs_agent``, ``supports_lazy``, ``simulated``, ``auto_rank``) say when it applies, so
+#: nothing else names it.
 METHODS: dict[str, str] = {
     "driver": "jupyter_gpushare.reclaim.driver:DriverMethod",
     "framework": "jupyter_gpushare.reclaim.framework:FrameworkMethod",
     "simulated": "jupyter_gpushare.reclaim.simulated:SimulatedMethod",
 }
 
-__all__ = ["METHODS", "KernelTarget", "MethodContext", "ReclaimError", "ReclaimMethod",
-           "ReclaimResult", "Support"]
+#: The entry point group another package registers its methods in, one line each
+#: (``mymethod = "mypkg.mymethod:MyMethod"``); read when the server or ``doctor`` chooses
+#: (:mod:`jupyter_gpushare.selection`). A name of ``METHODS`` (or "auto", "off") is the
+#: built-in's: a plug-in registered under it is ignored with a warning.
+ENTRY_POINT_GROUP = "jupyter_gpushare.release_methods"
+
+__all__ = ["ENTRY_POINT_GROUP", "METHODS", "KernelTarget", "MethodContext", "ReclaimError",
+           "ReclaimMethod", "ReclaimResult", "Support"]

@@ -126,8 +126,9 @@ class MethodContext:
 class ReclaimMethod(abc.ABC):
     """Base class of ``driver``, ``framework`` and ``simulated``.
 
-    A new method is a subclass in its own module plus one line in
-    ``jupyter_gpushare.reclaim.METHODS``; the class attributes below tell the server when it
+    A new method is a subclass in its own module, registered as a
+    ``jupyter_gpushare.release_methods`` entry point of its package (built-ins: one line in
+    ``jupyter_gpushare.reclaim.METHODS``); the class attributes below tell the server when it
     applies, and ``c.GPUShareApp.release_method`` takes its ``name``.
     """
 

@@ -7,8 +7,14 @@ Implementations must not touch hardware at import time: everything happens in
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
+
+#: a request handler of the agent channel: ``(connection, message) -> reply fields`` (a dict,
+#: None, or an awaitable of either); raising ValueError / RuntimeError / LookupError answers the
+#: agent with that error (see ``jupyter_gpushare.channel``)
+AgentHandler = Callable[[Any, dict[str, Any]], Any]
 
 
 @dataclass
@@ -59,16 +65,23 @@ class TelemetrySettings:
 class Telemetry(abc.ABC):
     """A source of device and per-process GPU numbers.
 
-    A new source is a subclass in its own module plus one line in
-    ``jupyter_gpushare.telemetry.BACKENDS`` (then ``c.GPUShareApp.backend = "its name"``), or
-    any subclass named in ``c.GPUShareApp.telemetry_class``. Required: the abstract methods
-    below. Optional: :meth:`create` (how the server builds it), :meth:`foreign_pids`.
+    A new source is a subclass in its own module, registered by its package under the entry
+    point group ``jupyter_gpushare.telemetry_backends`` (``name = "module:Class"``; then
+    ``c.GPUShareApp.backend = "name"``), or any subclass named in
+    ``c.GPUShareApp.telemetry_class``. Required: the abstract methods below. Optional:
+    :meth:`create` (how the server builds it), :meth:`foreign_pids`, and the server hooks
+    (:attr:`simulated`, :meth:`agent_handlers`, :meth:`agent_gone`, :meth:`hello_extra`,
+    :meth:`launch_env`, :meth:`context_bytes`, :meth:`total_bytes`,
+    :meth:`shares_node_locks`), whose defaults are those of a real GPU node.
     """
 
     #: the backend's name in the REST API and the logs ("nvml", "simulated")
     name: str = ""
     #: how a person names the source in messages ("NVML"); default: ``name``
     label: str = ""
+    #: its GPUs are simulated: the release methods that act on it are those whose
+    #: ``ReclaimMethod.simulated`` is True (and only those)
+    simulated: bool = False
 
     @classmethod
     def create(cls, settings: TelemetrySettings) -> Telemetry:
@@ -112,3 +125,74 @@ class Telemetry(abc.ABC):
         processes the source counts, so kernels are matched by their agents' own reports.
         Default: none (the source reports only processes it can see)."""
         return set()
+
+    # -- server hooks: what the server asks of its source beyond numbers ------------------------
+    # Each default is what a real GPU node needs; the simulated backend overrides them. They
+    # are called after open(), from the event loop: keep them cheap.
+
+    def agent_handlers(self) -> Mapping[str, AgentHandler]:
+        """Extra requests the kernels' agents may send on the agent channel, by op name (the
+        simulated node: its GPUs' allocations). The server's own ops keep their names.
+        Default: none."""
+        return {}
+
+    def agent_gone(self, pid: int) -> None:
+        """The agent of the kernel process ``pid`` disconnected (not replaced by a newer
+        connection of the same kernel). Default: nothing."""
+        return None
+
+    def hello_extra(self) -> dict[str, Any]:
+        """Fields every kernel's agent is told when it connects, in the hello reply (the
+        simulated node: ``simulated_gpus``, its GPUs' sizes). Default: none."""
+        return {}
+
+    def launch_env(self) -> dict[str, str]:
+        """Environment variables set in every kernel the gpushare provisioner starts, over
+        whatever the kernel's environment has. Default: none."""
+        return {}
+
+    def context_bytes(self, configured: int) -> int:
+        """GPU bytes one CUDA context takes on these GPUs (``configured``:
+        ``GPUShareApp.context_bytes``). Default: ``configured``."""
+        return configured
+
+    def total_bytes(self) -> dict[int, int] | None:
+        """Memory of each GPU by index when the source knows it without a sample; None: the
+        server reads it from the last sample (``GPUInfo.memory_total``). Default: None."""
+        return None
+
+    def shares_node_locks(self) -> bool:
+        """Whether other servers on this machine may use the same GPUs, so that restores take
+        turns with theirs through lock files (``GPUShareApp.node_lock_dir``). Default: True."""
+        return True
+
+
+class UnavailableTelemetry(Telemetry):
+    """A backend that cannot be used here, e.g. a plug-in whose module fails to import: no
+    GPUs, and its status says why (as NVML on a machine without a driver). The server runs
+    with it, tracking nothing, so the reason shows in the status API and the log."""
+
+    reason: str = "unavailable"
+
+    @classmethod
+    def failed(cls, name: str, reason: str) -> type[UnavailableTelemetry]:
+        """A subclass that stands for backend ``name``, unavailable because of ``reason``."""
+        return type(f"Unavailable_{name}", (cls,), {"name": name, "reason": reason})
+
+    def open(self) -> TelemetryStatus:
+        return self.status()
+
+    def close(self) -> None:
+        return None
+
+    def status(self) -> TelemetryStatus:
+        return TelemetryStatus(self.name, False, self.reason)
+
+    def devices(self) -> list[GPUInfo]:
+        return []
+
+    def free_bytes(self, index: int) -> int | None:
+        return None
+
+    def processes(self) -> list[ProcessUsage]:
+        return []

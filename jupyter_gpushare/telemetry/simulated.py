@@ -2,23 +2,40 @@
 
 As on a real GPU, a process's memory is held until the process exits: each sample first
 drops the pids that no longer run (a kernel shut down or died), whatever their channel did.
+
+The node is also what the kernels' agents allocate on: :meth:`SimulatedTelemetry.agent_handlers`
+gives the agent channel its requests (``alloc``, ``free``, ``busy_begin``, ``busy_end``,
+``sync``), and the other server hooks tell kernels the node's GPUs (hello reply, launch
+environment). The server itself never names this backend.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from typing import Any
 
 import psutil
 
 from .. import clock
+from ..agent_ops import integer, shown
+from ..protocol import SIMULATED_GPUS_ENV
 from ..sim.node import DEVICE_NAME, NodeLedger
-from ..sim.shared import open_node
-from .base import GPUInfo, ProcessUsage, Telemetry, TelemetrySettings, TelemetryStatus
+from ..sim.shared import SharedSimNode, open_node
+from .base import (
+    AgentHandler,
+    GPUInfo,
+    ProcessUsage,
+    Telemetry,
+    TelemetrySettings,
+    TelemetryStatus,
+)
 
 
 class SimulatedTelemetry(Telemetry):
     name = "simulated"
     label = "the simulated node"
+    simulated = True
 
     def __init__(self, node: NodeLedger):
         self.node = node
@@ -76,6 +93,97 @@ class SimulatedTelemetry(Telemetry):
                 util = 100 * self.node.busy_fraction(pid, gpu, since, now)
                 out.append(ProcessUsage(pid, gpu, nbytes, round(util, 1)))
         return out
+
+    # -- server hooks -------------------------------------------------------------------------
+    def agent_handlers(self) -> Mapping[str, AgentHandler]:
+        return AgentRequests(self.node).handlers()
+
+    def agent_gone(self, pid: int) -> None:
+        # GPU memory belongs to the process until it exits, not to its channel: keep it (a
+        # reconnecting agent syncs it) unless the process is gone already
+        self.node.end_busy(pid)
+        if not process_alive(pid):
+            self.node.drop_pid(pid)
+
+    def hello_extra(self) -> dict[str, Any]:
+        return {"simulated_gpus": list(self.node.capacities)}
+
+    def launch_env(self) -> dict[str, str]:
+        if not self.node.capacities:
+            return {}
+        return {SIMULATED_GPUS_ENV: ",".join(str(n) for n in self.node.capacities)}
+
+    def context_bytes(self, configured: int) -> int:
+        return 0  # the simulated node has no CUDA context: a kernel holds what it counted
+
+    def total_bytes(self) -> dict[int, int] | None:
+        return dict(enumerate(self.node.capacities))
+
+    def shares_node_locks(self) -> bool:
+        # a private node (no simulated_node file) is seen by this server alone
+        return isinstance(self.node, SharedSimNode)
+
+
+class AgentRequests:
+    """The agent channel's requests on the simulated node: the kernels' simulated GPUs
+    allocate, free and run on the server's node. Every field is checked before anything
+    changes (``agent_ops``' checks)."""
+
+    def __init__(self, node: NodeLedger):
+        self.node = node
+
+    def handlers(self) -> dict[str, AgentHandler]:
+        return {
+            "alloc": self.alloc,
+            "free": self.free,
+            "busy_begin": self.busy_begin,
+            "busy_end": self.busy_end,
+            "sync": self.sync,
+        }
+
+    def _gpu(self, msg: Mapping[str, Any], key: str = "gpu") -> int:
+        count = len(self.node.capacities)
+        value = msg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < count:
+            raise ValueError(f"invalid device {value}: this node has {count} simulated GPUs")
+        return integer(msg, key)
+
+    def alloc(self, conn: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        gpu, nbytes = self._gpu(msg), integer(msg, "bytes")
+        self.node.alloc(conn.pid, gpu, nbytes)
+        return {}
+
+    def free(self, conn: Any, msg: dict[str, Any]) -> None:
+        gpu, nbytes = self._gpu(msg), integer(msg, "bytes")
+        self.node.release(conn.pid, gpu, nbytes)
+
+    def busy_begin(self, conn: Any, msg: dict[str, Any]) -> None:
+        self.node.busy_begin(conn.pid, self._gpu(msg))
+
+    def busy_end(self, conn: Any, msg: dict[str, Any]) -> None:
+        self.node.busy_end(conn.pid, self._gpu(msg))
+
+    def sync(self, conn: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        """After a reconnection: what the agent's process holds, exactly, per GPU
+        (``{"gpus": {"0": bytes}, "busy": [gpu, ...]}``); replaces the node's count for it."""
+        node = self.node
+        gpus = msg.get("gpus")
+        if not isinstance(gpus, dict):
+            raise ValueError('gpus must be an object {"GPU index": bytes}')
+        per_gpu: dict[int, int] = {}
+        for key, nbytes in gpus.items():
+            if not (isinstance(key, str) and key.isdigit()):
+                raise ValueError(f"gpus keys must be GPU indexes, got {shown(key)}")
+            per_gpu[self._gpu({"gpu": int(key)})] = integer({"bytes": nbytes}, "bytes")
+        busy = msg.get("busy", [])
+        if not isinstance(busy, list):
+            raise ValueError("busy must be a list of GPU indexes")
+        busy_gpus = [self._gpu({"gpu": g}) for g in busy]
+        node.set_usage(conn.pid, per_gpu)  # all or nothing
+        node.end_busy(conn.pid)
+        for gpu in busy_gpus:
+            node.busy_begin(conn.pid, gpu)
+        return {}
 
 
 def process_alive(pid: int) -> bool:
