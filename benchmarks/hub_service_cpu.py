@@ -49,7 +49,7 @@ def kernel(user, j):
          "idle_timeout": 600.0, "method": "simulated", "releases": 1, "restores": 1,
          "last_restore_seconds": 0.5, "last_release_seconds": 0.4, "error": None,
          "waiting": "waiting for memory: needs 4.0 GiB on GPU 0 (1.0 GiB free)" if waiting else None,
-         "execution_state": "idle" if waiting else "busy", "release_blocked": None,
+         "execution_state": "idle" if waiting else "busy", "release_blocked": None, "release_detail": None,
          "host_room_bytes": 1 << 34, "restore_need": {"0": 4 << 30} if waiting else {}}
     return k
 BODIES = {}

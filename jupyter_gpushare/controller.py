@@ -32,13 +32,16 @@ from typing import Any
 
 from . import ahead, clock, metrics, policy
 from .announce import Announcer
+from .errors import ControllerError
 from .hostmem import HostRoom
 from .lifecycle import Held, Lifecycle
 from .node_locks import NodeLocks
 from .operations import Operation, Outcome, to_the_end, wait_for
+from .progress import CellProgress
 from .reclaim import KernelTarget, ReclaimError, ReclaimMethod
 from .reservations import Grant, Reservations
-from .room import lacking, to_reserve
+from .restore_room import MEMORY_WAIT, RestoreRoom
+from .room import to_reserve
 from .states import (
     ACTIVE,
     ALL,
@@ -57,19 +60,6 @@ IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
 #: restores that precede the code of the cell they show progress in (its only output so far)
 CLEARED_TRIGGERS = ("gate", "agent")
 RETRY_AFTER_FAILED_RELEASE = 60.0  # s before a kernel whose release failed is tried again
-WAIT_BACKOFF = (0.25, 5.0)  # s between make-room rounds: first, and the most
-STRICT_SETTLE = 0.5  # s between the two readings of a restore without a turn across servers
-MEMORY_WAIT = "waiting for memory"
-
-
-class ControllerError(Exception):
-    """A request the state does not allow (409), or for an unknown kernel (404)."""
-
-    def __init__(self, status: int, message: str, retryable: bool = True):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retryable = retryable
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -132,6 +122,7 @@ class Controller:
         self.announce = Announcer(emit, agent, self._path_of, lambda: self.restore_mode)
         self.states: dict[str, Lifecycle] = {}
         self.reservations = Reservations(node_locks, uuid_of=self._gpu_uuid)
+        self.room = RestoreRoom(self)
         self.host_inflight: dict[str, int] = {}  # host-memory scope -> bytes being released
         self.closing = False
         self.agent_timeout = 10.0  # s the agent has to answer whether a release may start
@@ -614,9 +605,9 @@ class Controller:
         self, st: Lifecycle, op: Operation, held: Held, parent: dict | None, wait: bool
     ) -> Outcome:
         need = self.need(held)
-        shown = _Shower(self.agent(st.kernel_id), parent,
+        shown = CellProgress(self.agent(st.kernel_id), parent,
                         clear_when_done=self.clear_progress and op.trigger in CLEARED_TRIGGERS)
-        grant = await self._wait_for_room(st, op, held, need, shown, wait)
+        grant = await self.room.find(st, op, held, need, shown, wait)
         if isinstance(grant, Outcome):
             return grant
         try:
@@ -626,7 +617,7 @@ class Controller:
             grant.release()
 
     async def _move_back(
-        self, st: Lifecycle, op: Operation, held: Held, shown: _Shower, grant: Grant
+        self, st: Lifecycle, op: Operation, held: Held, shown: CellProgress, grant: Grant
     ) -> Outcome:
         kid = st.kernel_id
         method = self.methods[held.method]
@@ -690,176 +681,6 @@ class Controller:
             return None
         why: str | None = ended(kernel_id, held.kernel_pid)
         return why
-
-    async def _wait_for_room(
-        self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int], shown: _Shower,
-        wait: bool,
-    ) -> Grant | Outcome:
-        """Never restore without room: take the GPUs, check, reserve; else make room per
-        policy, or wait and say why. An Outcome when it ends without room."""
-        announced = False
-        delay = WAIT_BACKOFF[0]
-        while True:
-            # Python 3.11's wait_for can swallow a cancel that lands as what it waits for
-            # completes (a release ending as the server shuts down): look at the flag too
-            if op.stopped:
-                raise asyncio.CancelledError
-            if st.held is not held:
-                return Outcome(False, f"{st.error or 'the held state was dropped'}", False, dropped=True)
-            if ahead.yields(self, st, op, need):  # a cell's restore waits for these GPUs: it goes first
-                try:
-                    await asyncio.wait_for(self._freed.wait(), WAIT_BACKOFF[1])
-                except asyncio.TimeoutError:
-                    pass
-                continue
-            # a turn behind another restore of this server on the same GPU is not `waiting`
-            # (the other one moves its bytes and gives the GPU back); a turn another server
-            # holds is (it may keep it): the cell and status say so
-            grant = await self._take_turn(st, need, shown)
-            want = need
-            strict = set(grant.unguarded) & set(need)  # no turn across servers on these GPUs
-            try:
-                want = await self._still_to_land(st, held, need)
-                free = await self.read_free(list(need))
-                room = {g: None if f is None else f - self._releases_may_take_back(g)
-                        for g, f in free.items()}
-                short = lacking(want, room, strict=strict)
-                if not short and strict:  # and the room must still be there a moment later
-                    await asyncio.sleep(STRICT_SETTLE)
-                    again = await self.read_free(sorted(strict))
-                    room.update({g: None if f is None else f - self._releases_may_take_back(g)
-                                 for g, f in again.items()})
-                    short = lacking(want, room, strict=strict)
-            except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
-                grant.release()
-                raise
-            except Exception as e:
-                log.warning("gpushare: cannot read free GPU memory: %s", e)
-                free = {g: None for g in need}
-                room = {g: None for g in need}
-                short = dict(want)
-            if op.stopped:
-                grant.release()
-                raise asyncio.CancelledError
-            if not short and st.held is held:
-                grant.reserve(want)
-                st.waiting = None
-                return grant
-            grant.release()
-            if not short:
-                continue  # dropped meanwhile: the check at the top says so
-            shortfall = [(f"{format_bytes(n)} on GPU {g}",
-                          (f"{format_bytes(max(room[g] or 0, 0))} free" if room.get(g) is not None
-                           else "free memory unknown")
-                          + ("; twice that without a restore turn" if g in strict else ""))
-                         for g, n in short.items()]
-            st.waiting = f"{MEMORY_WAIT}: needs " + ", ".join(
-                f"{needs} ({free})" for needs, free in shortfall)
-            if not wait:
-                return Outcome(False, st.waiting)
-            if not announced:
-                announced = True
-                # the event's reason has no parentheses (the lab's toast adds its own) and
-                # does not repeat "waiting for memory" (the toast says it waits)
-                why = "needs " + "; ".join(f"{needs}, {free}" for needs, free in shortfall)
-                self.announce(st.kernel_id, "restore_waiting", method=st.method,
-                              bytes=sum(want.values()), reason=why, trigger=op.trigger)
-                await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
-                            "(interrupt to stop waiting)")
-            if await self._make_room(st, want, free):
-                delay = WAIT_BACKOFF[0]
-                continue  # room was made: look at once (its end's wake-up came while we waited on it)
-            freed = self._freed
-            try:
-                await asyncio.wait_for(freed.wait(), delay)
-                delay = WAIT_BACKOFF[0]
-            except asyncio.TimeoutError:
-                delay = min(delay * 2, WAIT_BACKOFF[1])
-
-    async def _take_turn(self, st: Lifecycle, need: dict[int, int], shown: _Shower) -> Grant:
-        """The restore turn of every GPU in ``need``. While another server holds one, the
-        cell's progress line and ``status`` say so (``waiting``)."""
-        said = asyncio.Event()
-
-        def on_turn_wait(gpu: int, holder: int | None, left: float) -> None:
-            by = f" (process {holder})" if holder else ""
-            st.waiting = (f"waiting for another server's restore turn on GPU {gpu}{by}, "
-                          f"at most {left:.0f} s more")
-            said.set()
-
-        task = asyncio.ensure_future(self.reservations.acquire(list(need), on_turn_wait))
-        heard = asyncio.ensure_future(said.wait())
-        try:
-            while not task.done():
-                await asyncio.wait({task, heard}, return_when=asyncio.FIRST_COMPLETED)
-                if heard.done() and not task.done():
-                    said.clear()
-                    heard = asyncio.ensure_future(said.wait())
-                    await shown(f"gpushare: {st.waiting} (interrupt to stop waiting)")
-        except asyncio.CancelledError:
-            task.cancel()
-            try:
-                (await task).release()  # it had finished: give its locks back
-            except BaseException:
-                pass
-            raise
-        finally:
-            heard.cancel()
-        return task.result()
-
-    def _releases_may_take_back(self, gpu: int) -> int:
-        """Bytes that releases in flight may put back on ``gpu``: an undo re-allocates what the
-        release freed, so those bytes are not free for a restore until the release has ended
-        (a restore promised them would run out of memory mid-way: wedged)."""
-        total = 0
-        for other in self.states.values():
-            if other.op is not None and other.op.kind == "release" and other.held is not None:
-                total += other.held.gpus.get(gpu, 0) + other.held.gpus.get(-1, 0)
-        return total
-
-    async def _still_to_land(self, st: Lifecycle, held: Held, need: dict[int, int]) -> dict[int, int]:
-        """``need`` less what the kernel's process still holds on each GPU. A release that
-        failed part-way (or before moving anything) left those bytes in place, and they count
-        as used already: charging them again left such a kernel waiting for memory it does not
-        need, for good on a busy GPU. Measured now, per process, never from an older poll: a
-        count that lags behind bytes that did leave would make room that is not there."""
-        if held.complete or not held.attributed:
-            return need  # every byte left (the method said so), or not measured per process
-        await self._refresh()
-        rec = self.tracker.kernels.get(st.kernel_id)
-        if rec is None or not rec.attributed or not rec.pids or rec.pids[0] != held.kernel_pid:
-            return need  # not measured per process, or another process now: charge it all
-        return {g: max(0, n - rec.gpu_bytes.get(g, 0)) for g, n in need.items()}
-
-    async def _make_room(self, st: Lifecycle, need: dict[int, int], free: dict[int, int | None]) -> bool:
-        """Release idle kernels per policy; a victim whose release failed recently is skipped.
-        True when some victim was released (a refused or failed one frees nothing: the caller
-        backs off, or a victim refused again and again would be asked in a tight loop)."""
-        made = False
-        now = clock.now()
-        known_free = {g: self.reservations.seen_free(g, f) for g, f in free.items() if f is not None}
-        cands = []
-        for k, rec in self.tracker.kernels.items():
-            other = self.states.get(k)
-            if other is None or other.op is not None or k == st.kernel_id:
-                continue
-            if self._failed_recently(other, now):
-                continue
-            cands.append(self.candidate(other, rec, now))
-        plan = self.rules.make_room(need, {g: f for g, f in known_free.items() if f is not None},
-                                    cands, exclude=st.kernel_id)
-        for d in plan or []:
-            victim = self.states[d.kernel_id]
-            try:
-                victim_op = self._start_release(victim, d.reason, automatic=True, by_kernel=False)
-            except ControllerError as e:
-                log.info("gpushare: could not make room with %s: %s", d.kernel_id, e.message)
-                continue
-            outcome = await wait_for(victim_op)
-            if not outcome.ok:
-                log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
-            made = made or outcome.ok
-        return made
 
     # -- pin, drop, shutdown ------------------------------------------------------------------
     def set_pinned(self, kernel_id: str, pinned: bool) -> Lifecycle:
@@ -968,40 +789,6 @@ class Controller:
             metrics.KERNELS.labels(state).set(counts.get(state, 0))
         metrics.HOST_BYTES.set(host)
 
-
-class _Shower:
-    """Shows one transient progress line in the output of the cell that triggered a restore
-    (through the kernel's agent, so it arrives in order with the cell's own messages).
-
-    ``clear_when_done``: :meth:`done` takes the line out of the cell again; only for cells
-    whose code has not run yet (the line is then all they hold), never for a magic's cell."""
-
-    def __init__(self, agent: Any, parent: dict | None, clear_when_done: bool = False):
-        self.agent = agent
-        self.parent = parent
-        self.clear_when_done = clear_when_done
-        self.display_id = f"gpushare-{time.monotonic_ns()}"
-        self.shown = False
-
-    async def __call__(self, text: str) -> None:
-        if await self._ask("show", text=text):
-            self.shown = True
-
-    async def done(self) -> None:
-        """The restore succeeded: the cell keeps no gpushare output (unless configured to)."""
-        if self.shown and self.clear_when_done:
-            await self._ask("clear")
-
-    async def _ask(self, op: str, **args: Any) -> bool:
-        if self.agent is None or not self.parent:
-            return False
-        try:
-            await self.agent.request(op, timeout=5, parent=self.parent,
-                                     display_id=self.display_id, **args)
-        except Exception as e:  # progress is a courtesy; never fail a restore over it
-            log.warning("gpushare: could not %s progress: %s", op, e)
-            return False
-        return True
 
 
 __all__ = ["Controller", "ControllerError", "Held", "Lifecycle", "Operation", "Outcome"]

@@ -1,15 +1,15 @@
-"""The gate: holds a released kernel's execute_requests until its GPU state is restored.
+"""The gate: queues a released kernel's execute_requests until its GPU state is restored.
 
 ``handle_incoming_message`` is synchronous and the websocket handler does not await it, so
-held messages wait in a queue per connection and are forwarded, in order, once the restore
-is done. Held: execute_requests, and (in eager mode) the comm messages that run user code
+queued messages wait in a queue per connection and are forwarded, in order, once the restore
+is done. Queued: execute_requests, and (in eager mode) the comm messages that run user code
 in the kernel (widget callbacks); kernel_info, completions and everything on the control
 channel (interrupt, shutdown) pass straight through.
 
 The restore belongs to the controller: when this connection closes, only its waiting
-stops. A held cell is stopped by every way Jupyter stops a cell: an ``interrupt_request``
+stops. A queued cell is stopped by every way Jupyter stops a cell: an ``interrupt_request``
 over the websocket, and (through :class:`Gates`, which the server's kernel manager calls)
-the REST interrupt JupyterLab's stop button sends, a restart and a shutdown. The held cells
+the REST interrupt JupyterLab's stop button sends, a restart and a shutdown. The queued cells
 get their error reply at once and never run later; a restore that still waits stops. A
 restore already moving bytes finishes (it cannot be stopped half-way): after an interrupt
 its cells run once the bytes have landed, after a restart or shutdown they are answered at
@@ -18,7 +18,7 @@ once. An interrupt never drops the held state.
 Message order: the cell whose restore shows progress gets ``status: busy`` first, from here
 (the kernel has not seen the cell yet, and the protocol puts a cell's outputs after its
 busy); the kernel's own busy follows when the cell reaches it.
-When the held state is dropped (the kernel restarted or died), the held cells are answered
+When the held state is dropped (the kernel restarted or died), the queued cells are answered
 with an error that says so: they never run in the new process in place of the old one.
 """
 
@@ -51,7 +51,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._held: list[tuple[Any, dict[str, Any]]] = []
+        self._queued: list[tuple[Any, dict[str, Any]]] = []
         self._drain_task: asyncio.Task[None] | None = None
         self._busy_sent: set[str] = set()  # msg_ids we announced busy for ourselves
 
@@ -100,15 +100,15 @@ class GateConnection(ZMQChannelsWebsocketConnection):
         is_execute = on_shell and msg_type == "execute_request"
         is_comm = on_shell and msg_type in COMM_MESSAGES
         if not (is_execute or is_comm):
-            if channel == "control" and msg_type == "interrupt_request" and self._held:
-                self.interrupt_held(INTERRUPTED)
+            if channel == "control" and msg_type == "interrupt_request" and self._queued:
+                self.interrupt_queued(INTERRUPTED)
             super().handle_incoming_message(incoming_msg)
             return
         must_wait = self._must_wait(controller, is_comm)
-        if self._held or (must_wait and not (is_execute and self._only_gpushare_magics(incoming_msg))):
-            if not self._held and is_execute and controller.restore_mode == "eager":
+        if self._queued or (must_wait and not (is_execute and self._only_gpushare_magics(incoming_msg))):
+            if not self._queued and is_execute and controller.restore_mode == "eager":
                 self._send_busy(header)  # its restore's progress lines come next
-            self._held.append((incoming_msg, header))
+            self._queued.append((incoming_msg, header))
             gates = self.gates
             if gates is not None:
                 gates.add(self)
@@ -141,8 +141,8 @@ class GateConnection(ZMQChannelsWebsocketConnection):
 
     async def _drain(self, controller: Controller) -> None:
         try:
-            while self._held:
-                _, first_header = self._held[0]
+            while self._queued:
+                _, first_header = self._queued[0]
                 failure, retryable = None, True
                 parent = first_header if first_header.get("msg_type") == "execute_request" else None
                 try:
@@ -152,7 +152,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
                         await controller.settle(self.kernel_id)
                 except ControllerError as e:
                     failure, retryable = e.message, e.retryable
-                batch, self._held = self._held, []
+                batch, self._queued = self._queued, []
                 for raw, header in batch:
                     if failure is None:
                         self._busy_sent.discard(header.get("msg_id", ""))
@@ -163,20 +163,20 @@ class GateConnection(ZMQChannelsWebsocketConnection):
                                 if retryable else "")
                         self._reply_error(header, "GPUStateNotRestored", f"gpushare: {failure}.{hint}")
                     else:
-                        log.warning("gpushare gate: dropped a held %s: %s", header.get("msg_type"), failure)
+                        log.warning("gpushare gate: dropped a queued %s: %s", header.get("msg_type"), failure)
         except asyncio.CancelledError:
             pass  # the connection closed: only our waiting stops, the restore goes on
         except Exception:
-            log.exception("gpushare gate: forwarding held messages failed")
+            log.exception("gpushare gate: forwarding queued messages failed")
         finally:
             if self._drain_task is asyncio.current_task():
                 self._drain_task = None
 
-    def interrupt_held(self, why: str) -> None:
-        """An interrupt (websocket or REST): the held cells are answered with a
+    def interrupt_queued(self, why: str) -> None:
+        """An interrupt (websocket or REST): the queued cells are answered with a
         KeyboardInterrupt now and never run; a restore that waits stops, the state stays
         held. A restore already moving bytes finishes first; its cells then run."""
-        if not self._held:
+        if not self._queued:
             return
         controller = self.controller
         st = controller.find(self.kernel_id) if controller is not None else None
@@ -185,12 +185,12 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             return
         if controller is not None:
             controller.stop_waiting(self.kernel_id, why)
-        self.answer_held("KeyboardInterrupt", f"gpushare: {why}")
+        self.answer_queued("KeyboardInterrupt", f"gpushare: {why}")
 
-    def answer_held(self, ename: str, text: str) -> None:
-        """Answer every held cell with an error now; none of them runs later. Only this
+    def answer_queued(self, ename: str, text: str) -> None:
+        """Answer every queued cell with an error now; none of them runs later. Only this
         connection's waiting stops (the restore, if any, is the controller's)."""
-        batch, self._held = self._held, []
+        batch, self._queued = self._queued, []
         task, self._drain_task = self._drain_task, None
         if task is not None:
             task.cancel()
@@ -198,10 +198,10 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             if header.get("msg_type") == "execute_request":
                 self._reply_error(header, ename, text)
             else:
-                log.info("gpushare gate: dropped a held %s: %s", header.get("msg_type"), text)
+                log.info("gpushare gate: dropped a queued %s: %s", header.get("msg_type"), text)
 
     def _send_busy(self, parent: dict[str, Any]) -> None:
-        """``status: busy`` for a held cell, as the kernel sends it when a cell starts."""
+        """``status: busy`` for a queued cell, as the kernel sends it when a cell starts."""
         if self.channels and parent.get("msg_id"):
             self._send("iopub", self.session.msg("status", {"execution_state": "busy"}, parent=parent))
             self._busy_sent.add(parent["msg_id"])
@@ -233,7 +233,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
     def disconnect(self) -> None:  # type: ignore[override]  # the stock one is sync too
         if self._drain_task is not None:
             self._drain_task.cancel()
-        self._held = []
+        self._queued = []
         gates = self.gates
         if gates is not None:
             gates.discard(self)
@@ -266,11 +266,11 @@ class Gates:
     def interrupted(self, kernel_id: str) -> None:
         """The kernel is interrupted (REST): as an ``interrupt_request`` on each websocket."""
         for conn in self._of(kernel_id):
-            conn.interrupt_held(INTERRUPTED)
+            conn.interrupt_queued(INTERRUPTED)
 
     def ending(self, kernel_id: str, why: str) -> None:
-        """The kernel restarts or shuts down: its held cells are answered now, whatever the
+        """The kernel restarts or shuts down: its queued cells are answered now, whatever the
         restore is doing, and never run (not in the old process, not in a new one)."""
         self.controller.stop_waiting(kernel_id, why)
         for conn in self._of(kernel_id):
-            conn.answer_held("GPUStateNotRestored", f"gpushare: {why}; this cell did not run")
+            conn.answer_queued("GPUStateNotRestored", f"gpushare: {why}; this cell did not run")

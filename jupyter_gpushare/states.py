@@ -20,4 +20,7 @@ UNTRACKED = "untracked"
 ALL = (ACTIVE, IDLE, RELEASING, RELEASED, RESTORING, FAILED, UNTRACKED)
 #: the kernel's GPU state is not (all) on the GPU: cells must wait for a restore
 HELD = (RELEASING, RELEASED, RESTORING, FAILED)
-RESIDENT = (ACTIVE, IDLE, UNTRACKED)
+#: nothing is held: cells run at once (the GPU state, if any, is on the GPU)
+NOT_HELD = (ACTIVE, IDLE, UNTRACKED)
+#: the GPU state is on the GPU and the kernel holds GPU memory
+RESIDENT = (ACTIVE, IDLE)

@@ -163,8 +163,8 @@ def test_the_state_names_are_the_contracts():
     """Server, agent and magics spell states from one module; the contract (and so the lab
     extension's generated types) lists the same states, in the same order."""
     assert list(states.ALL) == contract.spec()["components"]["schemas"]["KernelState"]["enum"]
-    assert set(states.HELD) | set(states.RESIDENT) == set(states.ALL)
-    assert not set(states.HELD) & set(states.RESIDENT)
+    assert set(states.HELD) | set(states.NOT_HELD) == set(states.ALL)
+    assert not set(states.HELD) & set(states.NOT_HELD)
     generated = (ROOT / contract_typescript.OUTPUT).read_text(encoding="utf-8")
     listed = re.search(r"KernelStateValues: readonly KernelState\[\] = \[(.*?)\];", generated, re.S)
     assert listed and re.findall(r"'(\w+)'", listed.group(1)) == list(states.ALL)

@@ -49,7 +49,7 @@ from jupyter_gpushare.reclaim import (
     ReclaimResult,
     Support,
 )
-from jupyter_gpushare.states import FAILED, RELEASED, RELEASING, RESIDENT, RESTORING
+from jupyter_gpushare.states import FAILED, NOT_HELD, RELEASED, RELEASING, RESTORING
 from jupyter_gpushare.telemetry import GPUInfo
 from jupyter_gpushare.tracker import GPURecord, KernelRecord
 
@@ -801,7 +801,7 @@ class ControllerModel(RuleBasedStateMachine):
             assert proc.intact, f"part of the state is neither on the GPU nor in host memory: {where}"
             if held is None:
                 assert proc.all_on_gpu, f"nothing held, yet its state is not all on the GPU: {where}"
-            if state in RESIDENT:
+            if state in NOT_HELD:
                 assert proc.all_on_gpu, f"shown resident while its state is off the GPU: {where}"
             elif state == RELEASED:
                 assert held is not None and held.complete and proc.all_off_gpu, where
@@ -978,7 +978,7 @@ def restored(m: ControllerModel, kid: str) -> None:
     waiter = m.waiters[-1]
     until(m, waiter.task.done, f"the restore of {kid}")
     assert waiter.task.exception() is None
-    assert m.controller.states[kid].state in RESIDENT and m.node.procs[kid].all_on_gpu
+    assert m.controller.states[kid].state in NOT_HELD and m.node.procs[kid].all_on_gpu
 
 
 def test_an_operation_stopped_before_it_began_still_ends():
@@ -1094,7 +1094,7 @@ def test_a_kernel_restarted_while_its_release_starts_is_not_held_for_the_new_pro
         until(m, lambda: not m.pending(), "the release to end")
         m.poll(n=10)  # the new process: a state held for the old one is dropped
         st_ = m.controller.states["k2"]
-        assert st_.held is None and st_.state in RESIDENT, st_
+        assert st_.held is None and st_.state in NOT_HELD, st_
         assert m.node.procs["k2"].all_on_gpu
 
 

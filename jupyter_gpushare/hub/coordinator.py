@@ -43,11 +43,12 @@ import psutil
 from .. import clock, crossuser, policy
 from ..fairshare import Share, shares_of
 from ..sim.node import format_bytes
+from ..states import RESIDENT
 from . import claims
 from .hubapi import HubAPI, HubAPIError
 from .measure import Measured, Meter
 from .metrics import HubMetrics
-from .snapshot import RESIDENT, Snapshot, parse_status
+from .snapshot import Snapshot, parse_status
 from .view import GpuIds, NodeView, Placed, ServerRef
 
 log = logging.getLogger(__name__)

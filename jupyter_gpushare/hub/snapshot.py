@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-RESIDENT = ("active", "idle")
 MAX_KERNELS = 10_000
 MAX_PIDS = 64  # per kernel: the kernel and its children
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from .. import policy
 from ..crossuser import Holding
 from ..fairshare import Ledger, Share, shares_of
+from ..states import RESIDENT
 from .measure import Measured
-from .snapshot import RESIDENT, KernelSnap, Snapshot
+from .snapshot import KernelSnap, Snapshot
 
 
 class GpuIds:

@@ -1,0 +1,207 @@
+"""Room for a restore: its turn per GPU, free memory checked (twice where other servers'
+restores take no turn with ours), idle kernels released by policy to make it, or a wait
+that says why. Never restore without room: a restore without room wedges a real process for
+good.
+
+The controller owns the restore; :meth:`RestoreRoom.find` is its waiting phase (the only
+phase that can be stopped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from . import ahead, clock
+from .errors import ControllerError
+from .lifecycle import Held, Lifecycle
+from .operations import Operation, Outcome, wait_for
+from .progress import CellProgress
+from .reservations import Grant
+from .room import lacking
+from .units import format_bytes
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+log = logging.getLogger(__name__)
+
+WAIT_BACKOFF = (0.25, 5.0)  # s between make-room rounds: first, and the most
+STRICT_SETTLE = 0.5  # s between the two readings of a restore without a turn across servers
+MEMORY_WAIT = "waiting for memory"
+
+
+class RestoreRoom:
+    def __init__(self, controller: Controller):
+        self.c = controller
+
+    async def find(
+        self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int], shown: CellProgress,
+        wait: bool,
+    ) -> Grant | Outcome:
+        """Never restore without room: take the GPUs, check, reserve; else make room per
+        policy, or wait and say why. An Outcome when it ends without room."""
+        announced = False
+        delay = WAIT_BACKOFF[0]
+        while True:
+            # Python 3.11's wait_for can swallow a cancel that lands as what it waits for
+            # completes (a release ending as the server shuts down): look at the flag too
+            if op.stopped:
+                raise asyncio.CancelledError
+            if st.held is not held:
+                return Outcome(False, f"{st.error or 'the held state was dropped'}", False, dropped=True)
+            if ahead.yields(self.c, st, op, need):  # a cell's restore waits for these GPUs: it goes first
+                try:
+                    await asyncio.wait_for(self.c._freed.wait(), WAIT_BACKOFF[1])
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            # a turn behind another restore of this server on the same GPU is not `waiting`
+            # (the other one moves its bytes and gives the GPU back); a turn another server
+            # holds is (it may keep it): the cell and status say so
+            grant = await self.take_turn(st, need, shown)
+            want = need
+            strict = set(grant.unguarded) & set(need)  # no turn across servers on these GPUs
+            try:
+                want = await self.still_to_land(st, held, need)
+                free = await self.c.read_free(list(need))
+                room = {g: None if f is None else f - self.releases_may_take_back(g)
+                        for g, f in free.items()}
+                short = lacking(want, room, strict=strict)
+                if not short and strict:  # and the room must still be there a moment later
+                    await asyncio.sleep(STRICT_SETTLE)
+                    again = await self.c.read_free(sorted(strict))
+                    room.update({g: None if f is None else f - self.releases_may_take_back(g)
+                                 for g, f in again.items()})
+                    short = lacking(want, room, strict=strict)
+            except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
+                grant.release()
+                raise
+            except Exception as e:
+                log.warning("gpushare: cannot read free GPU memory: %s", e)
+                free = {g: None for g in need}
+                room = {g: None for g in need}
+                short = dict(want)
+            if op.stopped:
+                grant.release()
+                raise asyncio.CancelledError
+            if not short and st.held is held:
+                grant.reserve(want)
+                st.waiting = None
+                return grant
+            grant.release()
+            if not short:
+                continue  # dropped meanwhile: the check at the top says so
+            shortfall = [(f"{format_bytes(n)} on GPU {g}",
+                          (f"{format_bytes(max(room[g] or 0, 0))} free" if room.get(g) is not None
+                           else "free memory unknown")
+                          + ("; twice that without a restore turn" if g in strict else ""))
+                         for g, n in short.items()]
+            st.waiting = f"{MEMORY_WAIT}: needs " + ", ".join(
+                f"{needs} ({free})" for needs, free in shortfall)
+            if not wait:
+                return Outcome(False, st.waiting)
+            if not announced:
+                announced = True
+                # the event's reason has no parentheses (the lab's toast adds its own) and
+                # does not repeat "waiting for memory" (the toast says it waits)
+                why = "needs " + "; ".join(f"{needs}, {free}" for needs, free in shortfall)
+                self.c.announce(st.kernel_id, "restore_waiting", method=st.method,
+                              bytes=sum(want.values()), reason=why, trigger=op.trigger)
+                await shown(f"gpushare: {st.waiting}; the cell runs once memory frees "
+                            "(interrupt to stop waiting)")
+            if await self.make_room(st, want, free):
+                delay = WAIT_BACKOFF[0]
+                continue  # room was made: look at once (its end's wake-up came while we waited on it)
+            freed = self.c._freed
+            try:
+                await asyncio.wait_for(freed.wait(), delay)
+                delay = WAIT_BACKOFF[0]
+            except asyncio.TimeoutError:
+                delay = min(delay * 2, WAIT_BACKOFF[1])
+
+    async def take_turn(self, st: Lifecycle, need: dict[int, int], shown: CellProgress) -> Grant:
+        """The restore turn of every GPU in ``need``. While another server holds one, the
+        cell's progress line and ``status`` say so (``waiting``)."""
+        said = asyncio.Event()
+
+        def on_turn_wait(gpu: int, holder: int | None, left: float) -> None:
+            by = f" (process {holder})" if holder else ""
+            st.waiting = (f"waiting for another server's restore turn on GPU {gpu}{by}, "
+                          f"at most {left:.0f} s more")
+            said.set()
+
+        task = asyncio.ensure_future(self.c.reservations.acquire(list(need), on_turn_wait))
+        heard = asyncio.ensure_future(said.wait())
+        try:
+            while not task.done():
+                await asyncio.wait({task, heard}, return_when=asyncio.FIRST_COMPLETED)
+                if heard.done() and not task.done():
+                    said.clear()
+                    heard = asyncio.ensure_future(said.wait())
+                    await shown(f"gpushare: {st.waiting} (interrupt to stop waiting)")
+        except asyncio.CancelledError:
+            task.cancel()
+            try:
+                (await task).release()  # it had finished: give its locks back
+            except BaseException:
+                pass
+            raise
+        finally:
+            heard.cancel()
+        return task.result()
+
+    def releases_may_take_back(self, gpu: int) -> int:
+        """Bytes that releases in flight may put back on ``gpu``: an undo re-allocates what the
+        release freed, so those bytes are not free for a restore until the release has ended
+        (a restore promised them would run out of memory mid-way: wedged)."""
+        total = 0
+        for other in self.c.states.values():
+            if other.op is not None and other.op.kind == "release" and other.held is not None:
+                total += other.held.gpus.get(gpu, 0) + other.held.gpus.get(-1, 0)
+        return total
+
+    async def still_to_land(self, st: Lifecycle, held: Held, need: dict[int, int]) -> dict[int, int]:
+        """``need`` less what the kernel's process still holds on each GPU. A release that
+        failed part-way (or before moving anything) left those bytes in place, and they count
+        as used already: charging them again left such a kernel waiting for memory it does not
+        need, for good on a busy GPU. Measured now, per process, never from an older poll: a
+        count that lags behind bytes that did leave would make room that is not there."""
+        if held.complete or not held.attributed:
+            return need  # every byte left (the method said so), or not measured per process
+        await self.c._refresh()
+        rec = self.c.tracker.kernels.get(st.kernel_id)
+        if rec is None or not rec.attributed or not rec.pids or rec.pids[0] != held.kernel_pid:
+            return need  # not measured per process, or another process now: charge it all
+        return {g: max(0, n - rec.gpu_bytes.get(g, 0)) for g, n in need.items()}
+
+    async def make_room(self, st: Lifecycle, need: dict[int, int], free: dict[int, int | None]) -> bool:
+        """Release idle kernels per policy; a victim whose release failed recently is skipped.
+        True when some victim was released (a refused or failed one frees nothing: the caller
+        backs off, or a victim refused again and again would be asked in a tight loop)."""
+        made = False
+        now = clock.now()
+        known_free = {g: self.c.reservations.seen_free(g, f) for g, f in free.items() if f is not None}
+        cands = []
+        for k, rec in self.c.tracker.kernels.items():
+            other = self.c.states.get(k)
+            if other is None or other.op is not None or k == st.kernel_id:
+                continue
+            if self.c._failed_recently(other, now):
+                continue
+            cands.append(self.c.candidate(other, rec, now))
+        plan = self.c.rules.make_room(need, {g: f for g, f in known_free.items() if f is not None},
+                                    cands, exclude=st.kernel_id)
+        for d in plan or []:
+            victim = self.c.states[d.kernel_id]
+            try:
+                victim_op = self.c._start_release(victim, d.reason, automatic=True, by_kernel=False)
+            except ControllerError as e:
+                log.info("gpushare: could not make room with %s: %s", d.kernel_id, e.message)
+                continue
+            outcome = await wait_for(victim_op)
+            if not outcome.ok:
+                log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
+            made = made or outcome.ok
+        return made
