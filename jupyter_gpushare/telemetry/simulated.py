@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 
 from .. import clock
-from ..agent_ops import integer, shown
+from ..fields import integer, shown
 from ..protocol import SIMULATED_GPUS_ENV
 from ..sim.node import DEVICE_NAME, NodeLedger
 from ..sim.shared import SharedSimNode, open_node
