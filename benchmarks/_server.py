@@ -38,7 +38,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.simple_httpclient import HTTPTimeoutError
 from tornado.websocket import websocket_connect
 
-from jupyter_gpushare.gate import GateConnection
+from jupyter_gpushare.server.gate import GateConnection
 
 GiB = 1 << 30
 V1 = "v1.kernel.websocket.jupyter.org"

@@ -33,7 +33,7 @@ GiB = 1 << 30
 EMULATOR = r'''
 import json, sys
 from tornado import ioloop, web
-from jupyter_gpushare import contract
+from jupyter_gpushare.server import contract
 N, K = int(sys.argv[2]), int(sys.argv[3])
 GPUS = [{"index": i, "uuid": f"GPU-bench-{i}", "name": "Emulated", "memory_total": 80 << 30,
          "memory_used": 79 << 30, "utilization": 40.0, "released_bytes": 1 << 30, "mig": False}

@@ -42,9 +42,9 @@ import psutil
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _server import GiB, Server, machine, summary, table
 
+from jupyter_gpushare.core.tracker import Tracker
 from jupyter_gpushare.sim.node import SimNode
 from jupyter_gpushare.telemetry.simulated import SimulatedTelemetry
-from jupyter_gpushare.tracker import Tracker
 
 
 @dataclass

@@ -9,9 +9,9 @@ from ._version import __version__
 
 
 def _jupyter_server_extension_points() -> list[dict[str, Any]]:
-    from .app import GPUShareApp
+    from .server.app import GPUShareApp
 
-    return [{"module": "jupyter_gpushare.app", "app": GPUShareApp}]
+    return [{"module": "jupyter_gpushare.server.app", "app": GPUShareApp}]
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:

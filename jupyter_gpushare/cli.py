@@ -12,7 +12,7 @@ import re
 import sys
 from pathlib import Path
 
-from . import selection
+from .server import selection
 
 DESCRIPTION = """\
 jupyter-gpushare releases the GPU memory of idle Jupyter kernels without killing them and

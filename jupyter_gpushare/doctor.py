@@ -3,7 +3,7 @@
 Every check is a :class:`Check` with ``ok`` True (fine), False (a problem to act on) or None
 (for information / not applicable). Nothing here raises on a machine without a GPU: each check
 says why it cannot apply. The backend and the release method are chosen by
-:mod:`jupyter_gpushare.selection`, as the server chooses them, so the doctor reports what the
+:mod:`jupyter_gpushare.server.selection`, as the server chooses them, so the doctor reports what the
 server will do.
 """
 
@@ -18,9 +18,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import selection
 from .reclaim import MethodContext
 from .reclaim.driver import MIN_DRIVER, MIN_DRIVER_MIGRATE
+from .server import selection
 from .telemetry.nvml import NVMLProbe, NVMLTelemetry, driver_major, foreign_pids
 from .units import GiB
 

@@ -52,7 +52,7 @@ def _reset_clock():
 @pytest.fixture
 def jp_fetch(jp_fetch):
     """pytest-jupyter's ``jp_fetch``, checking every ``api/gpushare`` answer (errors included)
-    against the REST contract (``jupyter_gpushare/openapi.yaml``)."""
+    against the REST contract (``jupyter_gpushare/server/openapi.yaml``)."""
     from .helpers import validating
 
     return validating(jp_fetch)

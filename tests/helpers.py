@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 from tornado.httpclient import HTTPClientError, HTTPResponse
 
-from jupyter_gpushare import contract
+from jupyter_gpushare.server import contract
 
 
 @dataclass

@@ -9,7 +9,8 @@ import asyncio
 
 import pytest
 
-from jupyter_gpushare import ahead, clock, metrics
+from jupyter_gpushare import clock
+from jupyter_gpushare.core import ahead, metrics
 from jupyter_gpushare.reclaim import ReclaimError
 
 from . import scenarios
@@ -251,7 +252,7 @@ async def test_pinned_kernel_restored_ahead_is_not_released_after_ahead_grace(
 def test_ahead_grace_option_is_checked():
     from traitlets import TraitError
 
-    from jupyter_gpushare.app import GPUShareApp
+    from jupyter_gpushare.server.app import GPUShareApp
 
     assert GPUShareApp().ahead_grace == 300.0
     with pytest.raises(TraitError, match="ahead_grace must be >= 0"):

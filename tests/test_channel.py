@@ -106,7 +106,7 @@ async def test_a_reply_over_the_limit_fails_that_request_and_the_channel_keeps_w
 
 
 async def test_garbage_and_overlong_lines_do_not_close_the_channel(kernels, gpushare_app, caplog):
-    caplog.set_level(logging.WARNING, logger="jupyter_gpushare.channel")
+    caplog.set_level(logging.WARNING, logger="jupyter_gpushare.server.channel")
     k = await kernels.start()
     await k.run(hold(64))
     conn = gpushare_app.channel.connections[k.id]
@@ -324,7 +324,7 @@ async def test_a_request_past_its_deadline_is_not_run(kernels, gpushare_app):
 async def test_removed_socket_is_bound_again_and_a_dropped_agent_reconnects_with_its_memory(
     jp_fetch, kernels, gpushare_app, caplog
 ):
-    caplog.set_level(logging.WARNING, logger="jupyter_gpushare.channel")
+    caplog.set_level(logging.WARNING, logger="jupyter_gpushare.server.channel")
     channel, node = gpushare_app.channel, gpushare_app.node
     k = await kernels.start()
     await k.run(hold(256))
@@ -421,7 +421,7 @@ def test_set_usage_is_all_or_nothing_and_dead_pids_are_dropped():
 def test_a_socket_in_a_directory_made_for_it_leaves_no_directory_behind(tmp_path):
     """A runtime directory too deep for AF_UNIX gets the socket in a private temporary
     directory; removing the socket removes that directory too (nothing piles up in /tmp)."""
-    from jupyter_gpushare.channel import AgentServer, socket_path
+    from jupyter_gpushare.server.channel import AgentServer, socket_path
 
     async def allow(kernel_id: str, pid: int) -> None:
         return None
@@ -446,7 +446,7 @@ def test_a_server_abandoned_after_its_event_loop_ended_closes_its_agents_sockets
     import socket
     import warnings
 
-    from jupyter_gpushare.channel import AgentServer
+    from jupyter_gpushare.server.channel import AgentServer
 
     async def allow(kernel_id: str, pid: int) -> None:
         return None

@@ -6,7 +6,7 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from jupyter_gpushare.app import GPUShareApp
+from jupyter_gpushare.server.app import GPUShareApp
 
 
 @pytest.mark.parametrize(

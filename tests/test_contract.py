@@ -1,4 +1,4 @@
-"""The REST API keeps its written contract (jupyter_gpushare/openapi.yaml): every endpoint
+"""The REST API keeps its written contract (jupyter_gpushare/server/openapi.yaml): every endpoint
 and every status it lists, answered by a real server with real kernels, validates against it;
 the contract itself is valid OpenAPI, lists exactly the server's routes, and catches drift."""
 
@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from openapi_spec_validator import validate as validate_openapi
 
-from jupyter_gpushare import contract, contract_typescript, lifecycle, states
+from jupyter_gpushare import states
+from jupyter_gpushare.core import lifecycle
 from jupyter_gpushare.events import KERNEL_SCHEMA_ID
-from jupyter_gpushare.handlers import MAX_BODY_BYTES, handlers
+from jupyter_gpushare.server import contract, contract_typescript
+from jupyter_gpushare.server.handlers import MAX_BODY_BYTES, handlers
 
 from .helpers import rest, wait_for
 
@@ -71,7 +73,7 @@ def test_the_lab_extensions_types_are_generated_from_the_contract():
     generated = (ROOT / contract_typescript.OUTPUT).read_text(encoding="utf-8")
     assert generated == contract_typescript.render(), (
         "labextension/src/contract.ts is out of date: run "
-        "`python -m jupyter_gpushare.contract_typescript`")
+        "`python -m jupyter_gpushare.server.contract_typescript`")
     assert "export * from './contract';" in (ROOT / "labextension/src/api.ts").read_text()
     # every name contract.ts declares: the contract's shapes, the allowed-actions table, the event
     names = re.findall(r"^export (?:interface|type|const) (\w+)\b", generated, re.M)

@@ -33,14 +33,15 @@ from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from jupyter_gpushare import clock, policy
-from jupyter_gpushare.controller import (
+from jupyter_gpushare.core.controller import (
     RETRY_AFTER_FAILED_RELEASE,
     Controller,
     ControllerError,
     Held,
     Lifecycle,
 )
-from jupyter_gpushare.hostmem import HostRoom
+from jupyter_gpushare.core.hostmem import HostRoom
+from jupyter_gpushare.core.tracker import GPURecord, KernelRecord
 from jupyter_gpushare.protocol import RemoteError
 from jupyter_gpushare.reclaim import (
     KernelTarget,
@@ -51,7 +52,6 @@ from jupyter_gpushare.reclaim import (
 )
 from jupyter_gpushare.states import FAILED, NOT_HELD, RELEASED, RELEASING, RESTORING
 from jupyter_gpushare.telemetry import GPUInfo
-from jupyter_gpushare.tracker import GPURecord, KernelRecord
 
 MiB = 1 << 20
 GiB = 1 << 30

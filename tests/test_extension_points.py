@@ -29,9 +29,10 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from jupyter_gpushare import doctor, provisioner, selection
-from jupyter_gpushare.app import GPUShareApp
+from jupyter_gpushare import doctor
 from jupyter_gpushare.reclaim import MethodContext
+from jupyter_gpushare.server import provisioner, selection
+from jupyter_gpushare.server.app import GPUShareApp
 
 from .helpers import KernelFactory
 
@@ -153,7 +154,7 @@ async def status(jp_fetch) -> dict:
 
 # -- names: what the options accept --------------------------------------------------------
 def test_plugins_are_named_choices_and_a_builtin_name_stays_the_builtins(toy_dist, caplog):
-    with caplog.at_level(logging.WARNING, logger="jupyter_gpushare.selection"):
+    with caplog.at_level(logging.WARNING, logger="jupyter_gpushare.server.selection"):
         assert selection.method_names() == ["auto", "off", "driver", "framework", "simulated",
                                             "toymethod", "brokenmethod"]
         assert selection.backend_names() == ["auto", "nvml", "simulated", "toysource",

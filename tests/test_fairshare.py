@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jupyter_gpushare import crossuser, policy
-from jupyter_gpushare.fairshare import Ledger, Share, parse_share, parse_table, shares_of
+from jupyter_gpushare import policy
+from jupyter_gpushare.policy import crossuser
+from jupyter_gpushare.policy.fairshare import Ledger, Share, parse_share, parse_table, shares_of
 
 GiB = 1 << 30
 
@@ -212,7 +213,7 @@ def test_every_hub_option_is_documented_and_bad_values_name_it():
     from traitlets.config import Config
 
     from jupyter_gpushare.hub.app import GPUShareHub
-    from jupyter_gpushare.hub_link import GPUShareHubLink
+    from jupyter_gpushare.node.hub_link import GPUShareHubLink
 
     for cls in (GPUShareHub, GPUShareHubLink):
         for name, trait in cls.class_own_traits(config=True).items():

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from tornado.httpclient import HTTPClientError
 
-from jupyter_gpushare import contract
+from jupyter_gpushare.server import contract
 
 from .helpers import KernelConn, rest, wait_for
 

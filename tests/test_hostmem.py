@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jupyter_gpushare.hostmem import HostMemory
+from jupyter_gpushare.core.hostmem import HostMemory
 
 MiB = 1 << 20
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpushare import contract
+from jupyter_gpushare.server import contract
 from jupyter_gpushare.sim.shared import SharedSimNode
 
 from . import fake_server

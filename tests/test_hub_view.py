@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from jupyter_gpushare import contract
-from jupyter_gpushare.fairshare import parse_table
 from jupyter_gpushare.hub.snapshot import parse_status
 from jupyter_gpushare.hub.view import GpuIds, NodeView, ServerRef
+from jupyter_gpushare.policy.fairshare import parse_table
+from jupyter_gpushare.server import contract
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from jupyter_gpushare import lifecycle
-from jupyter_gpushare.lifecycle import (
+from jupyter_gpushare.core import lifecycle
+from jupyter_gpushare.core.lifecycle import (
     PREVIOUS,
     STEPS,
     UNCHANGED,
@@ -21,7 +21,7 @@ from jupyter_gpushare.lifecycle import (
     IllegalTransition,
     Lifecycle,
 )
-from jupyter_gpushare.operations import Operation
+from jupyter_gpushare.core.operations import Operation
 from jupyter_gpushare.states import (
     ACTIVE,
     ALL,
@@ -192,4 +192,4 @@ def test_the_documented_transitions_are_the_code_s_table():
     text = DOCS.read_text()
     assert lifecycle.transition_table() in text, (
         "docs/how-it-works.md's table of transitions differs from "
-        "`python -m jupyter_gpushare.lifecycle`: paste its output")
+        "`python -m jupyter_gpushare.core.lifecycle`: paste its output")

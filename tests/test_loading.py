@@ -26,11 +26,11 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from jupyter_server.utils import url_path_join
 from tornado.httpclient import HTTPClientError
 
-from jupyter_gpushare import app as app_module
-from jupyter_gpushare import provisioner
-from jupyter_gpushare.app import GPUShareApp
 from jupyter_gpushare.events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
-from jupyter_gpushare.gate import SETTINGS_KEY, GateConnection
+from jupyter_gpushare.server import app as app_module
+from jupyter_gpushare.server import provisioner
+from jupyter_gpushare.server.app import GPUShareApp
+from jupyter_gpushare.server.gate import SETTINGS_KEY, GateConnection
 from jupyter_gpushare.telemetry import Telemetry, TelemetryStatus
 
 from .helpers import KernelFactory, wait_for

@@ -25,7 +25,7 @@ from jupyter_core.paths import jupyter_runtime_dir
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from benchmarks._server import Server
-from jupyter_gpushare.node_locks import NodeLocks
+from jupyter_gpushare.node.node_locks import NodeLocks
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import SharedSimNode
 

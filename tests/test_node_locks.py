@@ -19,7 +19,7 @@ import sys
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from benchmarks._server import Server
-from jupyter_gpushare.node_locks import NodeLocks
+from jupyter_gpushare.node.node_locks import NodeLocks
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import SharedSimNode
 

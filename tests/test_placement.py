@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from jupyter_gpushare.placement import PlacementError, Placer, allowed
+from jupyter_gpushare.node.placement import PlacementError, Placer, allowed
 from jupyter_gpushare.sim import device as device_module
 from jupyter_gpushare.sim import simgpu
 from jupyter_gpushare.sim.device import LocalBackend, SimDevice, visible_gpus

@@ -326,7 +326,7 @@ async def test_release_and_restore_update_metrics(jp_fetch, kernels, gpushare_ap
 
 
 async def test_kernels_that_come_and_go_leave_nothing_behind(jp_fetch, kernels, gpushare_app):
-    from jupyter_gpushare import metrics
+    from jupyter_gpushare.core import metrics
 
     started = [await kernels.start() for _ in range(3)]
     for k in started:

@@ -16,8 +16,8 @@ import subprocess
 
 import pytest
 
-from jupyter_gpushare.channel import AgentServer, Refused
 from jupyter_gpushare.protocol import encode
+from jupyter_gpushare.server.channel import AgentServer, Refused
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import LedgerRefused, SharedSimNode
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from jupyter_gpushare.controller import Controller, Held
+from jupyter_gpushare.core.controller import Controller, Held
+from jupyter_gpushare.core.tracker import KernelRecord
 from jupyter_gpushare.policy import PolicyConfig
-from jupyter_gpushare.tracker import KernelRecord
 
 GiB = 1 << 30
 

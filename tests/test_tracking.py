@@ -231,7 +231,7 @@ def test_max_utilization_since_equals_a_scan_of_the_history(steps, maxlen, windo
     windows that start before, inside and after the history (equal times included)."""
     from collections import deque
 
-    from jupyter_gpushare.tracker import KernelRecord
+    from jupyter_gpushare.core.tracker import KernelRecord
 
     rec = KernelRecord(id="k")
     rec.history = deque(maxlen=maxlen)
@@ -251,7 +251,7 @@ def test_max_utilization_since_equals_a_scan_of_the_history(steps, maxlen, windo
 def test_max_utilization_since_follows_a_new_history_buffer():
     from collections import deque
 
-    from jupyter_gpushare.tracker import KernelRecord
+    from jupyter_gpushare.core.tracker import KernelRecord
 
     rec = KernelRecord(id="k")
     rec.history.append((1.0, 0, 90.0, {}))

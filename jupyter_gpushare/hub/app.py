@@ -22,7 +22,7 @@ from tornado import web
 from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
 from traitlets.config import Application
 
-from ..fairshare import parse_table
+from ..policy.fairshare import parse_table
 from .coordinator import Coordinator, Settings, hub_policy
 from .hubapi import HubAPI
 from .measure import BACKENDS, open_meter

@@ -6,7 +6,7 @@
   fallback when a push did not arrive).
 - **Push** (a server says a restore waits): that server and every server with kernels on
   the GPUs it needs are read again at once, then room is made. About a second, not a poll.
-- **Make room**: :func:`jupyter_gpushare.crossuser.make_room` decides (the policy's rules
+- **Make room**: :func:`jupyter_gpushare.policy.crossuser.make_room` decides (the policy's rules
   across users, plus shares); each victim is released through its own server's REST with
   ``if_idle_for``, so its server checks again, with live data, that nobody working is taken.
   One decision at a time per GPU. The victims' releases run side by side; one that fails is
@@ -40,8 +40,9 @@ from typing import Any
 
 import psutil
 
-from .. import clock, crossuser, policy
-from ..fairshare import Share, shares_of
+from .. import clock, policy
+from ..policy import crossuser
+from ..policy.fairshare import Share, shares_of
 from ..sim.node import format_bytes
 from ..states import RESIDENT
 from . import claims

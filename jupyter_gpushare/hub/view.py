@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import policy
-from ..crossuser import Holding
-from ..fairshare import Ledger, Share, shares_of
+from ..policy.crossuser import Holding
+from ..policy.fairshare import Ledger, Share, shares_of
 from ..states import RESIDENT
 from .measure import Measured
 from .snapshot import KernelSnap, Snapshot

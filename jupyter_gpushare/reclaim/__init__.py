@@ -23,7 +23,7 @@ METHODS: dict[str, str] = {
 
 #: The entry point group another package registers its methods in, one line each
 #: (``mymethod = "mypkg.mymethod:MyMethod"``); read when the server or ``doctor`` chooses
-#: (:mod:`jupyter_gpushare.selection`). A name of ``METHODS`` (or "auto", "off") is the
+#: (:mod:`jupyter_gpushare.server.selection`). A name of ``METHODS`` (or "auto", "off") is the
 #: built-in's: a plug-in registered under it is ignored with a warning.
 ENTRY_POINT_GROUP = "jupyter_gpushare.release_methods"
 

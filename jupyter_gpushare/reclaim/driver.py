@@ -25,7 +25,7 @@ Order of operations and why:
 ``KernelTarget.gpu_bytes`` on restore must be what the kernel held when it was released (the
 controller keeps it): the GPU holds nothing of it while released. Optional
 ``target.pid_bytes = {pid: {gpu: bytes}}`` makes the room check per pid exact and the
-progress lines show sizes per pid. The room rule is :mod:`..room`'s, the controller's too
+progress lines show sizes per pid. The room rule is :mod:`..policy.room`'s, the controller's too
 (``margin_bytes`` is 0 in the server: the controller reserves a context's margin itself).
 """
 
@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import room
+from ..policy import room
 from ..units import format_bytes
 from .base import (
     KernelTarget,

@@ -8,6 +8,6 @@ the fewest GPUs that serve every user and their GPU-hours against reserving GPUs
 users per GPU, cell delays and slowdowns, work lost, allocation against utilization.
 
 The ``gpushare`` policy calls :mod:`jupyter_gpushare.policy` unchanged, with candidates built
-the way :mod:`jupyter_gpushare.controller` builds them, so what it predicts is what the
+the way :mod:`jupyter_gpushare.core.controller` builds them, so what it predicts is what the
 product does. Entry points: ``jupyter gpushare simulate`` and ``benchmarks/simulate.py``.
 """

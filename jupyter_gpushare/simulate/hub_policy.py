@@ -3,8 +3,8 @@
 One more subclass of :class:`~jupyter_gpushare.simulate.policies.GPUShare`. A restore that
 cannot get room from its own server's kernels is pushed to the service at once, which makes
 room from other people's kernels on that GPU by calling
-:func:`jupyter_gpushare.crossuser.make_room` unchanged (the policy's rules across users,
-plus fair shares from :mod:`jupyter_gpushare.fairshare`), with candidates built as
+:func:`jupyter_gpushare.policy.crossuser.make_room` unchanged (the policy's rules across users,
+plus fair shares from :mod:`jupyter_gpushare.policy.fairshare`), with candidates built as
 ``GPUShare.candidate`` builds them. The releases then run in turn, as the service's do.
 
 A restore ahead of a cell is not pushed: it takes room only from its own server's
@@ -17,8 +17,8 @@ import math
 from functools import partial
 from typing import Any
 
-from .. import crossuser
-from ..fairshare import Ledger, parse_table, shares_of
+from ..policy import crossuser
+from ..policy.fairshare import Ledger, parse_table, shares_of
 from .engine import RELEASED, RESIDENT, Kernel, Simulation
 from .policies import GPUShare
 

@@ -9,7 +9,7 @@
   starts it again and the work it had run since it started is lost (to be re-run).
 - ``gpushare``: shared GPUs; each user's server releases its own idle kernels and restores
   them before their next cell, by calling :mod:`jupyter_gpushare.policy` unchanged, with
-  candidates built as :meth:`jupyter_gpushare.controller.Controller.candidate` builds them.
+  candidates built as :meth:`jupyter_gpushare.core.controller.Controller.candidate` builds them.
   Its release policy: ``proactive`` (the product's idle release: a kernel idle for
   ``idle_timeout`` is released, its memory ready for whoever comes) or ``needs`` (an idle
   kernel is released only when its GPU needs memory: free below the pressure threshold or a

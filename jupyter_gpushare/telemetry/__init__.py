@@ -21,7 +21,7 @@ BACKENDS: dict[str, str] = {
 
 #: The entry point group another package registers its backends in, one line each
 #: (``mysource = "mypkg.mysource:MySource"``); read when the server or ``doctor`` chooses
-#: (:mod:`jupyter_gpushare.selection`). A name of ``BACKENDS`` (or "auto") is the built-in's:
+#: (:mod:`jupyter_gpushare.server.selection`). A name of ``BACKENDS`` (or "auto") is the built-in's:
 #: a plug-in registered under it is ignored with a warning.
 ENTRY_POINT_GROUP = "jupyter_gpushare.telemetry_backends"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 #: a request handler of the agent channel: ``(connection, message) -> reply fields`` (a dict,
 #: None, or an awaitable of either); raising ValueError / RuntimeError / LookupError answers the
-#: agent with that error (see ``jupyter_gpushare.channel``)
+#: agent with that error (see ``jupyter_gpushare.server.channel``)
 AgentHandler = Callable[[Any, dict[str, Any]], Any]
 
 

@@ -3,12 +3,12 @@
  *
  * Requests go through `ServerConnection.makeRequest`, which adds the token and XSRF headers
  * the server expects. Errors carry the server's `message` so the panel can show it inline.
- * The shapes it returns are those of the REST contract, `jupyter_gpushare/openapi.yaml`.
+ * The shapes it returns are those of the REST contract, `jupyter_gpushare/server/openapi.yaml`.
  */
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-// The JSON shapes are generated from the contract (jupyter_gpushare/openapi.yaml).
+// The JSON shapes are generated from the contract (jupyter_gpushare/server/openapi.yaml).
 import type { IHistory, IKernel, IPinRequest, IStatus } from './contract';
 export * from './contract';
 

@@ -1,9 +1,9 @@
 /**
  * Generated from the server's own definitions: the REST API's JSON shapes from
- * jupyter_gpushare/openapi.yaml (the contract), which actions each state allows from
- * jupyter_gpushare/lifecycle.py (`ACTIONS`), and the kernel event from
+ * jupyter_gpushare/server/openapi.yaml (the contract), which actions each state allows from
+ * jupyter_gpushare/core/lifecycle.py (`ACTIONS`), and the kernel event from
  * jupyter_gpushare/events/kernel-v1.yaml. Do not edit: change those, then run
- * `python -m jupyter_gpushare.contract_typescript`.
+ * `python -m jupyter_gpushare.server.contract_typescript`.
  */
 
 /** jupyter_server's error body. */
@@ -245,8 +245,8 @@ export type KernelAction = 'release' | 'restore' | 'pin';
 
 /**
  * The states in which the server takes each action (it answers 409 in the others), from
- * jupyter_gpushare/lifecycle.py `ACTIONS`. A restore asked while a release is in flight waits for
- * the release, then restores; one asked while a restore runs joins it.
+ * jupyter_gpushare/core/lifecycle.py `ACTIONS`. A restore asked while a release is in flight waits
+ * for the release, then restores; one asked while a restore runs joins it.
  */
 export const ALLOWED_IN: { readonly [action in KernelAction]: readonly KernelState[] } = {
   release: ['active', 'idle'],

@@ -1,6 +1,6 @@
 /**
  * Which actions a kernel's state allows (pure), so buttons are disabled instead of failing. The
- * table is the server's own (`ALLOWED_IN`, generated from jupyter_gpushare/lifecycle.py), the
+ * table is the server's own (`ALLOWED_IN`, generated from jupyter_gpushare/core/lifecycle.py), the
  * states the contract's (`KernelState`).
  */
 import { ALLOWED_IN, IKernel, KernelAction, KernelState } from './contract';

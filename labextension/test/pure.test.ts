@@ -172,7 +172,7 @@ test('stackOnGPU stacks in order and leaves out kernels holding nothing there', 
 });
 
 test('allowedActions is the server table; pinning never blocks a release by hand', () => {
-  // The server's 409 rules (jupyter_gpushare/lifecycle.py ACTIONS), written out here so that a
+  // The server's 409 rules (jupyter_gpushare/core/lifecycle.py ACTIONS), written out here so that a
   // wrong generated table fails: a restore may be asked mid-release (it follows the release) or
   // mid-restore (it joins it), and any kernel may be pinned, an untracked one included.
   const expected: { [state in KernelState]: IAllowed } = {

@@ -33,8 +33,8 @@ from typing import Any
 from jupyter_server.services.kernels.connection.base import deserialize_msg_from_ws_v1
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
-from .controller import Controller, ControllerError
-from .kernel.lazy import only_gpushare_magics
+from ..core.controller import Controller, ControllerError
+from ..kernel.lazy import only_gpushare_magics
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from ..core.controller import ControllerError
+from ..fields import boolean, integer, optional_integer, seconds_or_none, shown, strings
+from ..telemetry import Telemetry
 from .channel import AgentConnection, Handler, Refused
-from .controller import ControllerError
-from .fields import boolean, integer, optional_integer, seconds_or_none, shown, strings
-from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets import Float, TraitError, Unicode, default, validate
 from traitlets.config import Configurable
 
-from .events import KERNEL_SCHEMA_ID
+from ..events import KERNEL_SCHEMA_ID
 
 log = logging.getLogger(__name__)
 

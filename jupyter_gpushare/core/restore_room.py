@@ -13,14 +13,15 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from . import ahead, clock
+from .. import clock
+from ..units import format_bytes
+from . import ahead
 from .errors import ControllerError
 from .lifecycle import Held, Lifecycle
 from .operations import Operation, Outcome, wait_for
 from .progress import CellProgress
 from .reservations import Grant
-from .room import lacking
-from .units import format_bytes
+from ..policy.room import lacking
 
 if TYPE_CHECKING:
     from .controller import Controller

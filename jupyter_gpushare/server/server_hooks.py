@@ -78,7 +78,7 @@ def install_provisioner(settings: provisioner.LaunchSettings, log: logging.Logge
     else:
         log.warning(
             "gpushare: kernels use provisioner %s, so they start without the gpushare agent "
-            "(tracking by NVML only). Subclass jupyter_gpushare.provisioner.GPUShareProvisioner "
+            "(tracking by NVML only). Subclass jupyter_gpushare.server.provisioner.GPUShareProvisioner "
             "in yours to keep both.", previous_name)
 
 

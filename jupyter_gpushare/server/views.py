@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import ahead, clock
-from .controller import Controller
-from .lifecycle import Lifecycle
-from .placement import placed_gpus
-from .tracker import KernelRecord, Tracker
+from .. import clock
+from ..core import ahead
+from ..core.controller import Controller
+from ..core.lifecycle import Lifecycle
+from ..core.tracker import KernelRecord, Tracker
+from ..node.placement import placed_gpus
 
 
 def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:

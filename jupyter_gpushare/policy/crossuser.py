@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from . import policy
+from .. import policy
 from .fairshare import Ledger
 
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from .reclaim import ENTRY_POINT_GROUP as METHOD_GROUP
-from .reclaim import METHODS, MethodContext, ReclaimMethod
-from .telemetry import BACKENDS, Telemetry, TelemetrySettings, UnavailableTelemetry
-from .telemetry import ENTRY_POINT_GROUP as BACKEND_GROUP
+from ..reclaim import ENTRY_POINT_GROUP as METHOD_GROUP
+from ..reclaim import METHODS, MethodContext, ReclaimMethod
+from ..telemetry import BACKENDS, Telemetry, TelemetrySettings, UnavailableTelemetry
+from ..telemetry import ENTRY_POINT_GROUP as BACKEND_GROUP
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,10 @@ keeps its state; no kernel is left wedged; the state shown is true. How:
   the GPU, cleared only when a method confirms the kernel runs with all of it on the GPU.
   Undo is reported by the method, never assumed: an unconfirmed one is ``failed`` (held,
   restorable, reason shown), never ``active``.
-- **Restores reserve room first** (:mod:`.reservations`, the need from :mod:`.room`): one restore at a time per GPU, its
-  bytes reserved before it moves them, so no restore runs without room (a restore without
-  room wedges a real process for good).
+- **Restores reserve room first** (:mod:`.reservations`, the need from
+  :mod:`..policy.room`): one restore at a time per GPU, its bytes reserved before it moves
+  them, so no restore runs without room (a restore without room wedges a real process for
+  good).
 - **Only a restore's waiting can be cancelled** (an interrupt, server shutdown); once bytes
   move, the operation runs to its end.
 """
@@ -30,19 +31,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-from . import ahead, clock, metrics, policy
-from .announce import Announcer
-from .errors import ControllerError
-from .hostmem import HostRoom
-from .lifecycle import Held, Lifecycle
-from .node_locks import NodeLocks
-from .operations import Operation, Outcome, to_the_end, wait_for
-from .progress import CellProgress
-from .reclaim import KernelTarget, ReclaimError, ReclaimMethod
-from .reservations import Grant, Reservations
-from .restore_room import MEMORY_WAIT, RestoreRoom
-from .room import to_reserve
-from .states import (
+from .. import clock, policy
+from ..node.node_locks import NodeLocks
+from ..reclaim import KernelTarget, ReclaimError, ReclaimMethod
+from ..states import (
     ACTIVE,
     ALL,
     FAILED,
@@ -51,8 +43,18 @@ from .states import (
     RELEASING,
     UNTRACKED,
 )
+from ..units import format_bytes
+from . import ahead, metrics
+from .announce import Announcer
+from .errors import ControllerError
+from .hostmem import HostRoom
+from .lifecycle import Held, Lifecycle
+from .operations import Operation, Outcome, to_the_end, wait_for
+from .progress import CellProgress
+from .reservations import Grant, Reservations
+from .restore_room import MEMORY_WAIT, RestoreRoom
+from ..policy.room import to_reserve
 from .tracker import KernelRecord, Tracker
-from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -597,7 +599,7 @@ class Controller:
             self.start_restore(kernel_id, trigger, parent)
 
     def need(self, held: Held) -> dict[int, int]:
-        """Bytes to reserve per GPU before restoring ``held`` (see :func:`.room.to_reserve`)."""
+        """Bytes to reserve per GPU before restoring ``held`` (see :func:`..policy.room.to_reserve`)."""
         return to_reserve(held.gpus, held.bytes, held.attributed, self.context_bytes,
                                list(self.total_bytes()))
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .states import ACTIVE, ALL, FAILED, HELD, IDLE, RELEASED, RELEASING, RESTORING, UNTRACKED
+from ..states import ACTIVE, ALL, FAILED, HELD, IDLE, RELEASED, RELEASING, RESTORING, UNTRACKED
 
 if TYPE_CHECKING:
     from .operations import Operation

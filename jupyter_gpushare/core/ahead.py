@@ -25,7 +25,8 @@ import functools
 import logging
 from typing import TYPE_CHECKING
 
-from . import clock, metrics, policy
+from .. import clock, policy
+from . import metrics
 
 if TYPE_CHECKING:
     from .controller import Controller

@@ -26,9 +26,9 @@ from typing import Any, NamedTuple, TypeVar
 
 import psutil
 
-from . import clock
+from .. import clock
+from ..telemetry import GPUInfo, ProcessUsage, Telemetry
 from .hostmem import HostMemory, HostRoom
-from .telemetry import GPUInfo, ProcessUsage, Telemetry
 
 T = TypeVar("T")
 SAMPLE_TIMEOUT = 30.0  # s a telemetry sample may take before the poll gives up on it

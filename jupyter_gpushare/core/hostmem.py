@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar, cast
 
-from .units import format_bytes
+from ..units import format_bytes
 
 T = TypeVar("T")
 

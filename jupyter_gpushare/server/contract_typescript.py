@@ -1,10 +1,10 @@
 """TypeScript declarations of what the server defines, for the lab extension: the REST
 contract's schemas (``openapi.yaml``), which actions each kernel state allows
-(:data:`jupyter_gpushare.lifecycle.ACTIONS`) and the kernel event (``events/kernel-v1.yaml``).
+(:data:`jupyter_gpushare.core.lifecycle.ACTIONS`) and the kernel event (``events/kernel-v1.yaml``).
 
 ``labextension/src/contract.ts`` is this module's output, committed; a test fails when it
 differs from what those give now. After changing any of them, run
-``python -m jupyter_gpushare.contract_typescript`` from the repository root.
+``python -m jupyter_gpushare.server.contract_typescript`` from the repository root.
 """
 
 from __future__ import annotations
@@ -15,17 +15,18 @@ from typing import Any
 
 import yaml
 
-from . import contract, lifecycle
-from .events import KERNEL_SCHEMA_PATH
+from ..core import lifecycle
+from ..events import KERNEL_SCHEMA_PATH
+from . import contract
 
 OUTPUT = Path("labextension") / "src" / "contract.ts"
 HEADER = """\
 /**
  * Generated from the server's own definitions: the REST API's JSON shapes from
- * jupyter_gpushare/openapi.yaml (the contract), which actions each state allows from
- * jupyter_gpushare/lifecycle.py (`ACTIONS`), and the kernel event from
+ * jupyter_gpushare/server/openapi.yaml (the contract), which actions each state allows from
+ * jupyter_gpushare/core/lifecycle.py (`ACTIONS`), and the kernel event from
  * jupyter_gpushare/events/kernel-v1.yaml. Do not edit: change those, then run
- * `python -m jupyter_gpushare.contract_typescript`.
+ * `python -m jupyter_gpushare.server.contract_typescript`.
  */
 """
 #: the TypeScript names of what :func:`render` declares besides the contract's schemas
@@ -138,7 +139,7 @@ def _allowed_actions() -> list[str]:
     lines += [
         "",
         *_doc("The states in which the server takes each action (it answers 409 in the others), "
-              "from jupyter_gpushare/lifecycle.py `ACTIONS`. A restore asked while a release is "
+              "from jupyter_gpushare/core/lifecycle.py `ACTIONS`. A restore asked while a release is "
               "in flight waits for the release, then restores; one asked while a restore runs "
               "joins it.", ""),
         f"export const {ALLOWED_IN}: {{ readonly [action in {ACTION_TYPE}]: readonly KernelState[] }}"

@@ -3,7 +3,7 @@
 The OpenAPI description shipped beside this module is the one written form of the REST API.
 Tests validate every response they get with :func:`validate_response` and fuzz every
 operation that :func:`operations` lists; the lab extension's TypeScript types are generated
-from the same schemas (``jupyter_gpushare.contract_typescript``). Nothing here runs in the server.
+from the same schemas (``jupyter_gpushare.server.contract_typescript``). Nothing here runs in the server.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import asyncio
 from collections import defaultdict
 from collections.abc import Callable
 
-from .node_locks import NodeGrant, NodeLocks
+from ..node.node_locks import NodeGrant, NodeLocks
 
 #: on_turn_wait(gpu, holder pid or None, seconds it may still wait)
 OnTurnWait = Callable[[int, "int | None", float], None]

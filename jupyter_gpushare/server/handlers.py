@@ -18,8 +18,8 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
-from .ahead import AHEAD
-from .controller import ControllerError
+from ..core.ahead import AHEAD
+from ..core.controller import ControllerError
 from .views import history_view, kernel_view
 
 KERNEL_ID = r"(?P<kernel_id>[\w-]+)"

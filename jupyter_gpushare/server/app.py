@@ -36,22 +36,24 @@ from traitlets import (
     validate,
 )
 
-from . import hub_link, metrics, selection, server_hooks
+from ..core import metrics
+from ..core.ahead import AheadRestores
+from ..core.controller import Controller
+from ..core.hostmem import HostRoom
+from ..core.tracker import Tracker
+from ..events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
+from ..node import hub_link
+from ..node.node_locks import NodeLocks
+from ..node.placement import Placer
+from ..policy import Policy, PolicyConfig
+from ..reclaim import MethodContext, ReclaimMethod
+from ..telemetry import SIMULATED_GPUS_DEFAULT, SIMULATED_NODE_ENV, Telemetry, TelemetrySettings
+from . import selection, server_hooks
 from .agent_ops import AgentOps, check_reply
-from .ahead import AheadRestores
 from .channel import AgentServer, socket_path
-from .controller import Controller
-from .events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from .gate import GATES_KEY, SETTINGS_KEY, Gates
 from .handlers import handlers
-from .hostmem import HostRoom
-from .node_locks import NodeLocks
-from .placement import Placer
-from .policy import Policy, PolicyConfig
 from .provisioner import LaunchSettings
-from .reclaim import MethodContext, ReclaimMethod
-from .telemetry import SIMULATED_GPUS_DEFAULT, SIMULATED_NODE_ENV, Telemetry, TelemetrySettings
-from .tracker import Tracker
 from .views import kernel_view, status_view
 
 BACKEND_ENV = selection.BACKEND_ENV

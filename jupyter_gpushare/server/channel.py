@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .protocol import (
+from ..protocol import (
     BadLine,
     LineBuffer,
     MessageTooLarge,

@@ -16,8 +16,8 @@ from typing import Any
 
 from jupyter_client.provisioning import LocalProvisioner
 
-from .placement import VISIBLE_ENV, Placement, PlacementError, Placer
-from .protocol import KERNEL_ID_ENV, PLACEMENT_NOTE_ENV, SOCKET_ENV
+from ..node.placement import VISIBLE_ENV, Placement, PlacementError, Placer
+from ..protocol import KERNEL_ID_ENV, PLACEMENT_NOTE_ENV, SOCKET_ENV
 
 NAME = "gpushare-provisioner"
 AGENT_EXTENSION = "jupyter_gpushare.kernel"

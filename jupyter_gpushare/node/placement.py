@@ -26,8 +26,8 @@ from typing import Any
 
 from tornado.web import HTTPError
 
-from .telemetry import GPUInfo
-from .units import format_bytes
+from ..telemetry import GPUInfo
+from ..units import format_bytes
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SAMPLE_WAIT = 10.0  # s a kernel start waits for a reading of the GPUs before the first poll
@@ -121,7 +121,7 @@ class Placer:
 
     @classmethod
     def from_app(cls, app: Any) -> Placer:
-        """The placer of a loaded :class:`~jupyter_gpushare.app.GPUShareApp`."""
+        """The placer of a loaded :class:`~jupyter_gpushare.server.app.GPUShareApp`."""
 
         def held() -> dict[int, int]:
             out: dict[int, int] = {}
