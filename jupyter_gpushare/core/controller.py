@@ -33,6 +33,7 @@ from typing import Any
 
 from .. import clock, policy
 from ..node.node_locks import NodeLocks
+from ..policy.room import to_reserve
 from ..reclaim import KernelTarget, ReclaimError, ReclaimMethod
 from ..states import (
     ACTIVE,
@@ -53,7 +54,6 @@ from .operations import Operation, Outcome, to_the_end, wait_for
 from .progress import CellProgress
 from .reservations import Grant, Reservations
 from .restore_room import MEMORY_WAIT, RestoreRoom
-from ..policy.room import to_reserve
 from .tracker import KernelRecord, Tracker
 
 log = logging.getLogger(__name__)

@@ -14,6 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import clock
+from ..policy.room import lacking
 from ..units import format_bytes
 from . import ahead
 from .errors import ControllerError
@@ -21,7 +22,6 @@ from .lifecycle import Held, Lifecycle
 from .operations import Operation, Outcome, wait_for
 from .progress import CellProgress
 from .reservations import Grant
-from ..policy.room import lacking
 
 if TYPE_CHECKING:
     from .controller import Controller

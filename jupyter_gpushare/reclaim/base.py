@@ -103,6 +103,14 @@ def agent_failure(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
+def require_agent(target: KernelTarget, missing: str) -> AgentLink:
+    """The kernel's agent, for methods that act through it; ``missing``: why there is none,
+    as the person reads it (nothing moved, so the kernel stays as it is)."""
+    if target.agent is None:
+        raise ReclaimError(missing, resident=True)
+    return target.agent
+
+
 def reply_int(reply: dict[str, Any], key: str, default: int = 0) -> int:
     """An integer field of an agent's reply; a wrong type is the agent's error, said so."""
     value = reply.get(key, default)

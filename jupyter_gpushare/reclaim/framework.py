@@ -12,7 +12,6 @@ import time
 
 from .base import (
     AGENT_ERRORS,
-    AgentLink,
     KernelTarget,
     Progress,
     ReclaimError,
@@ -21,6 +20,7 @@ from .base import (
     Support,
     agent_failure,
     reply_int,
+    require_agent,
 )
 
 
@@ -36,15 +36,8 @@ class FrameworkMethod(ReclaimMethod):
     def support(self) -> Support:
         return Support(True, "needs the kernel agent and PyTorch, CuPy or JAX in the kernel")
 
-    @staticmethod
-    def _agent(target: KernelTarget) -> AgentLink:
-        if target.agent is None:
-            raise ReclaimError("the framework method needs the kernel agent, which is not connected",
-                               resident=True)
-        return target.agent
-
     async def release(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
-        agent = self._agent(target)
+        agent = require_agent(target, "the framework method needs the kernel agent, which is not connected")
         started = time.monotonic()
         try:
             reply = await agent.request("offload", timeout=self.op_timeout)
@@ -67,7 +60,7 @@ class FrameworkMethod(ReclaimMethod):
                              f"{left} objects left on the GPU" if left else "")
 
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
-        agent = self._agent(target)
+        agent = require_agent(target, "the framework method needs the kernel agent, which is not connected")
         started = time.monotonic()
         try:
             reply = await agent.request("reload", timeout=self.op_timeout)

@@ -22,6 +22,7 @@ from .base import (
     Support,
     agent_failure,
     reply_int,
+    require_agent,
     say,
 )
 
@@ -46,15 +47,8 @@ class SimulatedMethod(ReclaimMethod):
     def support(self) -> Support:
         return Support(True, "the simulated GPU node runs the checkpoint state machine in the kernel")
 
-    @staticmethod
-    def _agent(target: KernelTarget) -> AgentLink:
-        if target.agent is None:
-            raise ReclaimError("the kernel's agent is not connected (was it started by this server?)",
-                               resident=True)
-        return target.agent
-
     async def release(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
-        agent = self._agent(target)
+        agent = require_agent(target, "the kernel's agent is not connected (was it started by this server?)")
         started = time.monotonic()
         step = "lock"
         try:
@@ -80,7 +74,7 @@ class SimulatedMethod(ReclaimMethod):
         return ReclaimError(f"{why}; the kernel runs as before", resident=True)
 
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
-        agent = self._agent(target)
+        agent = require_agent(target, "the kernel's agent is not connected (was it started by this server?)")
         started = time.monotonic()
         try:
             reply = await agent.request("sim_resume", timeout=self.op_timeout)
