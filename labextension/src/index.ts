@@ -22,6 +22,9 @@ import { connectNotifications, EVENT_SCHEMA_ID } from './notifications';
 import { GPUSharePanel } from './panel';
 import { GPUStatusItem } from './statusbar';
 
+/** A notebook cell's shared (collaborative) model: its `changed` says what changed. */
+type SharedCell = NonNullable<NotebookPanel['content']['activeCell']>['model']['sharedModel'];
+
 interface ISettings {
   refreshInterval: number;
   historySeconds: number;
@@ -150,12 +153,26 @@ const plugin: JupyterFrontEndPlugin<void> = {
         send: id => api.restoreAhead(id).then(() => model.refresh())
       });
       const kernelOf = (nb: NotebookPanel | null) => nb?.sessionContext.session?.kernel?.id ?? null;
+      // Only a person's typing counts: a running cell's outputs and execution count change the
+      // notebook too (the output of `%gpushare release` would restore the kernel it released).
       const follow = (nb: NotebookPanel) => {
-        nb.content.modelContentChanged.connect(() => {
-          if (notebooks.currentWidget === nb && nb.content.activeCell?.model.type === 'code') {
+        let watched: SharedCell | null = null;
+        const onChange = (_: unknown, change: { sourceChange?: unknown }) => {
+          if (change.sourceChange && notebooks.currentWidget === nb) {
             ahead.activity(kernelOf(nb));
           }
-        });
+        };
+        const watchActiveCell = () => {
+          const cell = nb.content.activeCell;
+          const shared = cell?.model.type === 'code' ? cell.model.sharedModel : null;
+          if (shared !== watched) {
+            watched?.changed.disconnect(onChange);
+            watched = shared;
+            watched?.changed.connect(onChange);
+          }
+        };
+        nb.content.activeCellChanged.connect(watchActiveCell);
+        watchActiveCell();
       };
       notebooks.forEach(follow);
       notebooks.widgetAdded.connect((_, nb) => follow(nb));
