@@ -107,6 +107,7 @@ async def test_ahead_restore_evicts_no_working_person_and_is_stopped_without_roo
 ):
     gpushare_app.ahead.room_wait = 0.5
     a, b = await scenarios.crowded(jp_fetch, kernels, gpushare_app)  # b was just used
+    failed_restores = metrics.RESTORES.labels("simulated", "failed")._value.get()
     code, body = await rest(jp_fetch, "POST", "kernels", a.id, "restore", body=ACTIVITY)
     assert code == 202
     await wait_for(lambda: gpushare_app.controller.states[a.id].op is None
@@ -117,6 +118,8 @@ async def test_ahead_restore_evicts_no_working_person_and_is_stopped_without_roo
     assert gpushare_app.controller.states[b.id].state in ("active", "idle")  # not evicted
     failed = [e for e in events if e["action"] == "restore_failed" and e["kernel_id"] == a.id]
     assert failed and failed[-1]["trigger"] == "activity"
+    # said as an event; not counted as a failed restore: nothing moved, nothing failed
+    assert metrics.RESTORES.labels("simulated", "failed")._value.get() == failed_restores
     code, body = await rest(jp_fetch, "POST", "kernels", a.id, "restore", body=b"")
     assert code == 202  # a restore without the hint waits as before (and says so)
     assert body["state"] == "released" and "waiting for memory" in body["waiting"]

@@ -148,7 +148,8 @@ class AheadRestores:
             why = st.waiting or "restores for cells go first"
             op.stop(f"no room within {self.room_wait:g} s ({why})")
             metrics.AHEAD_RESTORES.labels("no_room").inc()
-            c.announce(kernel_id, "restore_failed", method=st.method, reason=op.stop_reason, trigger=AHEAD)
+            c.announce(kernel_id, "restore_failed", method=st.method, count=False,
+                       reason=op.stop_reason, trigger=AHEAD)
         outcome = await c.wait(op)
         rec = c.tracker.kernels.get(kernel_id)
         if outcome.ok:

@@ -39,10 +39,12 @@ class Announcer:
         self.restore_mode = restore_mode
 
     def __call__(self, kernel_id: str, action: str, *, method: str | None = None,
-                 state: str | None = None, **data: Any) -> None:
+                 state: str | None = None, count: bool = True, **data: Any) -> None:
         """Say that ``action`` happened. ``state``: the kernel's state now, told to its agent
-        (the magics and lazy mode read it); ``data``: the event's other fields (None: left out)."""
-        counted = _COUNTED.get(action)
+        (the magics and lazy mode read it); ``count``: False for an event only (a restore
+        ahead stopped before it moved anything did not fail); ``data``: the event's other
+        fields (None: left out)."""
+        counted = _COUNTED.get(action) if count else None
         if counted is not None and method:
             counter, result, timing = counted
             counter.labels(method, result).inc()
