@@ -732,11 +732,9 @@ async def part_framework(ctx: Ctx) -> None:
         ctx.figure("round_trips", rows)
 
 
-FRAMEWORK_CHILD = """
-import json, sys, torch
-from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter
-n, repeat = int(sys.argv[1]), int(sys.argv[2])
-x = torch.randint(-2**62, 2**62, (n // 8,), dtype=torch.int64, device="cuda:0")
+#: The children's state: ``n`` bytes of random int64 on GPU 0 and a checksum read by chunks
+#: (``before``), so a round trip is judged bit for bit.
+TENSOR_AND_CHECKSUM = """x = torch.randint(-2**62, 2**62, (n // 8,), dtype=torch.int64, device="cuda:0")
 def ck():
     s = 0
     for i in range(0, x.numel(), 1 << 25):
@@ -744,7 +742,13 @@ def ck():
         s += int((c ^ (c >> 17)).sum())
     return s
 before = ck()
-ns = {"x": x}
+"""
+
+FRAMEWORK_CHILD = """
+import json, sys, torch
+from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter
+n, repeat = int(sys.argv[1]), int(sys.argv[2])
+""" + TENSOR_AND_CHECKSUM + """ns = {"x": x}
 adapter = TorchAdapter()
 out, rel, rst = [], [], []
 for _ in range(repeat):
@@ -883,15 +887,7 @@ def _bandwidth_real(ctx: Ctx, rows: list[dict[str, Any]]) -> None:
 DRIVER_CHILD = """
 import sys, torch
 n = int(sys.argv[1])
-x = torch.randint(-2**62, 2**62, (n // 8,), dtype=torch.int64, device="cuda:0")
-def ck():
-    s = 0
-    for i in range(0, x.numel(), 1 << 25):
-        c = x[i:i + (1 << 25)]
-        s += int((c ^ (c >> 17)).sum())
-    return s
-before = ck()
-torch.cuda.empty_cache()  # the checksum's temporaries: not part of the state
+""" + TENSOR_AND_CHECKSUM + """torch.cuda.empty_cache()  # the checksum's temporaries: not part of the state
 print("ready", flush=True)
 for line in sys.stdin:
     print("intact" if ck() == before else "CHANGED", flush=True)

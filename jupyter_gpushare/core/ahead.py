@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from .. import clock, policy
 from . import metrics
+from .errors import ControllerError
 
 if TYPE_CHECKING:
     from .controller import Controller
@@ -100,8 +101,6 @@ class AheadRestores:
     def request(self, kernel_id: str) -> str:
         """Start an ahead restore, or do nothing when one is on its way or nothing is
         released: "started", "joined" or "resident". 404 for an unknown kernel."""
-        from .controller import ControllerError
-
         c = self.controller
         st = c.get(kernel_id)
         if c.closing:
@@ -169,8 +168,6 @@ class AheadRestores:
     def tick(self, now: float | None = None) -> None:
         """After each poll: forget kernels a cell used; release again those unused for
         ``grace`` seconds that an automatic release may take."""
-        from .controller import ControllerError
-
         c = self.controller
         now = clock.now() if now is None else now
         for kid, (at, activity) in list(self.unused.items()):

@@ -128,7 +128,9 @@ class Controller:
         self.host_inflight: dict[str, int] = {}  # host-memory scope -> bytes being released
         self.closing = False
         self.agent_timeout = 10.0  # s the agent has to answer whether a release may start
-        self._freed = asyncio.Event()
+        # set when memory may have freed (a poll, an operation's end), then replaced: a
+        # waiting restore waits on the event of its time (restore_room.py)
+        self.freed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._busy_since: dict[str, float] = {}
 
@@ -225,7 +227,7 @@ class Controller:
                 log.exception("gpushare: kernel %s: could not apply the policy", kid)
         for decision in self.rules.decide(candidates, self.seen_free(), self.total_bytes()):
             st = self.states[decision.kernel_id]
-            if self._failed_recently(st, now) or st.op is not None or self.closing:
+            if self.failed_recently(st, now) or st.op is not None or self.closing:
                 continue
             try:
                 self._start_release(st, decision.reason, automatic=True, by_kernel=False)
@@ -234,7 +236,7 @@ class Controller:
         self._signal_freed()  # waiting restores look again after every poll
         self._update_metrics()
 
-    def _failed_recently(self, st: Lifecycle, now: float) -> bool:
+    def failed_recently(self, st: Lifecycle, now: float) -> bool:
         """A kernel whose release failed is not tried again, automatically or to make room,
         for its idle timeout (at least ``RETRY_AFTER_FAILED_RELEASE``): the same refusal
         would come back at every poll."""
@@ -310,8 +312,8 @@ class Controller:
 
     def _signal_freed(self) -> None:
         """Wake every restore waiting for memory (each waits on the event of its time)."""
-        self._freed.set()
-        self._freed = asyncio.Event()
+        self.freed.set()
+        self.freed = asyncio.Event()
 
     # -- operations: start, wait ------------------------------------------------------------
     def _start(self, st: Lifecycle, op: Operation, body: Awaitable[Outcome]) -> Operation:
@@ -515,7 +517,7 @@ class Controller:
         log.info("gpushare: released %s of kernel %s in %.2f s (%s)%s",
                  format_bytes(held.bytes), kid, seconds, reason,
                  f": {result.detail}" if result.detail else "")
-        await self._refresh()
+        await self.refresh_quietly()
         return Outcome(True, result.detail)
 
     async def _release_failed(
@@ -530,7 +532,7 @@ class Controller:
         self.announce(kid, "release_failed", method=method_name, state=st.state, reason=why,
                       seconds=time.monotonic() - started)
         log.warning("gpushare: release of kernel %s failed: %s", kid, st.error)
-        await self._refresh()
+        await self.refresh_quietly()
         return Outcome(False, st.error or why, retryable)
 
     def _host_claim(self, scope: str, n: int) -> Callable[[], None]:
@@ -660,7 +662,7 @@ class Controller:
                           seconds=time.monotonic() - started, trigger=op.trigger)
             await shown(f"gpushare: restore failed, your state is still held: {why}")
             log.warning("gpushare: restore of kernel %s failed: %s", kid, why)
-            await self._refresh()
+            await self.refresh_quietly()
             return Outcome(False, st.error or why, retryable)
         grant.release()  # landed bytes count as used from here: not twice, as reserved too
         seconds = time.monotonic() - started
@@ -673,7 +675,7 @@ class Controller:
         await shown.done()  # before the cell's code runs (saved notebooks carry no timings)
         log.info("gpushare: restored %s of kernel %s in %.2f s (%s)",
                  format_bytes(moved), kid, seconds, op.trigger)
-        await self._refresh()
+        await self.refresh_quietly()
         return Outcome(True)
 
     def _process_ended(self, kernel_id: str, held: Held) -> str | None:
@@ -763,7 +765,7 @@ class Controller:
         rec = self.tracker.gpus.get(gpu)
         return rec.info.uuid if rec is not None and rec.info.uuid else None
 
-    async def _refresh(self) -> None:
+    async def refresh_quietly(self) -> None:
         if self.refresh is not None:
             try:
                 await self.refresh()

@@ -54,7 +54,7 @@ class RestoreRoom:
                 return Outcome(False, f"{st.error or 'the held state was dropped'}", False, dropped=True)
             if ahead.yields(self.c, st, op, need):  # a cell's restore waits for these GPUs: it goes first
                 try:
-                    await asyncio.wait_for(self.c._freed.wait(), WAIT_BACKOFF[1])
+                    await asyncio.wait_for(self.c.freed.wait(), WAIT_BACKOFF[1])
                 except asyncio.TimeoutError:
                     pass
                 continue
@@ -115,7 +115,7 @@ class RestoreRoom:
             if await self.make_room(st, want, free):
                 delay = WAIT_BACKOFF[0]
                 continue  # room was made: look at once (its end's wake-up came while we waited on it)
-            freed = self.c._freed
+            freed = self.c.freed
             try:
                 await asyncio.wait_for(freed.wait(), delay)
                 delay = WAIT_BACKOFF[0]
@@ -171,7 +171,7 @@ class RestoreRoom:
         count that lags behind bytes that did leave would make room that is not there."""
         if held.complete or not held.attributed:
             return need  # every byte left (the method said so), or not measured per process
-        await self.c._refresh()
+        await self.c.refresh_quietly()
         rec = self.c.tracker.kernels.get(st.kernel_id)
         if rec is None or not rec.attributed or not rec.pids or rec.pids[0] != held.kernel_pid:
             return need  # not measured per process, or another process now: charge it all
@@ -189,15 +189,14 @@ class RestoreRoom:
             other = self.c.states.get(k)
             if other is None or other.op is not None or k == st.kernel_id:
                 continue
-            if self.c._failed_recently(other, now):
+            if self.c.failed_recently(other, now):
                 continue
             cands.append(self.c.candidate(other, rec, now))
         plan = self.c.rules.make_room(need, {g: f for g, f in known_free.items() if f is not None},
                                     cands, exclude=st.kernel_id)
         for d in plan or []:
-            victim = self.c.states[d.kernel_id]
             try:
-                victim_op = self.c._start_release(victim, d.reason, automatic=True, by_kernel=False)
+                victim_op = self.c.release_automatically(d.kernel_id, d.reason)
             except ControllerError as e:
                 log.info("gpushare: could not make room with %s: %s", d.kernel_id, e.message)
                 continue
