@@ -45,7 +45,7 @@ def kernel(kid: str, pids: list[Any], state: str = "released", gpu_bytes: int = 
             "gpu_utilization": {k: 0.0 for k in on}, "idle_seconds": idle,
             "release_in_seconds": None, "idle_timeout": 3600.0, "method": "simulated",
             "releases": 1 if released else 0, "restores": 0, "last_restore_seconds": None,
-            "last_release_seconds": 0.1 if released else None, "error": None, "waiting": waiting,
+            "last_release_seconds": 0.1 if released else None, "restored_onto": None, "error": None, "waiting": waiting,
             "execution_state": "idle", "release_blocked": None, "release_detail": None, "host_room_bytes": None,
             "restore_need": {"0": need} if need and waiting else {}}
 

@@ -250,6 +250,43 @@ async def test_a_malformed_reply_fails_the_release_cleanly(jp_fetch, kernels, gp
     assert "same data" in (await k.run(same_data(), timeout=20)).stdout  # unlocked, running
 
 
+BAD_MAPPINGS = [
+    ({"0": 1}, "gpu_mapping must be a list of [from, to] pairs of GPU indices, got {'0': 1}"),
+    ([[0, 1, 2]], "gpu_mapping must be a list of [from, to] pairs of GPU indices, got [0, 1, 2] in it"),
+    ([[0, "1"]], "gpu_mapping must be a list of [from, to] pairs of GPU indices, got [0, '1'] in it"),
+    ([[0, True]], "gpu_mapping must be a list of [from, to] pairs of GPU indices, got [0, True] in it"),
+    ([[0, 7]], "gpu_mapping: 7 is not a GPU of this node (it has 2 simulated GPUs)"),
+    ([[-1, 0]], "gpu_mapping: -1 is not a GPU of this node (it has 2 simulated GPUs)"),
+    ([[0, 1], [0, 0]], "gpu_mapping: GPU 0 is named twice as a source"),
+    ([[0, 1], [1, 1]], "gpu_mapping: GPU 1 is named twice as a target"),
+]
+
+
+async def test_a_bad_gpu_mapping_is_refused_by_the_agent_and_changes_nothing(
+    jp_fetch, kernels, gpushare_app
+):
+    """The agent's sim_resume with a gpu_mapping that is not [[from, to], ...] of the node's
+    GPUs: an error reply that says why, the kernel stays checkpointed, nothing accounted."""
+    k = await kernels.start()
+    await k.run(hold(64))
+    await gpushare_app.poll_once()
+    await jp_fetch("api", "gpushare", "kernels", k.id, "release", method="POST", body=b"")
+    node, conn = gpushare_app.node, gpushare_app.channel.connections[k.id]
+    before = node.pids()
+    for mapping, error in BAD_MAPPINGS:
+        with pytest.raises(RemoteError, match=f"^{re.escape(error)}$"):
+            await conn.request("sim_resume", timeout=20, gpu_mapping=mapping)
+    assert node.pids() == before and not conn.closed.is_set()
+    assert (await kernel_status(jp_fetch, k.id))["state"] == "released"
+
+    assert "same data" in (await k.run(same_data(), timeout=20)).stdout  # restored as before
+    await gpushare_app.poll_once()
+    used = node.pids()
+    with pytest.raises(RemoteError, match=r"^cannot restore onto other GPUs: process is running"):
+        await conn.request("sim_resume", timeout=20, gpu_mapping=[[0, 1]])  # never left GPU 0
+    assert node.pids() == used
+
+
 # -- one agent's bad report affects only its own kernel -------------------------------------
 @pytest.fixture
 def fake_nvml(monkeypatch):

@@ -47,6 +47,31 @@ def test_backend_default_comes_from_the_environment(monkeypatch):
 
 
 def test_every_trait_is_documented():
-    for name, trait in GPUShareApp.class_own_traits(config=True).items():
+    ours = {name: trait for name, trait in GPUShareApp.class_traits(config=True).items()
+            if trait.this_class.__module__.startswith("jupyter_gpushare.")}
+    assert len(ours) >= 25, sorted(ours)  # the options classes the app inherits
+    for name, trait in ours.items():
         assert len(trait.help) > 60, f"GPUShareApp.{name} needs help= with units and default"
     assert "GPUShareApp.idle_timeout" in GPUShareApp.class_config_section()
+
+
+def test_the_options_classes_do_not_shadow_each_other():
+    """The app inherits every options class: a validator or default of one that had the name
+    of another's would silently replace it (traitlets finds them by attribute)."""
+    from jupyter_gpushare.core.options import RestoreOptions, TrackingOptions
+    from jupyter_gpushare.node.options import NodeOptions
+    from jupyter_gpushare.policy.options import ReleaseOptions
+    from jupyter_gpushare.server.options import KernelOptions, SourceOptions
+
+    from traitlets.config import Configurable
+
+    internal = set(vars(type("Empty", (Configurable,), {})))  # what traitlets adds to each class
+    seen: dict[str, str] = {}
+    for cls in (SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions, RestoreOptions,
+                NodeOptions):
+        assert issubclass(GPUShareApp, cls)
+        for name in vars(cls):
+            if name.startswith("__") or name in internal:
+                continue
+            assert name not in seen, f"{cls.__name__}.{name} shadows {seen[name]}.{name}"
+            seen[name] = cls.__name__

@@ -213,7 +213,7 @@ KERNEL = {
     "gpu_memory_bytes": 0, "released_bytes": 1, "gpus": [0], "gpu_bytes": {}, "sm_utilization": None,
     "gpu_utilization": {},
     "idle_seconds": 1.0, "release_in_seconds": None, "idle_timeout": 600.0, "method": "simulated",
-    "releases": 1, "restores": 0, "last_restore_seconds": None, "last_release_seconds": 0.1,
+    "releases": 1, "restores": 0, "last_restore_seconds": None, "last_release_seconds": 0.1, "restored_onto": None,
     "error": None, "waiting": None, "execution_state": "idle", "release_blocked": None, "release_detail": None,
     "host_room_bytes": None, "restore_need": {},
 }

@@ -441,35 +441,45 @@ class ControllerModel(RuleBasedStateMachine):
         self.controller = Controller(
             self.tracker,  # type: ignore[arg-type]
             {"fake": self.method},
-            choose_method=lambda kid: "fake",
             config=CONFIGS["idle and pressure"],
-            read_free=self._read_free,
-            total_bytes=lambda: dict(CAPACITY),
-            agent=self.agents.get,
+            node_room=self,  # this harness is both ports: the fake node and its kernels
+            kernels=self,
             emit=lambda payload: None,
-            refresh=self._poll,
-            host_room=self._host_room,
             host_memory_reserve=HOST_RESERVE,
             context_bytes=CONTEXT_BYTES,
-            live_state=self._live_state,
         )
         await self._poll()
 
     # -- the fakes' plumbing ---------------------------------------------------------------
-    async def _read_free(self, gpus: list[int]) -> dict[int, int | None]:
+    async def read_free(self, gpus: list[int]) -> dict[int, int | None]:
         await asyncio.sleep(0)  # read on the sampling thread
         if self.read_gate is not None:  # a read that takes a while (a test holds it)
             await self.read_gate.wait()
         return {g: None if self.node.nvml_broken else self.node.free(g) for g in gpus}
 
-    async def _host_room(self, pid: int | None) -> HostRoom:
+    async def host_room(self, pid: int | None) -> HostRoom:
         await asyncio.sleep(0)
         if self.host_gate is not None:
             await self.host_gate.wait()
         available = HOST_TOTAL - self.node.host_used()
         return HostRoom(available, "machine", f"the machine has {available} bytes available")
 
-    def _live_state(self, kid: str) -> str:
+    def total_bytes(self) -> dict[int, int]:
+        return dict(CAPACITY)
+
+    async def refresh(self) -> None:
+        await self._poll()
+
+    def overrides(self, kid: str) -> dict[str, Any]:
+        return {}
+
+    def method_for(self, kid: str) -> str | None:
+        return "fake"
+
+    def agent(self, kid: str) -> Any:
+        return self.agents.get(kid)
+
+    def live_state(self, kid: str) -> str:
         proc = self.node.procs.get(kid)
         return "unknown" if proc is None else "busy" if proc.busy else "idle"
 

@@ -31,7 +31,7 @@ def kernel(kid, state="idle", gpu_bytes=None, idle=100.0, need=None, waiting=Non
          "sm_utilization": 0.0, "gpu_utilization": {str(g): 0.0 for g in (gpu_bytes or {})},
          "idle_seconds": idle, "release_in_seconds": None,
          "idle_timeout": 600.0, "method": "simulated", "releases": 0, "restores": 0,
-         "last_restore_seconds": None, "last_release_seconds": None, "error": None,
+         "last_restore_seconds": None, "last_release_seconds": None, "restored_onto": None, "error": None,
          "waiting": waiting, "execution_state": "idle", "release_blocked": None, "release_detail": None,
          "host_room_bytes": None, "restore_need": {str(g): n for g, n in (need or {}).items()}}
     k.update(kw)

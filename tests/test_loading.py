@@ -264,7 +264,7 @@ async def test_a_second_server_in_the_process_leaves_no_orphan(
 ):
     first = ext(jp_serverapp)
     await first.ready()
-    first_socket, first_task = first.socket_path, first._poll_task
+    first_socket, first_task = first.socket_path, first.poller.task
     assert os.path.exists(first_socket) and first_task is not None
 
     ServerApp.clear_instance()
@@ -285,7 +285,7 @@ async def test_a_second_server_in_the_process_leaves_no_orphan(
     finally:
         await second_server.kernel_manager.shutdown_kernel(kid, now=True)
     await second.stop_extension()
-    assert not [t for t in asyncio.all_tasks() if "_poll_loop" in repr(t.get_coro())]
+    assert not [t for t in asyncio.all_tasks() if "Poller._loop" in repr(t.get_coro())]
 
 
 @pytest.mark.parametrize("setup", [{}], indirect=True)
@@ -298,7 +298,7 @@ async def test_stop_releases_everything_and_kernels_then_start_as_stock(
     assert provisioner.settings is not None and os.path.exists(app.socket_path)
     await app.stop_extension()
     await app.stop_extension()  # twice is fine
-    assert app._poll_task is None
+    assert app.poller.task is None and not app.poller.running
     assert_stock(jp_serverapp, stock)
     await assert_kernels_work_as_stock(jp_fetch, jp_ws_fetch, jp_serverapp)
 

@@ -129,7 +129,8 @@ async def test_execute_requests_sent_during_release_run_in_order(jp_fetch, kerne
     assert (st.releases, st.restores, st.state) == (1, 1, "active")
 
 
-@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+# make-room at home, not a move onto the empty GPU (the test moves the clock past the wait)
+@pytest.mark.parametrize("gpushare_config", [{**SMALL_NODE, "restore_move_after": 0}])
 async def test_restore_without_room_releases_another_idle_kernel(jp_fetch, kernels, gpushare_app):
     a, b = await crowded(jp_fetch, kernels, gpushare_app)
     clock.advance(31)  # b idle past pressure_idle_timeout, not past idle_timeout

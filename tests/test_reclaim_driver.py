@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 
 import pytest
 
-from jupyter_gpushare.reclaim.base import KernelTarget, ReclaimError
-from jupyter_gpushare.reclaim.driver import DriverMethod, driver_support
+from jupyter_gpushare.reclaim.base import KernelTarget, ReclaimError, ReclaimMethod
+from jupyter_gpushare.reclaim.driver import (
+    DriverMethod,
+    checkpoint_uuid,
+    complete_mapping,
+    driver_support,
+)
+from jupyter_gpushare.reclaim.framework import FrameworkMethod
+from jupyter_gpushare.reclaim.simulated import SimulatedMethod
 from jupyter_gpushare.telemetry.nvml import NVMLProbe
 from tests.fakes import fake_pynvml as fp
 from tests.fakes.fake_checkpoint import FakeCheckpointDriver, install_fake_cuda_core
@@ -329,6 +337,210 @@ def test_a_hung_driver_call_ends_the_operation_with_the_reason(drv):
         run(m.release(one_pid()))
     assert not e.value.resident
     gate.set()
+
+
+# -- restore onto other GPUs ----------------------------------------------------------------
+
+UUIDS = {g: f"GPU-{g:08x}-1111-2222-3333-4444{g:08x}" for g in range(3)}  # NVML's form
+
+
+def bare(gpu: int) -> str:
+    """The UUID of GPU ``gpu`` as cuda-core takes it: no "GPU-" prefix."""
+    return UUIDS[gpu][4:]
+
+
+def mover(drv, room=None, driver="580.82.07", uuids=UUIDS):
+    m = method(drv, room or Room(gpu0=80 * GiB, gpu1=80 * GiB, gpu2=80 * GiB),
+               probe=probe_ok(driver_version=driver), gpu_uuids=lambda: dict(uuids))
+    run(m.release(one_pid()))
+    m.free_bytes.asked.clear()
+    drv.calls.clear()
+    return m
+
+
+def moving(target, mapping):
+    target.gpu_mapping = mapping
+    return target
+
+
+def test_a_move_is_completed_to_a_permutation_of_every_gpu_by_uuid(drv):
+    m = mover(drv)
+    lines: list[str] = []
+    res = run(m.restore(moving(one_pid(), {0: 1}), progress=lines.append))
+    assert drv.gpu_mappings == [{bare(0): bare(1), bare(1): bare(0), bare(2): bare(2)}]
+    assert drv.steps() == ["restore 1234", "unlock 1234"] and drv.states[1234] == "running"
+    assert m.free_bytes.asked == [1]  # room on the GPU it lands on
+    assert lines == ["restoring pid 1234 (4.0 GiB) to GPU 1"]
+    assert res.bytes == 4 * GiB
+
+
+def test_a_chain_of_moves_closes_into_a_cycle_for_every_pid(drv):
+    m = method(drv, Room(gpu0=80 * GiB, gpu1=80 * GiB, gpu2=80 * GiB), probe=probe_ok(),
+               gpu_uuids=lambda: dict(UUIDS))
+    run(m.release(two_pids()))
+    m.free_bytes.asked.clear()
+    run(m.restore(moving(two_pids(), {0: 1, 1: 2})))
+    cycle = {bare(0): bare(1), bare(1): bare(2), bare(2): bare(0)}
+    assert drv.gpu_mappings == [cycle, cycle]
+    assert sorted(m.free_bytes.asked) == [1, 2]
+
+
+def test_a_rollback_and_a_restore_onto_the_same_gpus_pass_no_mapping(drv):
+    m = method(drv, probe=probe_ok(), gpu_uuids=lambda: dict(UUIDS))
+    drv.fail("checkpoint", 5678, "CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(ReclaimError, match="the kernel runs as before"):
+        run(m.release(moving(two_pids(), {0: 2, 1: 0})))  # a release never moves
+    assert drv.gpu_mappings == [None]  # the rollback's restore of pid 1234
+    run(m.release(one_pid()))
+    run(m.restore(moving(one_pid(), {0: 0})))  # a GPU onto itself is no move
+    assert drv.gpu_mappings == [None, None]
+
+
+def test_room_is_checked_on_the_target_gpus(drv):
+    m = mover(drv, Room(gpu0=80 * GiB, gpu1=2 * GiB, gpu2=80 * GiB))
+    with pytest.raises(ReclaimError, match=r"GPU 1 has 2\.0 GiB free, 4\.0 GiB needed") as e:
+        run(m.restore(moving(one_pid(), {0: 1})))
+    assert e.value.retryable and m.free_bytes.asked == [1]
+    assert drv.calls == [] and drv.states[1234] == "checkpointed"
+    run(m.restore(moving(one_pid(), {0: 2})))
+    assert drv.states[1234] == "running" and m.free_bytes.asked == [1, 2]
+
+
+def test_below_driver_580_a_move_is_refused_before_anything(drv):
+    m = mover(drv, driver="575.51.03")
+    assert m.move_refusal() == "driver 575.51.03 cannot restore onto another GPU (needs 580 or newer)"
+    with pytest.raises(ReclaimError, match=r"^driver 575\.51\.03 cannot restore onto another GPU") as e:
+        run(m.restore(moving(one_pid(), {0: 1})))
+    assert e.value.retryable and drv.calls == [] and drv.states[1234] == "checkpointed"
+    run(m.restore(one_pid()))  # where it was: fine
+    assert drv.states[1234] == "running"
+    assert method(drv, probe=probe_ok()).move_refusal() is None
+
+
+def test_move_refusal_reads_nvml_once_when_no_probe_was_given(monkeypatch):
+    fake = fp.two_gpus()
+    fake.driver_version = "575.51.03"
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    m = DriverMethod(lambda g: None)
+    assert "driver 575.51.03 cannot" in (m.move_refusal() or "")
+    fake.driver_version = "580.82.07"
+    assert "driver 575.51.03 cannot" in (m.move_refusal() or "")  # kept: it does not change
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert "not known" in (DriverMethod(lambda g: None).move_refusal() or "")
+
+
+def test_support_reads_the_refusal_so_later_asks_touch_no_nvml(monkeypatch):
+    install_fake_cuda_core(monkeypatch)
+    fake = fp.two_gpus()
+    fake.driver_version = "580.82.07"
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    m = DriverMethod(lambda g: None)
+    assert m.support().ok
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # NVML gone: the answer was kept
+    assert m.move_refusal() is None
+
+
+def test_uuids_default_to_the_nvml_probe(drv):
+    gpus = [fp_info(g) for g in range(2)]
+    m = method(drv, probe=probe_ok(gpus=gpus))
+    run(m.release(one_pid()))
+    run(m.restore(moving(one_pid(), {0: 1})))
+    assert drv.gpu_mappings[-1] == {bare(0): bare(1), bare(1): bare(0)}
+
+
+def fp_info(gpu: int):
+    from jupyter_gpushare.telemetry.base import GPUInfo
+
+    return GPUInfo(index=gpu, uuid=UUIDS[gpu], name="H100", memory_total=80 * GiB, memory_used=0,
+                   utilization=0.0)
+
+
+@pytest.mark.parametrize("mapping, uuids, error", [
+    ({0: 5}, UUIDS, "not restoring onto other GPUs: GPU 5 is not one the driver sees (it sees 3)"),
+    ({0: 1}, {**UUIDS, 2: ""}, "not restoring onto other GPUs: the UUID of GPU 2 is not known ('')"),
+    ({0: 1}, {**UUIDS, 1: "MIG-0000"}, "the UUID of GPU 1 is not known ('MIG-0000')"),
+    ({0: 1, 2: 1}, UUIDS, "cannot restore GPUs 0 and 2 both onto GPU 1"),
+    ({0: -1}, UUIDS, "cannot restore onto other GPUs: -1 is not a GPU index"),
+])
+def test_a_mapping_that_cannot_be_honoured_is_refused_before_anything(drv, mapping, uuids, error):
+    m = mover(drv, uuids=uuids)
+    with pytest.raises(ReclaimError, match=re.escape(error)) as e:
+        run(m.restore(moving(one_pid(), mapping)))
+    assert e.value.retryable and drv.calls == [] and drv.states[1234] == "checkpointed"
+
+
+def test_a_move_onto_a_gpu_the_kernel_keeps_is_refused(drv):
+    m = method(drv, probe=probe_ok(), gpu_uuids=lambda: dict(UUIDS))
+    run(m.release(two_pids()))
+    drv.calls.clear()
+    with pytest.raises(ReclaimError, match="this kernel's memory on GPU 1 does not move"):
+        run(m.restore(moving(two_pids(), {0: 1})))
+    assert drv.calls == []
+
+
+def test_a_move_of_a_kernel_whose_memory_never_left_is_refused(drv):
+    drv.process(1234).lock(0)  # a release that failed after its lock: nothing checkpointed
+    drv.calls.clear()
+    m = method(drv, probe=probe_ok(), gpu_uuids=lambda: dict(UUIDS))
+    with pytest.raises(ReclaimError, match="no process of this kernel is checkpointed"):
+        run(m.restore(moving(one_pid(), {0: 1})))
+    assert drv.calls == [] and drv.states[1234] == "locked"
+
+
+def test_complete_mapping_and_uuids():
+    assert complete_mapping({0: 1}, range(3)) == {0: 1, 1: 0, 2: 2}
+    assert complete_mapping({0: 2, 2: 0}, range(3)) == {0: 2, 1: 1, 2: 0}
+    assert complete_mapping({3: 1, 1: 0}, range(4)) == {0: 3, 1: 0, 2: 2, 3: 1}
+    assert checkpoint_uuid("GPU-" + "ab" * 16) == "ab" * 16
+    assert checkpoint_uuid(UUIDS[1]) == bare(1)
+    assert checkpoint_uuid("MIG-" + "ab" * 16) is None and checkpoint_uuid("GPU-abc") is None
+
+
+# -- the other built-in methods' side of a move ------------------------------------------------
+
+class RecordingAgent:
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict]] = []
+
+    async def request(self, op, timeout=None, **args):
+        self.requests.append((op, args))
+        return {"bytes": 4 * GiB, "arrays": 1}
+
+
+def test_the_simulated_method_moves_and_passes_pairs():
+    agent = RecordingAgent()
+    m = SimulatedMethod()
+    assert m.move_refusal() is None
+    run(m.restore(moving(one_pid(agent), {0: 1, 1: 1})))  # {1: 1} stays: not sent
+    run(m.restore(one_pid(agent)))
+    assert agent.requests == [("sim_resume", {"gpu_mapping": [[0, 1]]}), ("sim_resume", {})]
+
+
+def test_the_framework_method_refuses_a_move_before_asking_the_kernel():
+    agent = RecordingAgent()
+    m = FrameworkMethod()
+    refusal = m.move_refusal()
+    assert refusal == ("the framework method cannot restore onto another GPU: the kernel "
+                       "process's device list is fixed")
+    with pytest.raises(ReclaimError, match=re.escape(refusal)) as e:
+        run(m.restore(moving(one_pid(agent), {0: 1})))
+    assert e.value.retryable and not e.value.resident and agent.requests == []
+
+
+def test_a_method_cannot_move_unless_it_says_so():
+    class Plain(ReclaimMethod):
+        name = "plain"
+
+        def support(self):
+            raise NotImplementedError
+
+        async def release(self, target, progress=None):
+            raise NotImplementedError
+
+        async def restore(self, target, progress=None):
+            raise NotImplementedError
+
+    assert Plain().move_refusal() == "the plain method cannot restore onto another GPU"
 
 
 # -- support --------------------------------------------------------------------------------

@@ -21,12 +21,37 @@ class _Tracker:
         self.gpus: dict[int, Any] = {}
 
 
-def controller(context_bytes: int = 512 << 20) -> Controller:
-    async def read_free(gpus: list[int]) -> dict[int, int | None]:
+class _Node:
+    """Two GPUs of 80 GiB, all free; no kernel has a method or an agent."""
+
+    async def read_free(self, gpus: list[int]) -> dict[int, int | None]:
         return {g: 80 * GiB for g in gpus}
 
-    return Controller(_Tracker(), {}, lambda kid: None, PolicyConfig(), read_free,
-                      lambda: {0: 80 * GiB, 1: 80 * GiB}, lambda kid: None, lambda e: None,
+    def total_bytes(self) -> dict[int, int]:
+        return {0: 80 * GiB, 1: 80 * GiB}
+
+    async def host_room(self, pid: int | None) -> None:
+        return None
+
+    async def refresh(self) -> None:
+        pass
+
+    def live_state(self, kernel_id: str) -> str:
+        return "unknown"
+
+    def overrides(self, kernel_id: str) -> dict[str, Any]:
+        return {}
+
+    def method_for(self, kernel_id: str) -> str | None:
+        return None
+
+    def agent(self, kernel_id: str) -> Any:
+        return None
+
+
+def controller(context_bytes: int = 512 << 20) -> Controller:
+    node = _Node()
+    return Controller(_Tracker(), {}, PolicyConfig(), node, node, lambda e: None,  # type: ignore[arg-type]
                       context_bytes=context_bytes)
 
 

@@ -8,6 +8,7 @@ kernel."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -209,6 +210,103 @@ def test_a_restore_without_room_on_one_gpu_takes_nothing_on_the_other(dev, node)
     assert dev.state == CHECKPOINTED and node.pids() == {99999: {1: GiB - 100}}
     node.release(99999, 1, GiB)
     assert dev.resume()["bytes"] == sum(x.nbytes for x in xs)
+
+
+# -- restore onto other GPUs ------------------------------------------------------------------
+
+def checkpointed_on_gpu0(dev: SimDevice, n: int = 3) -> tuple[list[simgpu.SimArray], list[int]]:
+    """``n`` arrays on the process's device 0 (GPU 0), and their checksums; checkpointed."""
+    xs = [simgpu.array(np.arange(1000, dtype=np.uint32) * (i + 1), device=0) for i in range(n)]
+    sums = [x.checksum() for x in xs]
+    dev.lock()
+    dev.checkpoint()
+    return xs, sums
+
+
+def test_a_moved_restore_brings_the_arrays_back_on_the_target_gpu(dev, node):
+    xs, sums = checkpointed_on_gpu0(dev)
+    back = dev.resume(gpu_mapping={0: 1})
+    assert back == {"from": CHECKPOINTED, "bytes": 12000, "arrays": 3, "gpus": {"1": 12000}}
+    assert dev.state == RUNNING and node.pids() == {node_pid(dev): {1: 12000}}
+    assert dev.held() == {1: 12000} and dev.allocated(0) == 0 and dev.allocated(1) == 12000
+    assert dev.placement()["device"] == {"1": 12000}
+    assert [x.checksum() for x in xs] == sums
+    assert all(x.device == 0 for x in xs)  # still the process's device 0, now physical GPU 1
+
+    later = simgpu.ones(10, device=0)  # the process's device 0 is GPU 1 from now on
+    assert dev.remap == {0: 1} and dev.physical(0) == 1
+    assert node.pids()[node_pid(dev)] == {1: 12000 + later.nbytes}
+    assert simgpu.memory_allocated(0) == 12000 + later.nbytes
+
+    dev.lock()
+    dev.checkpoint()
+    assert dev.resume()["gpus"] == {"1": 12000 + later.nbytes}  # plain: back where it was
+
+
+def node_pid(dev: SimDevice) -> int:
+    backend = dev.backend
+    assert isinstance(backend, LocalBackend)
+    return backend.pid
+
+
+def test_moves_compose_with_the_visible_devices(node, monkeypatch):
+    dev = SimDevice(LocalBackend(node), visible="1")  # its device 0 is the node's GPU 1
+    monkeypatch.setattr(device_module, "_device", dev)
+    x = simgpu.array(np.arange(500, dtype=np.uint32), device=0)
+    total = x.checksum()
+    for onto, remap in [({1: 0}, {1: 0}), ({0: 1}, {})]:
+        dev.lock()
+        dev.checkpoint()
+        dev.resume(gpu_mapping=onto)
+        assert dev.remap == remap and dev.visible() == [dev.physical(0)]
+        assert dev.held() == {dev.physical(0): 2000} and x.checksum() == total
+    assert dev.physical(0) == 1
+
+
+def test_a_moved_restore_without_room_changes_nothing(dev, node):
+    xs, sums = checkpointed_on_gpu0(dev)
+    node.alloc(99999, 1, GiB - 100)  # another process takes GPU 1
+    before = dev.placement()
+    with pytest.raises(SimOutOfMemoryError):
+        dev.resume(gpu_mapping={0: 1})
+    assert dev.state == CHECKPOINTED and dev.placement() == before and dev.remap == {}
+    assert dev.held() == {0: 12000} and node.pids() == {99999: {1: GiB - 100}}
+    assert dev.resume()["gpus"] == {"0": 12000}  # back where it was, data intact
+    assert [x.checksum() for x in xs] == sums
+
+
+def test_a_moved_restore_failing_in_the_copy_changes_nothing(dev, node):
+    xs, _ = checkpointed_on_gpu0(dev)
+    dev.inject_fault("restore", after=2)
+    with pytest.raises(InjectedFault):
+        dev.resume(gpu_mapping={0: 1})
+    assert dev.state == CHECKPOINTED and dev.held() == {0: 12000} and dev.remap == {}
+    assert node.pids() == {} and all(x._dev is None for x in xs)
+
+
+@pytest.mark.parametrize("start", [RUNNING, LOCKED])
+def test_a_mapping_is_refused_unless_checkpointed(dev, node, start):
+    simgpu.ones(10, device=0)
+    put_in(dev, start)
+    used = node.pids()
+    with pytest.raises(SimCheckpointError, match=f"cannot restore onto other GPUs: process is {start}"):
+        dev.resume(gpu_mapping={0: 1})
+    assert dev.state == start and node.pids() == used and dev.remap == {}
+    assert dev.resume(gpu_mapping={0: 0})["from"] == start  # a GPU onto itself moves nothing
+
+
+@pytest.mark.parametrize("mapping, error", [
+    ({0: 2}, "gpu_mapping: 2 is not a GPU of this node (it has 2 simulated GPUs)"),
+    ({-1: 0}, "gpu_mapping: -1 is not a GPU of this node"),
+    ({True: 1}, "gpu_mapping: True is not a GPU of this node"),
+    ({0: 1, 1: 1}, "gpu_mapping: GPU 1 is named twice as a target"),
+])
+def test_a_bad_mapping_is_refused_and_changes_nothing(dev, node, mapping, error):
+    xs, _ = checkpointed_on_gpu0(dev)  # kept alive: collected arrays free their bytes
+    with pytest.raises(ValueError, match=re.escape(error)):
+        dev.resume(gpu_mapping=mapping)
+    assert dev.state == CHECKPOINTED and dev.held() == {0: 12000} and node.pids() == {}
+    assert all(x._dev is None for x in xs)
 
 
 def test_a_wedging_fault_leaves_the_driver_failed_state(dev):

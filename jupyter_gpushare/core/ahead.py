@@ -175,7 +175,7 @@ class AheadRestores:
             if st is None or rec is None or st.held is not None:
                 del self.unused[kid]
                 continue
-            if rec.busy or rec.server_activity > activity or c.live_state(kid) == "busy":
+            if rec.busy or rec.server_activity > activity or c.kernels.live_state(kid) == "busy":
                 metrics.AHEAD_RESTORES.labels("used").inc()
                 del self.unused[kid]
                 continue

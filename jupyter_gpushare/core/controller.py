@@ -51,12 +51,22 @@ from .errors import ControllerError
 from .hostmem import HostRoom
 from .lifecycle import Held, Lifecycle
 from .operations import Operation, Outcome, to_the_end, wait_for
+from .ports import KernelFacts, NodeRoom
 from .progress import CellProgress
 from .reservations import Grant, Reservations
 from .restore_room import MEMORY_WAIT, RestoreRoom
 from .tracker import KernelRecord, Tracker
 
 log = logging.getLogger(__name__)
+
+
+def onto(mapping: dict[int, int]) -> str | None:
+    """Where a restore that moves puts the state, for a person (None: it stays)."""
+    if not mapping:
+        return None
+    to = ", ".join(str(mapping[g]) for g in sorted(mapping))
+    came = ", ".join(str(g) for g in sorted(mapping))
+    return (f"onto GPU {to}: GPU {came} had no room")
 
 IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
 #: restores that precede the code of the cell they show progress in (its only output so far)
@@ -65,7 +75,6 @@ RETRY_AFTER_FAILED_RELEASE = 60.0  # s before a kernel whose release failed is t
 
 
 Emit = Callable[[dict[str, Any]], None]
-AgentLookup = Callable[[str], Any]
 
 
 class Controller:
@@ -73,55 +82,48 @@ class Controller:
         self,
         tracker: Tracker,
         methods: dict[str, ReclaimMethod],
-        choose_method: Callable[[str], str | None],
-        config: policy.PolicyConfig,
-        read_free: Callable[[list[int]], Awaitable[dict[int, int | None]]],
-        total_bytes: Callable[[], dict[int, int]],
-        agent: AgentLookup,
+        config: policy.ReleaseSettings,
+        node_room: NodeRoom,
+        kernels: KernelFacts,
         emit: Emit,
+        *,
+        rules: policy.Policy | None = None,
         restore_mode: str = "eager",
         restore_grace: float = 30.0,
-        kernel_overrides: Callable[[str], dict[str, Any]] | None = None,
-        refresh: Callable[[], Awaitable[None]] | None = None,
-        host_room: Callable[[int | None], Awaitable[HostRoom]] | None = None,
+        move_after: float = 0.0,
         host_memory_reserve: int = 0,
         context_bytes: int = 0,
-        live_state: Callable[[str], str] | None = None,
-        rules: policy.Policy | None = None,
         clear_progress: bool = True,
         node_locks: NodeLocks | None = None,
     ):
         """
-        read_free(gpus): free bytes per GPU read now (None = unknown), off the event loop.
-        refresh(): one poll, so what status shows after an operation is of one moment.
-        host_room(pid): host memory the kernel's process may still use.
+        config: the release settings (idle timeout, pressure, ...) the rules read.
+        node_room, kernels: the ports through which the node and the kernels are read
+            (:mod:`.ports`).
+        emit: sends one kernel event (schema ``events/kernel-v1.yaml``).
+        rules: the release rules (``c.GPUShareApp.policy_class``); default: ``policy.Policy``.
+        move_after: seconds a restore waits for room on its kernel's own GPUs before it goes
+            onto others that have room, where the method can (0: never moves).
         host_memory_reserve: host bytes a release must leave free.
         context_bytes: counted on top of self-reported bytes when a restore needs room.
-        live_state(kernel_id): the kernel's execution state now ("busy", "idle", ...).
-        rules: the release rules (``c.GPUShareApp.policy_class``); default: ``policy.Policy``.
         clear_progress: take a restore's progress line out of the cell once it succeeded
             (cells that waited at the gate or in the agent: the line is all they hold yet).
         node_locks: restores also take turns per GPU with other servers on the machine.
         """
         self.tracker = tracker
         self.methods = methods
-        self.choose_method = choose_method
         self.config = config
         self.rules = rules or policy.Policy(config)
         self.clear_progress = clear_progress
-        self.read_free = read_free
-        self.total_bytes = total_bytes
-        self.agent = agent
+        self.node_room = node_room
+        self.kernels = kernels
         self.emit = emit
         self.restore_mode = restore_mode
         self.restore_grace = restore_grace
-        self.kernel_overrides = kernel_overrides or (lambda kid: {})
-        self.refresh = refresh
-        self.host_room = host_room
+        self.move_after = move_after
         self.host_memory_reserve = host_memory_reserve
         self.context_bytes = context_bytes
-        self.live_state = live_state or (lambda kid: "unknown")
-        self.announce = Announcer(emit, agent, self._path_of, lambda: self.restore_mode)
+        self.announce = Announcer(emit, kernels.agent, self._path_of, lambda: self.restore_mode)
         self.states: dict[str, Lifecycle] = {}
         self.reservations = Reservations(node_locks, uuid_of=self._gpu_uuid)
         self.room = RestoreRoom(self)
@@ -140,7 +142,7 @@ class Controller:
             if kernel_id not in self.tracker.kernels and kernel_id not in self.tracker.km:
                 raise ControllerError(404, f"no kernel {kernel_id!r} on this server")
             st = self.states[kernel_id] = Lifecycle(kernel_id)
-            st.idle_timeout = self.kernel_overrides(kernel_id).get("idle_timeout")
+            st.idle_timeout = self.kernels.overrides(kernel_id).get("idle_timeout")
         return self.states[kernel_id]
 
     def find(self, kernel_id: str) -> Lifecycle | None:
@@ -150,6 +152,10 @@ class Controller:
     def lifecycles(self) -> list[Lifecycle]:
         """Every kernel's record (a copy of the list: safe to walk while operations run)."""
         return list(self.states.values())
+
+    def method_for(self, kernel_id: str) -> str | None:
+        """The release method that can act on the kernel now (None: none can)."""
+        return self.kernels.method_for(kernel_id)
 
     def needs_restore(self, kernel_id: str) -> bool:
         st = self.states.get(kernel_id)
@@ -163,21 +169,17 @@ class Controller:
                   pressure_window: float | None = None) -> policy.Candidate:
         """The policy's view of a kernel. ``pressure_window``: seconds over which quietness
         on the GPU is judged for room-making (default ``pressure_idle_timeout``)."""
-        # utilization windows of at least one sample
-        since = now - max(self.idle_timeout(st), 1.0)
-        window = self.config.pressure_idle_timeout if pressure_window is None else pressure_window
-        pressure_since = now - max(window, 1.0)
-        return policy.Candidate(
-            kernel_id=st.kernel_id,
+        return policy.observed(
+            st.kernel_id, self.config, now,
             resident=st.held is None and st.op is None and st.resident in (ACTIVE, IDLE),
             busy=rec.busy,
             pinned=st.pinned,
             idle_seconds=rec.idle_seconds(now),
-            max_utilization=rec.max_utilization_since(since),
-            pressure_utilization=rec.max_utilization_since(pressure_since),
-            gpu_bytes={g: b for g, b in rec.gpu_bytes.items() if g >= 0},
+            utilization_since=rec.max_utilization_since,
+            gpu_bytes=rec.gpu_bytes,
             idle_timeout=st.idle_timeout,
-            releasable=self.choose_method(st.kernel_id) is not None and st.release_blocked is None,
+            releasable=self.method_for(st.kernel_id) is not None and st.release_blocked is None,
+            pressure_window=pressure_window,
         )
 
     def release_in(self, kernel_id: str, idle_seconds: float | None = None) -> float | None:
@@ -196,7 +198,7 @@ class Controller:
     def seen_free(self) -> dict[int, int]:
         """Free memory per GPU from the last sample, minus what restores reserved."""
         out = {}
-        for g in self.total_bytes():
+        for g in self.node_room.total_bytes():
             rec = self.tracker.gpus.get(g)
             info = rec.info if rec is not None else None
             if info is None or info.memory_total is None or info.memory_used is None:
@@ -225,7 +227,7 @@ class Controller:
                 self._watchdog(st, rec, now)
             except Exception:
                 log.exception("gpushare: kernel %s: could not apply the policy", kid)
-        for decision in self.rules.decide(candidates, self.seen_free(), self.total_bytes()):
+        for decision in self.rules.decide(candidates, self.seen_free(), self.node_room.total_bytes()):
             st = self.states[decision.kernel_id]
             if self.failed_recently(st, now) or st.op is not None or self.closing:
                 continue
@@ -383,7 +385,7 @@ class Controller:
         # quiet on the GPU over the caller's window, not this server's pressure window: the
         # service's rule (its pressure_idle_timeout) is the one that holds across users
         c = self.candidate(st, rec, clock.now(), pressure_window=idle_for)
-        busy_now = c.busy or self.live_state(kernel_id) == "busy"
+        busy_now = c.busy or self.kernels.live_state(kernel_id) == "busy"
         if busy_now or c.pinned:
             why = "busy running a cell" if busy_now else "pinned"
         elif c.idle_seconds < idle_for:  # GPU work counts as use; "used N s ago" says when
@@ -432,7 +434,7 @@ class Controller:
             raise ControllerError(409, "kernel holds no GPU memory")
         if st.pinned and automatic:
             raise ControllerError(409, "kernel is pinned")
-        method_name = self.choose_method(st.kernel_id)
+        method_name = self.kernels.method_for(st.kernel_id)
         if method_name is None:
             raise ControllerError(409, "no release method is available for this kernel")
         st.observe(self._resident_state(st, rec, clock.now()))  # this moment's, not the last tick's
@@ -445,7 +447,7 @@ class Controller:
         pid_bytes = rec.pid_gpu_bytes
         # only pids with GPU memory (or, unmeasured, a GPU device open) have a context to move
         pids = [p for p in rec.pids if p in pid_bytes] or list(rec.gpu_pids) or rec.pids[:1]
-        return KernelTarget(kernel_id=kid, pids=pids, gpu_bytes=gpu_bytes, agent=self.agent(kid),
+        return KernelTarget(kernel_id=kid, pids=pids, gpu_bytes=gpu_bytes, agent=self.kernels.agent(kid),
                             pid_bytes={p: dict(b) for p, b in pid_bytes.items()})
 
     async def _refuse(self, st: Lifecycle, op: Operation, message: str) -> Outcome:
@@ -465,7 +467,7 @@ class Controller:
         # the held state is built from this moment's record, as the target is: a poll while we
         # wait below may already show a restarted kernel's new process in ``rec``
         kernel_pid, gpus, attributed = (rec.pids[0] if rec.pids else None), self._gpus_of(rec), rec.attributed
-        room = await self.host_room(kernel_pid) if self.host_room else None
+        room = await self.node_room.host_room(kernel_pid)
         why = self._host_refusal(room, need)
         if why:
             st.host_refusal = why
@@ -476,7 +478,7 @@ class Controller:
         # Given back when the method returns (the host's own numbers count the bytes then),
         # or when the operation ends without moving (refused, stopped)
         give_back = op.on_end = self._host_claim(scope, need)
-        agent = self.agent(kid)
+        agent = self.kernels.agent(kid)
         if agent is not None:  # the agent knows whether a cell runs now: it decides
             try:
                 await agent.request("begin_release", timeout=self.agent_timeout,
@@ -488,7 +490,7 @@ class Controller:
                 if getattr(e, "kind", "") == "BackgroundGPUWork":
                     st.background = str(e)  # sticky: shown until the user allows it
                 return await self._refuse(st, op, str(e) or type(e).__name__)
-        elif self.live_state(kid) == "busy" and not by_kernel:
+        elif self.kernels.live_state(kid) == "busy" and not by_kernel:
             return await self._refuse(st, op, "kernel is busy running a cell; release it when idle")
 
         op.phase = "moving"
@@ -603,13 +605,13 @@ class Controller:
     def need(self, held: Held) -> dict[int, int]:
         """Bytes to reserve per GPU before restoring ``held`` (see :func:`..policy.room.to_reserve`)."""
         return to_reserve(held.gpus, held.bytes, held.attributed, self.context_bytes,
-                               list(self.total_bytes()))
+                               list(self.node_room.total_bytes()))
 
     async def _restore_op(
         self, st: Lifecycle, op: Operation, held: Held, parent: dict | None, wait: bool
     ) -> Outcome:
         need = self.need(held)
-        shown = CellProgress(self.agent(st.kernel_id), parent,
+        shown = CellProgress(self.kernels.agent(st.kernel_id), parent,
                         clear_when_done=self.clear_progress and op.trigger in CLEARED_TRIGGERS)
         grant = await self.room.find(st, op, held, need, shown, wait)
         if isinstance(grant, Outcome):
@@ -626,12 +628,15 @@ class Controller:
         kid = st.kernel_id
         method = self.methods[held.method]
         expected = st.last_restore_seconds
-        gpus = ", ".join(str(g) for g in sorted(held.gpus) if g >= 0) or "-"
+        moved_to = onto(grant.mapping)
+        gpus = ", ".join(str(grant.mapping.get(g, g)) for g in sorted(held.gpus) if g >= 0) or "-"
         await shown(f"gpushare: restoring {format_bytes(held.bytes)} to GPU {gpus}"
+                    + (f" ({moved_to})" if moved_to else "")
                     + (f" (last time {expected:.2f} s)" if expected else "") + " ...")
         rec = self.tracker.kernels.get(kid)
         target = KernelTarget(kernel_id=kid, pids=list(held.pids), gpu_bytes=dict(held.gpus),
-                              agent=self.agent(kid), pid_bytes=held.pid_bytes)
+                              agent=self.kernels.agent(kid), pid_bytes=held.pid_bytes,
+                              gpu_mapping=dict(grant.mapping))
         if rec is not None and not target.pids:
             target.pids = rec.pids[:1]
         started = time.monotonic()
@@ -667,11 +672,12 @@ class Controller:
         grant.release()  # landed bytes count as used from here: not twice, as reserved too
         seconds = time.monotonic() - started
         moved = result.bytes or held.bytes
-        st.restore_done(held, seconds)
+        st.restore_done(held, seconds, moved_to)
         self.tracker.touch(kid)
         self.announce(kid, "restored", method=method.name, state=ACTIVE, bytes=moved,
                       seconds=seconds, reason=op.trigger)
-        await shown(f"gpushare: restored {format_bytes(moved)} in {seconds:.2f} s")
+        await shown(f"gpushare: restored {format_bytes(moved)} in {seconds:.2f} s"
+                    + (f", {moved_to}" if moved_to else ""))
         await shown.done()  # before the cell's code runs (saved notebooks carry no timings)
         log.info("gpushare: restored %s of kernel %s in %.2f s (%s)",
                  format_bytes(moved), kid, seconds, op.trigger)
@@ -766,11 +772,10 @@ class Controller:
         return rec.info.uuid if rec is not None and rec.info.uuid else None
 
     async def refresh_quietly(self) -> None:
-        if self.refresh is not None:
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("gpushare: refresh after an operation failed")
+        try:
+            await self.node_room.refresh()
+        except Exception:
+            log.exception("gpushare: refresh after an operation failed")
 
     def _progress_log(self, kernel_id: str) -> Callable[[str], None]:
         return lambda text: log.debug("gpushare: kernel %s: %s", kernel_id, text)

@@ -129,6 +129,8 @@ class Lifecycle:
     restores: int = 0
     last_restore_seconds: float | None = None
     last_release_seconds: float | None = None
+    #: where the last restore went when it moved ("onto GPU 1: GPU 0 had no room"), else None
+    restored_onto: str | None = None
     error: str | None = None
     retryable: bool = True
     waiting: str | None = None  # why a restore waits, None when it does not
@@ -236,7 +238,8 @@ class Lifecycle:
         op.phase = "moving"
         self.error = None
 
-    def restore_done(self, held: Held, seconds: float) -> None:
+    def restore_done(self, held: Held, seconds: float, onto: str | None = None) -> None:
+        """``onto``: where the state went when the restore moved it (None: where it was)."""
         self._check("restore_done")
         if self.held is held:
             self.held = None
@@ -244,6 +247,7 @@ class Lifecycle:
         self.resident = ACTIVE  # just used: the next poll counts idle time from here
         self.restores += 1
         self.last_restore_seconds = seconds
+        self.restored_onto = onto
 
     def restore_failed(self, error: str, retryable: bool, stays_released: bool) -> None:
         """``stays_released``: a restore ahead of a cell failed: ``released``, not ``failed``

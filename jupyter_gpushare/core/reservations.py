@@ -31,6 +31,8 @@ class Grant:
         #: GPU -> why no turn across servers was had on it (refused, or held too long elsewhere)
         self.unguarded = dict(unguarded or {})
         self.reserved: dict[int, int] = {}
+        #: GPU released from -> GPU restored onto, for a restore that moves (empty: stays)
+        self.mapping: dict[int, int] = {}
         self._released = False
         self._node = node
 

@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import clock
-from ..policy.room import lacking
+from ..policy.room import lacking, move_plan
 from ..units import format_bytes
 from . import ahead
 from .errors import ControllerError
@@ -45,6 +45,7 @@ class RestoreRoom:
         policy, or wait and say why. An Outcome when it ends without room."""
         announced = False
         delay = WAIT_BACKOFF[0]
+        short_since: float | None = None  # when the kernel's own GPUs were first seen full
         while True:
             # Python 3.11's wait_for can swallow a cancel that lands as what it waits for
             # completes (a release ending as the server shuts down): look at the flag too
@@ -66,16 +67,7 @@ class RestoreRoom:
             strict = set(grant.unguarded) & set(need)  # no turn across servers on these GPUs
             try:
                 want = await self.still_to_land(st, held, need)
-                free = await self.c.read_free(list(need))
-                room = {g: None if f is None else f - self.releases_may_take_back(g)
-                        for g, f in free.items()}
-                short = lacking(want, room, strict=strict)
-                if not short and strict:  # and the room must still be there a moment later
-                    await asyncio.sleep(STRICT_SETTLE)
-                    again = await self.c.read_free(sorted(strict))
-                    room.update({g: None if f is None else f - self.releases_may_take_back(g)
-                                 for g, f in again.items()})
-                    short = lacking(want, room, strict=strict)
+                free, room, short = await self.check(want, strict)
             except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
                 grant.release()
                 raise
@@ -103,6 +95,10 @@ class RestoreRoom:
                 f"{needs} ({free})" for needs, free in shortfall)
             if not wait:
                 return Outcome(False, st.waiting)
+            short_since = clock.now() if short_since is None else short_since
+            moved = await self.move(st, op, held, need, want, short, short_since, shown)
+            if moved is not None:
+                return moved
             if not announced:
                 announced = True
                 # the event's reason has no parentheses (the lab's toast adds its own) and
@@ -117,10 +113,82 @@ class RestoreRoom:
                 continue  # room was made: look at once (its end's wake-up came while we waited on it)
             freed = self.c.freed
             try:
-                await asyncio.wait_for(freed.wait(), delay)
+                await asyncio.wait_for(freed.wait(), self.until_move(delay, short_since))
                 delay = WAIT_BACKOFF[0]
             except asyncio.TimeoutError:
                 delay = min(delay * 2, WAIT_BACKOFF[1])
+
+    async def check(self, want: dict[int, int], strict: set[int]
+                    ) -> tuple[dict[int, int | None], dict[int, int | None], dict[int, int]]:
+        """Free memory of ``want``'s GPUs read now, the room a restore has there, and the GPUs
+        that lack it. ``strict``: GPUs without a turn across servers, where the room must
+        hold twice and still be there a moment later."""
+        free = await self.c.node_room.read_free(list(want))
+        room = {g: None if f is None else f - self.releases_may_take_back(g)
+                for g, f in free.items()}
+        short = lacking(want, room, strict=strict)
+        if not short and strict:  # and the room must still be there a moment later
+            await asyncio.sleep(STRICT_SETTLE)
+            again = await self.c.node_room.read_free(sorted(strict))
+            room.update({g: None if f is None else f - self.releases_may_take_back(g)
+                         for g, f in again.items()})
+            short = lacking(want, room, strict=strict)
+        return free, room, short
+
+    def until_move(self, delay: float, short_since: float | None) -> float:
+        """How long to wait for freed memory before looking again: ``delay``, or less when
+        the moment to restore onto other GPUs comes first."""
+        after = self.c.move_after
+        if after <= 0 or short_since is None:
+            return delay
+        return max(0.05, min(delay, short_since + after - clock.now()))
+
+    async def move(
+        self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int],
+        want: dict[int, int], short: dict[int, int], short_since: float, shown: CellProgress,
+    ) -> Grant | None:
+        """Restore onto other GPUs, once the kernel's own have lacked room for ``move_after``
+        seconds and others have it: a grant whose ``mapping`` says where each GPU's state
+        goes, with its turns taken and its bytes reserved there. None: not now (too early,
+        the method cannot move, nowhere has room, or part of the state is still on the GPU)."""
+        after = self.c.move_after
+        if after <= 0 or clock.now() - short_since < after or want != need:
+            return None
+        method = self.c.methods.get(held.method)
+        refusal = (method.move_refusal() if method is not None
+                   else f"the {held.method} method is not available")
+        if refusal:
+            if st.waiting and "not moved" not in st.waiting:
+                st.waiting += f"; not moved onto another GPU: {refusal}"
+            return None
+        every = sorted(self.c.node_room.total_bytes())
+        try:
+            free = await self.c.node_room.read_free(every)
+        except Exception as e:
+            log.warning("gpushare: cannot read free GPU memory: %s", e)
+            return None
+        room = {g: None if f is None else f - self.c.reservations.reserved(g)
+                - self.releases_may_take_back(g) for g, f in free.items()}
+        plan = move_plan(want, short, room)
+        if plan is None:
+            return None
+        moved_want = {plan.get(g, g): n for g, n in want.items()}
+        grant = await self.take_turn(st, moved_want, shown)
+        try:
+            _, _, still_short = await self.check(moved_want, set(grant.unguarded) & set(moved_want))
+        except asyncio.CancelledError:
+            grant.release()
+            raise
+        except Exception as e:
+            log.warning("gpushare: cannot read free GPU memory: %s", e)
+            still_short = moved_want
+        if still_short or op.stopped or st.held is not held:
+            grant.release()  # taken meanwhile, or stopped: the loop looks again
+            return None
+        grant.reserve(moved_want)
+        grant.mapping = plan
+        st.waiting = None
+        return grant
 
     async def take_turn(self, st: Lifecycle, need: dict[int, int], shown: CellProgress) -> Grant:
         """The restore turn of every GPU in ``need``. While another server holds one, the

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import psutil
 
 from .. import clock
+from ..policy import ReleaseSettings
 from ..telemetry import GPUInfo, ProcessUsage, Telemetry
 from .hostmem import HostMemory, HostRoom
 
@@ -256,8 +257,12 @@ class Tracker:
         poll_interval: float,
         session_manager: Any = None,
         agent_reports: Any = None,
+        settings: ReleaseSettings | None = None,
     ):
+        """settings: the release settings; their idle_utilization is the SM % above which a
+        kernel counts as using the GPU (none: any use counts)."""
         self.km = kernel_manager
+        self.settings = settings
         self.telemetry = telemetry
         self.session_manager = session_manager
         self.history_len = max(2, int(history_seconds / max(poll_interval, 0.05)) + 1)
@@ -265,12 +270,16 @@ class Tracker:
         self.gpus: dict[int, GPURecord] = {}
         self.foreign_pids: set[int] = set()  # NVML pids this pid namespace cannot see
         self.agent_reports = agent_reports  # callable kernel_id -> agent report dict, or None
-        self.idle_utilization = 0.0  # SM % above which a kernel counts as using the GPU
         self.last_poll_seconds = 0.0
         self.hostmem = HostMemory()
         # one thread for every hardware read: NVML calls stay ordered, and a stalled one
         # cannot take the event loop's default pool with it
         self._executor = SamplingThread("gpushare-sample")
+
+    @property
+    def idle_utilization(self) -> float:
+        """SM % above which a kernel counts as using the GPU."""
+        return self.settings.idle_utilization if self.settings is not None else 0.0
 
     async def off_loop(self, fn: Callable[[], T], timeout: float = SAMPLE_TIMEOUT) -> T:
         """Run a blocking read on the sampling thread, within ``timeout`` seconds."""

@@ -13,6 +13,7 @@ server's late or false reading cannot outvote the others'.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import policy
@@ -21,6 +22,14 @@ from ..policy.fairshare import Ledger, Share, shares_of
 from ..states import RESIDENT
 from .measure import Measured
 from .snapshot import KernelSnap, Snapshot
+
+#: the windows are the servers' own: what they report is already judged over them
+_WINDOWS_JUDGED = policy.PolicyConfig()
+
+
+def _constant(used: float) -> Callable[[float], float]:
+    """A utilization the server judged already: the same over any window."""
+    return lambda _since: used
 
 
 class GpuIds:
@@ -158,13 +167,13 @@ class NodeView:
         out = []
         for p in self.placed:
             k = p.kernel
-            out.append(Holding(p.ref.user, policy.Candidate(
-                kernel_id=k.id,
+            out.append(Holding(p.ref.user, policy.observed(
+                k.id, _WINDOWS_JUDGED, 0.0,
                 resident=k.state in RESIDENT,
                 busy=k.busy,
                 pinned=k.pinned,
                 idle_seconds=k.idle_seconds + (0.0 if k.busy else p.age),
-                max_utilization=k.utilization,
+                utilization_since=_constant(k.utilization),
                 gpu_bytes=dict(p.gpu_bytes),
                 idle_timeout=k.idle_timeout,
                 releasable=k.releasable,

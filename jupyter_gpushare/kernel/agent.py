@@ -146,7 +146,7 @@ class Agent:
             "begin_release": self._begin_release,
             "sim_lock": self._sim_lock,
             "sim_checkpoint": lambda msg: _sim().checkpoint(),
-            "sim_resume": lambda msg: _sim_resume(),
+            "sim_resume": lambda msg: _sim_resume(_gpu_mapping(msg.get("gpu_mapping"))),
             "state": self._on_state,
             "show": self._show,
             "clear": self._clear,
@@ -348,11 +348,33 @@ def _sim():
     return get_device()
 
 
-def _sim_resume() -> dict[str, Any]:
-    """Back to running from any state: the restore, and the undo of a failed release."""
+def _gpu_mapping(value: Any) -> dict[int, int] | None:
+    """The server's ``gpu_mapping`` ([[from, to], ...], node GPU indices) as {from: to}; a
+    ValueError that says what is wrong with it otherwise (the device checks the indices)."""
+    if value is None:
+        return None
+    shape = "gpu_mapping must be a list of [from, to] pairs of GPU indices"
+    if not isinstance(value, list):
+        raise ValueError(f"{shape}, got {value!r:.100}")
+    out: dict[int, int] = {}
+    for pair in value:
+        if (not isinstance(pair, list) or len(pair) != 2
+                or any(isinstance(g, bool) or not isinstance(g, int) for g in pair)):
+            raise ValueError(f"{shape}, got {pair!r:.100} in it")
+        if pair[0] in out:
+            raise ValueError(f"gpu_mapping: GPU {pair[0]} is named twice as a source")
+        out[pair[0]] = pair[1]
+    return out
+
+
+def _sim_resume(gpu_mapping: dict[int, int] | None = None) -> dict[str, Any]:
+    """Back to running from any state: the restore (onto ``gpu_mapping``'s GPUs, if given),
+    and the undo of a failed release."""
     from ..sim import device as sim_device
 
     dev = _sim()
+    if gpu_mapping is not None:
+        return dev.resume(gpu_mapping=gpu_mapping)
     resume = getattr(dev, "resume", None)
     if resume is not None:
         return resume()

@@ -133,7 +133,7 @@ class Placer:
 
         return cls(
             devices=lambda: [rec.info for rec in list(app.tracker.gpus.values())],
-            read_free=app._read_free,
+            read_free=app.node_room.read_free,
             held=held,
             reserved=lambda: app.controller.reservations.snapshot(),
             kernel_ids=lambda: list(app.server.kernel_manager.list_kernel_ids()),

@@ -9,13 +9,33 @@ share) without touching the controller.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from traitlets.config import LoggingConfigurable
 
 
+class ReleaseSettings(Protocol):
+    """The thresholds the rules read. The server's are its options (``c.GPUShareApp.*``,
+    :class:`.options.ReleaseOptions`); the simulator and the tests use :class:`PolicyConfig`."""
+
+    @property
+    def idle_timeout(self) -> float: ...
+    @property
+    def idle_utilization(self) -> float: ...
+    @property
+    def min_release_bytes(self) -> int: ...
+    @property
+    def pressure_free_fraction(self) -> float: ...
+    @property
+    def pressure_idle_timeout(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
+    """Release settings as plain values (the product's defaults)."""
+
     idle_timeout: float = 600.0  # s; 0 = never release automatically
     idle_utilization: float = 5.0  # SM % at or below which a kernel counts as idle
     min_release_bytes: int = 256 << 20
@@ -45,6 +65,35 @@ class Candidate:
         return sum(self.gpu_bytes.values())
 
 
+def observed(
+    kernel_id: str, cfg: ReleaseSettings, now: float, *, resident: bool, busy: bool,
+    pinned: bool, idle_seconds: float, utilization_since: Callable[[float], float],
+    gpu_bytes: dict[int, int], idle_timeout: float | None = None, releasable: bool = True,
+    pressure_window: float | None = None,
+) -> Candidate:
+    """A :class:`Candidate` from what was observed of a kernel: the one builder (the server's
+    controller, the simulator and the hub's view all use it, so they judge alike).
+
+    ``utilization_since(t)``: the kernel's highest SM % since time ``t`` (its clock is
+    ``now``'s). Quietness is judged over the kernel's idle window and over the pressure window
+    (``pressure_window`` seconds, default ``pressure_idle_timeout``), each at least one second
+    so that it holds one sample. GPU -1 (memory on no known GPU) is not counted as room."""
+    since = now - max(effective_idle_timeout(idle_timeout, cfg.idle_timeout), 1.0)
+    window = cfg.pressure_idle_timeout if pressure_window is None else pressure_window
+    return Candidate(
+        kernel_id=kernel_id,
+        resident=resident,
+        busy=busy,
+        pinned=pinned,
+        idle_seconds=idle_seconds,
+        max_utilization=utilization_since(since),
+        pressure_utilization=utilization_since(now - max(window, 1.0)),
+        gpu_bytes={g: b for g, b in gpu_bytes.items() if g >= 0},
+        idle_timeout=idle_timeout,
+        releasable=releasable,
+    )
+
+
 @dataclass(frozen=True)
 class Decision:
     kernel_id: str
@@ -58,7 +107,7 @@ def effective_idle_timeout(kernel: float | None, server: float) -> float:
     return server if kernel is None else kernel
 
 
-def _quiet(c: Candidate, cfg: PolicyConfig, utilization: float | None = None) -> bool:
+def _quiet(c: Candidate, cfg: ReleaseSettings, utilization: float | None = None) -> bool:
     """Eligible at all: resident, not busy, not pinned, GPU quiet, holds enough to matter.
 
     ``utilization``: the SM % to judge quietness by (default: over the idle window)."""
@@ -71,20 +120,20 @@ def _quiet(c: Candidate, cfg: PolicyConfig, utilization: float | None = None) ->
         and not opted_out and c.releasable
 
 
-def eligible(c: Candidate, cfg: PolicyConfig) -> bool:
+def eligible(c: Candidate, cfg: ReleaseSettings) -> bool:
     """May be released for room at all (idle time aside): resident, not busy, not pinned, not
     opted out, quiet on the GPU over the pressure window, holds enough, a method can act on
     it. The one definition of "a person working": the node-wide service uses it too."""
     return _quiet(c, cfg, c.pressure_utilization)
 
 
-def _quiet_under_pressure(c: Candidate, cfg: PolicyConfig) -> bool:
+def _quiet_under_pressure(c: Candidate, cfg: ReleaseSettings) -> bool:
     """Eligible for a pressure release or make-room: quiet over the pressure window (a kernel
     that computed before it and has idled past ``pressure_idle_timeout`` may be taken)."""
     return c.idle_seconds >= cfg.pressure_idle_timeout and eligible(c, cfg)
 
 
-def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:
+def idle_release(c: Candidate, cfg: ReleaseSettings) -> Decision | None:
     timeout = effective_idle_timeout(c.idle_timeout, cfg.idle_timeout)
     automatic_release_on = timeout > 0
     idle_long_enough = c.idle_seconds >= timeout
@@ -94,7 +143,7 @@ def idle_release(c: Candidate, cfg: PolicyConfig) -> Decision | None:
     return None
 
 
-def seconds_until_release(c: Candidate, cfg: PolicyConfig) -> float | None:
+def seconds_until_release(c: Candidate, cfg: ReleaseSettings) -> float | None:
     """When an automatic release will happen if nothing changes (None: never)."""
     timeout = effective_idle_timeout(c.idle_timeout, cfg.idle_timeout)
     if timeout <= 0 or c.pinned or not c.resident or not c.releasable:
@@ -109,7 +158,7 @@ def _longest_idle_first(cands: list[Candidate]) -> list[Candidate]:
 
 
 def pressure_releases(
-    candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: PolicyConfig
+    candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: ReleaseSettings
 ) -> list[Decision]:
     """On each GPU whose free fraction is below ``pressure_free_fraction``, release idle
     kernels (idle >= ``pressure_idle_timeout``) longest-idle first until it is above again."""
@@ -138,7 +187,7 @@ def pressure_releases(
 
 
 def decide(
-    candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: PolicyConfig
+    candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: ReleaseSettings
 ) -> list[Decision]:
     """Everything to release now: idle timeouts first, then memory pressure."""
     out = [d for c in candidates if (d := idle_release(c, cfg)) is not None]
@@ -149,7 +198,7 @@ def decide(
 
 
 def make_room(
-    need: dict[int, int], free: dict[int, int], candidates: list[Candidate], cfg: PolicyConfig,
+    need: dict[int, int], free: dict[int, int], candidates: list[Candidate], cfg: ReleaseSettings,
     exclude: str = "",
 ) -> list[Decision] | None:
     """Kernels to release so ``need`` bytes fit on each GPU; None when it cannot fit.
@@ -187,9 +236,9 @@ class Policy(LoggingConfigurable):
     word on "busy") and carries them out. ``self.settings`` holds the server's thresholds.
     """
 
-    def __init__(self, settings: PolicyConfig | None = None, **kwargs: object) -> None:
+    def __init__(self, settings: ReleaseSettings | None = None, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.settings = settings or PolicyConfig()
+        self.settings: ReleaseSettings = settings or PolicyConfig()
 
     def decide(self, candidates: list[Candidate], free: dict[int, int],
                total: dict[int, int]) -> list[Decision]:

@@ -54,3 +54,25 @@ def lacking(want: dict[int, int], free: dict[int, int | None], margin: int = 0,
         if f is None or f < n * (2 if g in strict else 1) + margin:
             out[g] = n
     return out
+
+
+def move_plan(want: dict[int, int], short: dict[int, int], free: dict[int, int | None],
+              strict: set[int] | frozenset[int] = frozenset()) -> dict[int, int] | None:
+    """Where a restore without room on some of its GPUs could go instead: each GPU of
+    ``short`` -> another GPU with room for its bytes (as :func:`lacking` counts room), the
+    one with the most free memory first. A target is none of ``want``'s GPUs (the kernel
+    keeps those) and takes one GPU's state. None when a GPU of ``short`` has nowhere to go
+    (the state comes back whole or not at all) or a GPU is unknown (``UNKNOWN_GPU``)."""
+    if UNKNOWN_GPU in want or not short:
+        return None
+    taken = set(want)
+    plan: dict[int, int] = {}
+    for g in sorted(short, key=lambda g: -short[g]):  # the largest state picks first
+        fits = [t for t, f in free.items() if t not in taken and f is not None
+                and not lacking({t: short[g]}, free, strict=strict)]
+        if not fits:
+            return None
+        best = max(fits, key=lambda t: (free[t] or 0, -t))
+        plan[g] = best
+        taken.add(best)
+    return plan

@@ -12,6 +12,10 @@ The contract every method keeps (the controller relies on it, and tests check it
   moved, or already running): it reads where the kernel is and finishes the job, so a
   restore is always the way back. It raises :class:`ReclaimError` when it cannot; the state
   is then still held (``retryable`` says whether trying again can help).
+- A restore given ``KernelTarget.gpu_mapping`` brings the state back onto those GPUs instead,
+  or, when the method cannot (:meth:`ReclaimMethod.move_refusal`) or the mapping cannot be
+  honoured, raises :class:`ReclaimError` before anything moved (retryable, the state stays
+  held). A release's undo never moves.
 - Every call a method makes to a driver or an agent is bounded in time: a hung call ends in
   an error with the reason, never in a hung operation.
 
@@ -64,6 +68,10 @@ class KernelTarget:
     #: pid -> GPU -> bytes, where measured per process: makes a partial restore's room exact
     pid_bytes: dict[int, dict[int, int]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # what a method of another package needs
+    #: restore only: node GPU released from -> node GPU to restore onto, naming only the GPUs
+    #: that move (e.g. {0: 1}); empty = back where it was. The method completes it as its
+    #: mechanism needs.
+    gpu_mapping: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -111,6 +119,38 @@ def require_agent(target: KernelTarget, missing: str) -> AgentLink:
     return target.agent
 
 
+def gpu_moves(target: KernelTarget, refusal: str | None) -> dict[int, int]:
+    """The moves ``target.gpu_mapping`` asks for, checked (pairs ``{g: g}`` dropped).
+
+    Raises :class:`ReclaimError` (retryable: the state stays held, nothing moved) when there
+    are moves and ``refusal`` (the method's :meth:`ReclaimMethod.move_refusal`) says why it
+    cannot make them, or when the mapping cannot be honoured: not GPU indices, two GPUs onto
+    one, or onto a GPU that holds this kernel's memory and does not move itself (a process's
+    devices stay distinct GPUs, as CUDA's do)."""
+    mapping = target.gpu_mapping or {}
+    for src, dst in mapping.items():
+        for gpu in (src, dst):
+            if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+                raise ReclaimError(f"cannot restore onto other GPUs: {gpu!r} is not a GPU index")
+    moves = {src: dst for src, dst in mapping.items() if src != dst}
+    if not moves:
+        return {}
+    if refusal is not None:
+        raise ReclaimError(refusal)
+    onto: dict[int, int] = {}
+    for src, dst in sorted(moves.items()):
+        if dst in onto:
+            raise ReclaimError(f"cannot restore GPUs {onto[dst]} and {src} both onto GPU {dst}")
+        onto[dst] = src
+    held = {g for g, b in target.gpu_bytes.items() if b} | {
+        g for per_gpu in target.pid_bytes.values() for g, b in per_gpu.items() if b}
+    for dst, src in sorted(onto.items()):
+        if dst in held and dst not in moves:
+            raise ReclaimError(f"cannot restore GPU {src} onto GPU {dst}: this kernel's memory "
+                               f"on GPU {dst} does not move, and two of its GPUs cannot become one")
+    return moves
+
+
 def reply_int(reply: dict[str, Any], key: str, default: int = 0) -> int:
     """An integer field of an agent's reply; a wrong type is the agent's error, said so."""
     value = reply.get(key, default)
@@ -129,6 +169,9 @@ class MethodContext:
     lock_timeout: float = 10.0
     #: a look at NVML the caller already took (``telemetry.nvml.NVMLProbe``), or None
     probe: Any = None
+    #: node GPU index -> UUID of every GPU the driver sees, read now (blocking), or None
+    #: (unknown: a method that needs UUIDs reads them itself)
+    gpu_uuids: Callable[[], dict[int, str]] | None = None
 
 
 class ReclaimMethod(abc.ABC):
@@ -138,6 +181,10 @@ class ReclaimMethod(abc.ABC):
     ``jupyter_gpushare.release_methods`` entry point of its package (built-ins: one line in
     ``jupyter_gpushare.reclaim.METHODS``); the class attributes below tell the server when it
     applies, and ``c.GPUShareApp.release_method`` takes its ``name``.
+
+    Hooks a method may override: :meth:`create` (take the server's settings) and
+    :meth:`move_refusal` (whether a restore can bring the state back onto other GPUs than it
+    was released from: ``KernelTarget.gpu_mapping``; default: it cannot).
     """
 
     name: str = ""
@@ -155,6 +202,15 @@ class ReclaimMethod(abc.ABC):
         """The instance the server uses. Default: ``cls()``; override to take settings."""
         return cls()
 
+    def move_refusal(self) -> str | None:
+        """None when a restore can honour ``KernelTarget.gpu_mapping`` (restore onto other
+        GPUs), else why not, for a person. Cheap after its first call (callers may ask often).
+
+        A method that returns None completes the mapping as its mechanism needs and refuses
+        one it cannot honour with :class:`ReclaimError` before anything moved (see
+        :func:`gpu_moves`)."""
+        return f"the {self.name} method cannot restore onto another GPU"
+
     @abc.abstractmethod
     def support(self) -> Support:
         """Whether this method can work on this machine (cheap; cached by callers)."""
@@ -165,4 +221,5 @@ class ReclaimMethod(abc.ABC):
 
     @abc.abstractmethod
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
-        """Bring the state back onto the GPU(s) it came from and let the kernel run."""
+        """Bring the state back onto the GPU(s) it came from, or those ``target.gpu_mapping``
+        names, and let the kernel run."""

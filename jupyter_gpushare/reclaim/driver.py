@@ -27,6 +27,10 @@ controller keeps it): the GPU holds nothing of it while released. Optional
 ``target.pid_bytes = {pid: {gpu: bytes}}`` makes the room check per pid exact and the
 progress lines show sizes per pid. The room rule is :mod:`..policy.room`'s, the controller's too
 (``margin_bytes`` is 0 in the server: the controller reserves a context's margin itself).
+
+Restoring onto other GPUs (``KernelTarget.gpu_mapping``, driver 580+): the driver wants a GPU
+UUID pair for every GPU it sees, each onto a distinct one, so the given moves are completed to
+a permutation (:func:`complete_mapping`), and room is checked on the GPUs the memory lands on.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ import asyncio
 import functools
 import importlib
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..policy import room
@@ -49,6 +54,7 @@ from .base import (
     ReclaimMethod,
     ReclaimResult,
     Support,
+    gpu_moves,
     say,
 )
 
@@ -127,6 +133,35 @@ def driver_support(probe_result: Any = None) -> Support:
     return Support(True, f"CUDA checkpoint API available, driver {probe_result.driver_version}{extra}")
 
 
+_HEX32 = re.compile(r"[0-9a-fA-F]{32}")
+
+
+def checkpoint_uuid(text: Any) -> str | None:
+    """A GPU UUID as cuda-core's ``gpu_mapping`` takes it: NVML's without its "GPU-" prefix
+    (32 hex digits, hyphens allowed); None when ``text`` is not one (a MIG UUID, "")."""
+    if not isinstance(text, str):
+        return None
+    bare = text[4:] if text[:4].upper() == "GPU-" else text
+    return bare if _HEX32.fullmatch(bare.replace("-", "")) else None
+
+
+def complete_mapping(moves: dict[int, int], gpus: Iterable[int]) -> dict[int, int]:
+    """``moves`` ({from: to}, distinct targets) completed to a permutation of ``gpus``, as the
+    driver needs it: a GPU not named stays, except one that a moved GPU takes, which goes to
+    where its chain of moves starts ({0: 1} -> {0: 1, 1: 0}; {0: 1, 1: 2} -> ... 2: 0)."""
+    perm = {g: g for g in gpus}
+    perm.update(moves)
+    targets = set(moves.values())
+    for start in moves:
+        if start in targets:
+            continue  # inside a chain or a cycle: closed from its start
+        end = start
+        while end in moves:
+            end = moves[end]
+        perm[end] = start
+    return perm
+
+
 def _explain(e: BaseException) -> str:
     """The driver's message, with a hint where cuda-core's wording misleads."""
     text = str(e) or e.__class__.__name__
@@ -175,6 +210,7 @@ class DriverMethod(ReclaimMethod):
         margin_bytes: int = 0,
         call_timeout: float = 600.0,
         probe: Any = None,
+        gpu_uuids: Callable[[], dict[int, str]] | None = None,
     ) -> None:
         """
         free_bytes: free memory on a GPU index, read now; None = unknown (restore refuses).
@@ -185,6 +221,8 @@ class DriverMethod(ReclaimMethod):
         call_timeout: seconds a checkpoint, restore or unlock call may take before the
             operation gives up on it (a lock gets its own timeout plus 10 s).
         probe: an NVML probe already taken, so ``support()`` does not take another.
+        gpu_uuids: node GPU index -> UUID of every GPU the driver sees (blocking), for a
+            restore onto other GPUs; default: the GPUs of an NVML probe.
         """
         self.free_bytes = free_bytes
         self.lock_timeout_ms = lock_timeout_ms
@@ -193,14 +231,82 @@ class DriverMethod(ReclaimMethod):
         self.margin_bytes = margin_bytes
         self.call_timeout = call_timeout
         self._probe = probe
+        self.gpu_uuids = gpu_uuids
+        self._refusal: list[str | None] = []  # move_refusal's answer, once known
 
     @classmethod
     def create(cls, context: MethodContext) -> DriverMethod:
         return cls(free_bytes=context.free_bytes, lock_timeout_ms=int(context.lock_timeout * 1000),
-                   probe=context.probe)
+                   probe=context.probe, gpu_uuids=context.gpu_uuids)
 
     def support(self) -> Support:
-        return driver_support(self._probe)
+        found = driver_support(self._probe)
+        if found.ok:
+            self.move_refusal()  # read now, so the server's later asks never block on NVML
+        return found
+
+    def _nvml(self) -> Any:
+        """The NVML probe given, else one taken now and kept once it worked (the driver's
+        version and the GPUs' UUIDs do not change while the server runs). Blocking."""
+        if getattr(self._probe, "ok", False):
+            return self._probe
+        from ..telemetry.nvml import probe
+
+        look = probe()
+        if look.ok:
+            self._probe = look
+        return look
+
+    def move_refusal(self) -> str | None:
+        """None from driver 580 on (restore with GPU pairs), else why not. The first call
+        reads NVML unless a probe was given (blocking); the answer is kept."""
+        if not self._refusal:
+            from ..telemetry.nvml import driver_major
+
+            look = self._nvml()
+            major = driver_major(look.driver_version) if look.ok else None
+            if major is None:
+                why = look.reason if not look.ok else "its version is unreadable"
+                self._refusal.append(
+                    f"restoring onto another GPU needs NVIDIA driver {MIN_DRIVER_MIGRATE} or newer, "
+                    f"and the driver's version is not known ({why})")
+            elif major < MIN_DRIVER_MIGRATE:
+                self._refusal.append(
+                    f"driver {look.driver_version} cannot restore onto another GPU (needs "
+                    f"{MIN_DRIVER_MIGRATE} or newer)")
+            else:
+                self._refusal.append(None)
+        return self._refusal[0]
+
+    def _read_uuids(self) -> dict[int, str]:
+        """Node GPU index -> UUID of every GPU the driver sees (blocking)."""
+        if self.gpu_uuids is not None:
+            return dict(self.gpu_uuids())
+        look = self._nvml()
+        if not look.ok:
+            raise ReclaimError(f"NVML is unavailable: {look.reason}")
+        return {g.index: g.uuid for g in look.gpus if not g.mig}
+
+    async def _uuid_mapping(self, moves: dict[int, int]) -> tuple[dict[int, int], dict[str, str]]:
+        """The moves completed to a permutation of every GPU the driver sees, by index and
+        as cuda-core's ``gpu_mapping`` (UUID -> UUID); ReclaimError when it cannot be built."""
+        why = "not restoring onto other GPUs"
+        try:
+            seen = await self._call("reading the GPUs' UUIDs", self._read_uuids, 30)
+        except Exception as e:
+            raise ReclaimError(f"{why}: cannot read the GPUs' UUIDs ({e})") from None
+        uuids: dict[int, str] = {}
+        for gpu, text in sorted(seen.items()):
+            uuid = checkpoint_uuid(text)
+            if uuid is None:  # the driver needs a pair for every GPU: one unknown is fatal
+                raise ReclaimError(f"{why}: the UUID of GPU {gpu} is not known ({text!r})")
+            uuids[gpu] = uuid
+        unknown = sorted({*moves, *moves.values()} - uuids.keys())
+        if unknown:
+            raise ReclaimError(f"{why}: GPU {unknown[0]} is not one the driver sees "
+                               f"(it sees {len(uuids)})")
+        perm = complete_mapping(moves, uuids)
+        return perm, {uuids[a]: uuids[b] for a, b in perm.items()}
 
     # -- helpers ------------------------------------------------------------------------
     def _process(self, pid: int) -> Any:
@@ -353,6 +459,13 @@ class DriverMethod(ReclaimMethod):
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
         t0 = time.perf_counter()
         procs = [(pid, self._process(pid)) for pid in target.pids]
+        moves: dict[int, int] = {}
+        if target.gpu_mapping:
+            try:
+                refusal = await self._call("reading the driver version", self.move_refusal, 30)
+            except _Hung as e:
+                refusal = f"cannot tell whether the driver restores onto another GPU ({e})"
+            moves = gpu_moves(target, refusal)
         states = {pid: await self._state(p) for pid, p in procs}
         failed = [pid for pid, s in states.items() if s == "failed"]
         if failed:
@@ -365,7 +478,18 @@ class DriverMethod(ReclaimMethod):
                                "stays held")
         to_restore = [pid for pid in target.pids if states[pid] not in ("running", "locked")]
         need = self._needed(target, to_restore)
-        why = await self._room(need)
+        perm: dict[int, int] = {}
+        restore_args: dict[str, Any] = {}  # restore() without arguments: back where it was
+        if moves:
+            if not to_restore:
+                raise ReclaimError("not restoring onto other GPUs: no process of this kernel is "
+                                   "checkpointed, so nothing is left to move (restore it without "
+                                   "a mapping)")
+            perm, restore_args["gpu_mapping"] = await self._uuid_mapping(moves)
+        landing: dict[int, int] = {}  # where the memory comes back
+        for gpu, b in need.items():
+            landing[perm.get(gpu, gpu)] = landing.get(perm.get(gpu, gpu), 0) + b
+        why = await self._room(landing)
         if why:
             raise ReclaimError(f"not restoring: {why}; the state stays held in host memory")
 
@@ -373,9 +497,11 @@ class DriverMethod(ReclaimMethod):
             step = "restore"
             try:
                 if pid in to_restore:
-                    gpus = ", ".join(str(g) for g in sorted(self._pid_bytes(target, pid) or need))
+                    gpus = ", ".join(str(g) for g in sorted(
+                        {perm.get(g, g) for g in self._pid_bytes(target, pid) or need}))
                     await say(progress, f"restoring pid {pid}{self._size(target, pid)} to GPU {gpus}")
-                    await self._call(f"restore of pid {pid}", p.restore)
+                    await self._call(f"restore of pid {pid}",
+                                     functools.partial(p.restore, **restore_args))
                 if states[pid] != "running":
                     step = "unlock"
                     await self._call(f"unlock of pid {pid}", p.unlock, 30)

@@ -19,6 +19,7 @@ from .base import (
     ReclaimResult,
     Support,
     agent_failure,
+    gpu_moves,
     reply_int,
     require_agent,
 )
@@ -32,6 +33,10 @@ class FrameworkMethod(ReclaimMethod):
 
     def __init__(self, op_timeout: float = 600.0):
         self.op_timeout = op_timeout
+
+    def move_refusal(self) -> str | None:
+        return ("the framework method cannot restore onto another GPU: the kernel process's "
+                "device list is fixed")
 
     def support(self) -> Support:
         return Support(True, "needs the kernel agent and PyTorch, CuPy or JAX in the kernel")
@@ -60,6 +65,7 @@ class FrameworkMethod(ReclaimMethod):
                              f"{left} objects left on the GPU" if left else "")
 
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
+        gpu_moves(target, self.move_refusal())  # refuses any move, before anything happens
         agent = require_agent(target, "the framework method needs the kernel agent, which is not connected")
         started = time.monotonic()
         try:

@@ -3,6 +3,8 @@ inside the kernel (lock -> checkpoint on release; resume = restore -> unlock on 
 
 ``sim_resume`` brings the kernel's simulated GPU back to running from whatever state it is in
 (locked, checkpointed or running), so it is both the restore and the undo of a failed release.
+A restore with ``KernelTarget.gpu_mapping`` passes it on as ``gpu_mapping`` = [[from, to], ...]
+(JSON keys cannot be integers); the undo never moves.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .base import (
     ReclaimResult,
     Support,
     agent_failure,
+    gpu_moves,
     reply_int,
     require_agent,
     say,
@@ -43,6 +46,9 @@ class SimulatedMethod(ReclaimMethod):
     @classmethod
     def create(cls, context: MethodContext) -> SimulatedMethod:
         return cls(lock_timeout=context.lock_timeout)
+
+    def move_refusal(self) -> str | None:
+        return None
 
     def support(self) -> Support:
         return Support(True, "the simulated GPU node runs the checkpoint state machine in the kernel")
@@ -74,10 +80,12 @@ class SimulatedMethod(ReclaimMethod):
         return ReclaimError(f"{why}; the kernel runs as before", resident=True)
 
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
+        moves = gpu_moves(target, self.move_refusal())
         agent = require_agent(target, "the kernel's agent is not connected (was it started by this server?)")
+        args = {"gpu_mapping": [[src, dst] for src, dst in sorted(moves.items())]} if moves else {}
         started = time.monotonic()
         try:
-            reply = await agent.request("sim_resume", timeout=self.op_timeout)
+            reply = await agent.request("sim_resume", timeout=self.op_timeout, **args)
         except AGENT_ERRORS as e:
             raise ReclaimError(agent_failure(e)) from None
         return ReclaimResult(reply_int(reply, "bytes"), time.monotonic() - started,

@@ -12,7 +12,6 @@ routing), each change with its undo. A failed load leaves the server stock and s
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import os
@@ -22,37 +21,29 @@ from typing import Any
 from jupyter_core.paths import jupyter_runtime_dir
 from jupyter_server.extension.application import ExtensionApp
 from tornado.ioloop import IOLoop
-from traitlets import (
-    Bool,
-    Dict,
-    Enum,
-    Float,
-    Int,
-    List,
-    TraitError,
-    Type,
-    Unicode,
-    default,
-    validate,
-)
+from traitlets import TraitError
 
 from ..core import metrics
 from ..core.ahead import AheadRestores
 from ..core.controller import Controller
-from ..core.hostmem import HostRoom
+from ..core.options import RestoreOptions, TrackingOptions
 from ..core.tracker import Tracker
 from ..events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from ..node import hub_link
 from ..node.node_locks import NodeLocks
+from ..node.options import NodeOptions
 from ..node.placement import Placer
-from ..policy import Policy, PolicyConfig
+from ..policy.options import ReleaseOptions
 from ..reclaim import MethodContext, ReclaimMethod
-from ..telemetry import SIMULATED_GPUS_DEFAULT, SIMULATED_NODE_ENV, Telemetry, TelemetrySettings
+from ..telemetry import Telemetry, TelemetrySettings
 from . import selection, server_hooks
 from .agent_ops import AgentOps, check_reply
 from .channel import AgentServer, socket_path
 from .gate import GATES_KEY, SETTINGS_KEY, Gates
 from .handlers import handlers
+from .options import KernelOptions, SourceOptions
+from .poller import Poller
+from .ports import ServerKernels, ServerNodeRoom
 from .provisioner import LaunchSettings
 from .views import kernel_view, status_view
 
@@ -66,323 +57,22 @@ class ExtensionOff(RuntimeError):
     """The extension did not load and the server runs without it; the message says why."""
 
 
-class GPUShareApp(ExtensionApp):
-    """Reclaims idle kernels' GPU memory without killing them."""
+class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions, RestoreOptions,
+                  NodeOptions, ExtensionApp):
+    """Reclaims idle kernels' GPU memory without killing them.
+
+    Its options are those of the classes it inherits (each owned by the part that reads it);
+    all of them are set here, as ``c.GPUShareApp.NAME``."""
 
     name = "jupyter_gpushare"
     load_other_extensions = True
-
-    backend = Unicode(
-        help="""Where GPU numbers come from: "nvml" (the real GPUs), "simulated" (a simulated
-        node, see simulated_gpus), "auto" (NVML when a GPU answers, else simulated; the log
-        says which and why) or the name of a backend another installed package registers
-        (entry point group jupyter_gpushare.telemetry_backends). Default: the environment
-        variable JUPYTER_GPUSHARE_BACKEND (checked like this option: another value is
-        refused), else "auto".""",
-    ).tag(config=True)
-
-    @default("backend")
-    def _default_backend(self) -> str:
-        try:
-            return selection.backend_from_environment()
-        except selection.SettingError as e:
-            raise TraitError(str(e)) from None
-
-    @validate("backend")
-    def _check_backend(self, proposal: Any) -> str:
-        try:
-            return selection.check_backend(proposal["value"])
-        except selection.SettingError as e:
-            raise TraitError(str(e)) from None
-
-    simulated_gpus = List(
-        Int(),
-        default_value=list(SIMULATED_GPUS_DEFAULT),
-        help="""Memory of each GPU of the simulated node, in bytes, one entry per GPU.
-        Default: two GPUs of 16 GiB. Used only by the simulated backend. An empty list is a
-        node with no GPU.""",
-    ).tag(config=True)
-
-    @validate("simulated_gpus")
-    def _check_sim(self, proposal: Any) -> list[int]:
-        value = proposal["value"]
-        if any(v <= 0 for v in value):
-            raise TraitError("GPUShareApp.simulated_gpus: each GPU's memory must be > 0 bytes")
-        return value
-
-    simulated_node = Unicode(
-        help="""A file that holds the simulated node's state, shared by every Jupyter server on
-        this machine that names the same file (a JupyterHub of several users), so they see the
-        same simulated GPUs as they would see the same real ones. The first server creates it
-        with simulated_gpus; the others use the sizes in it. Default: the environment variable
-        JUPYTER_GPUSHARE_SIMULATED_NODE, else "" = a node private to this server. Used only by
-        the simulated backend.""",
-    ).tag(config=True)
-
-    @default("simulated_node")
-    def _default_simulated_node(self) -> str:
-        return os.environ.get(SIMULATED_NODE_ENV, "")
-
-    poll_interval = Float(
-        2.0,
-        help="""Seconds between two samples of GPU memory and utilization (and policy
-        decisions). Default 2. Must be > 0; below 0.5 s NVML sampling costs noticeable CPU.""",
-    ).tag(config=True)
-
-    idle_timeout = Float(
-        600.0,
-        help="""Seconds a kernel must sit idle (not executing, SM utilization at or below
-        idle_utilization) before its GPU memory is released. Default 600. 0 = never release
-        automatically (REST, the panel and %gpushare release still work). A kernelspec can
-        override it in metadata.gpushare.idle_timeout.""",
-    ).tag(config=True)
-
-    idle_utilization = Float(
-        5.0,
-        help="""SM utilization (percent, 0-100) at or below which a kernel counts as idle, over
-        the idle window. Default 5. 0 = any GPU activity keeps a kernel resident.""",
-    ).tag(config=True)
-
-    min_release_bytes = Int(
-        256 * 1024 * 1024,
-        help="""Kernels holding less GPU memory than this (bytes) are never released
-        automatically: moving them is not worth the pause. Default 256 MiB. 0 = release any
-        kernel that holds GPU memory.""",
-    ).tag(config=True)
-
-    release_method = Unicode(
-        "auto",
-        help="""How GPU memory leaves the GPU: "driver" (CUDA driver checkpoint: any framework,
-        frees the CUDA context too; needs driver >= 570, not under MIG), "framework" (the kernel
-        agent moves PyTorch/CuPy/JAX objects to host; frees all but the CUDA context), "auto"
-        (driver where supported, else framework; "simulated" on the simulated backend), "off"
-        (monitor only, never release), or the name of a method another package registers
-        (entry point group jupyter_gpushare.release_methods). Default "auto".""",
-    ).tag(config=True)
-
-    @validate("release_method")
-    def _check_method(self, proposal: Any) -> str:
-        try:
-            return selection.check_method(proposal["value"])
-        except selection.SettingError as e:
-            raise TraitError(str(e)) from None
-
-    restore_mode = Enum(
-        ["eager", "lazy"],
-        default_value="eager",
-        help="""When a released kernel is restored: "eager" (before any cell runs) or "lazy"
-        (only before cells that may touch the GPU, decided by the agent from the cell's code; a
-        watchdog restores a released kernel busy for longer than restore_grace). Lazy works
-        with the driver and simulated methods only; with the framework method eager is used.
-        Default "eager".""",
-    ).tag(config=True)
-
-    restore_grace = Float(
-        30.0,
-        help="""Lazy mode only: seconds a released kernel may run a cell before the watchdog
-        restores it anyway (its GPU calls would wait otherwise). Default 30. Must be > 0.""",
-    ).tag(config=True)
-
-    pressure_free_fraction = Float(
-        0.1,
-        help="""When a GPU's free memory falls below this fraction (0-1) of its total, idle
-        kernels on it are released after pressure_idle_timeout instead of idle_timeout,
-        longest idle first, until it is above again. Default 0.1. 0 = no pressure releases.""",
-    ).tag(config=True)
-
-    pressure_idle_timeout = Float(
-        120.0,
-        help="""Seconds idle after which a kernel may be released under memory pressure or to
-        make room for another kernel's restore. Default 120. 0 = any idle kernel may be taken
-        at once.""",
-    ).tag(config=True)
-
-    lock_timeout = Float(
-        10.0,
-        help="""Seconds a release waits for the kernel's running GPU work to finish (the driver
-        lock) before giving up and leaving the kernel running. Default 10.""",
-    ).tag(config=True)
-
-    host_memory_reserve = Int(
-        1 << 30,
-        help="""Host memory, in bytes, that a release must leave free, in the kernel's memory
-        cgroup and on the machine. A release moves the kernel's GPU state into host memory
-        inside the kernel's own process, so a state that does not fit would get the kernel
-        OOM-killed: such a release is refused with the reason (API, panel, %gpushare), and
-        automatic releases skip the kernel. Default 1 GiB. 0 = only the limits themselves.""",
-    ).tag(config=True)
-
-    context_bytes = Int(
-        512 * 1024 * 1024,
-        help="""GPU memory, in bytes, that one CUDA context takes. A restore reserves it on
-        top of a kernel's bytes when those came from the kernel's own count (NVML could not
-        see its processes, e.g. in a container), since that count leaves the context out.
-        Placement (see placement) also counts a GPU with less room than this as full, on
-        either backend. Default 512 MiB. 0 = reserve only the counted bytes.""",
-    ).tag(config=True)
-
-    node_lock_dir = Unicode(
-        help="""A directory the Jupyter servers of this machine share, where restores take a
-        lock file per GPU (named by the GPU's UUID), so that restores on different servers take
-        turns on a GPU instead of both filling the same free memory. Used only where no other
-        user can take the locks: the directory (not a symbolic link) must belong to this
-        server's user and be writable by nobody else, or belong to root and be writable by
-        nobody else or sticky; a lock file must be a regular file of this user or root.
-        Created (mode 0700) when missing. Default: gpushare-locks in this user's Jupyter
-        runtime directory, which serializes this user's own servers. For a node with several
-        users' servers, an admin creates a root-owned directory and one root-owned lock file
-        per GPU (see the admin guide) and sets it here. A directory or lock file that does not
-        qualify is refused with a warning in the log, and restores on that GPU then go on
-        without a turn and ask for room for twice their state, read twice 0.5 s apart. The wait
-        for a turn another server holds is shown in the cell and status, and is bounded per
-        GPU: 60 s per holder, after which restores there go on without a turn while it keeps
-        it. "" = restores take turns only within this server. Not used with a private
-        simulated node (no other server sees it).""",
-    ).tag(config=True)
-
-    @default("node_lock_dir")
-    def _default_node_lock_dir(self) -> str:
-        return os.path.join(jupyter_runtime_dir(), "gpushare-locks")  # not at import
-
-    kernel_env = Dict(
-        default_value={"TF_FORCE_GPU_ALLOW_GROWTH": "true", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
-        help="""Environment defaults for kernels the server starts, applied where the user has
-        not set them. Default turns off TensorFlow's and JAX's grab-all-memory at start, so
-        memory held is memory used. {} = none.""",
-    ).tag(config=True)
-
-    history_seconds = Float(
-        1800.0,
-        help="""Seconds of samples kept per GPU and per kernel for the history API and the
-        panel's charts. Default 1800. Memory: about 450 bytes per kernel per poll (a
-        release or restore adds a poll, so under load the samples span less time).""",
-    ).tag(config=True)
-
-    load_agent = Bool(
-        True,
-        help="""Load the gpushare agent (and %gpushare magics) into IPython kernels the server
-        starts, through the gpushare kernel provisioner. Default True. False = track by NVML
-        only: no simulated backend, no framework method, no restore before nbclient cells.""",
-    ).tag(config=True)
-
-    telemetry_class = Type(
-        klass=Telemetry,
-        help="""The Telemetry subclass GPU numbers come from. Default: the class backend names
-        (NVMLTelemetry for "nvml" and "auto", SimulatedTelemetry for "simulated"). Set it to
-        use another source without registering it (it is then used as it is, whatever
-        backend says).""",
-    ).tag(config=True)
-
-    @default("telemetry_class")
-    def _default_telemetry_class(self) -> type[Telemetry]:
-        return selection.telemetry_class(self.backend)
-
-    policy_class = Type(
-        default_value=Policy,
-        klass=Policy,
-        help="""The release rules: a subclass of jupyter_gpushare.policy.Policy whose decide,
-        make_room and seconds_until_release say which kernels to release after each poll and
-        to make room for a restore (quotas, fair share). It may have options of its own
-        (c.MyPolicy.NAME). Default: Policy, the rules docs/how-it-works.md describes.""",
-    ).tag(config=True)
-
-    keep_restore_progress = Bool(
-        False,
-        help="""Keep the restore progress line ("gpushare: restored 1.0 GiB in 0.42 s") in the
-        output of the cell that waited for the restore, so that it is saved with the notebook.
-        Default False: the line shows while the restore runs and is cleared before the cell's
-        code runs (the panel, the status bar and a notification keep the result), so saved
-        notebooks carry no gpushare output. Restores asked with %gpushare restore keep their
-        line either way.""",
-    ).tag(config=True)
-
-    socket_dir = Unicode(
-        "",
-        help="""Directory of the agent channel's Unix socket (gpushare-<pid>.sock, mode 0600).
-        Default "" = Jupyter's runtime directory. Unix sockets cannot be created on some
-        network file systems: point this at a local directory then. A directory where the
-        socket cannot be created keeps the extension from loading (the log says why).""",
-    ).tag(config=True)
-
-    ahead_grace = Float(
-        300.0,
-        help="""Seconds a kernel restored ahead of its person's next cell (the JupyterLab
-        extension asks for that when someone opens or edits a notebook whose kernel is
-        released) stays on the GPU without running a cell before it may be released again,
-        without waiting for idle_timeout. Taken as an automatic release would be: never a
-        pinned kernel, one computing on the GPU, or one whose idle timeout is 0. Default 300.
-        0 = a kernel restored ahead is kept like any other (released again by idle_timeout).""",
-    ).tag(config=True)
-
-    @validate("ahead_grace")
-    def _check_ahead_grace(self, proposal: Any) -> float:
-        if proposal["value"] < 0:
-            raise TraitError(f"GPUShareApp.ahead_grace must be >= 0, got {proposal['value']}")
-        return proposal["value"]
-
-    placement = Enum(
-        ["room", "off"],
-        default_value="room",
-        help="""How a kernel the server starts gets its GPU(s). "room": the gpushare kernel
-        provisioner sets the kernel's CUDA_VISIBLE_DEVICES to the GPU(s) with the most room
-        (free memory read at launch, less the bytes this server's released kernels will take
-        back and its restores have reserved), then the least SM utilization, then the fewest
-        kernels this server placed there; its device 0 is the one with the most room. An
-        existing CUDA_VISIBLE_DEVICES in the kernel's or the server's environment is the set
-        it chooses within. How many GPUs: the kernelspec's metadata.gpushare.gpus, else
-        placement_gpus. A GPU has room when that is at least context_bytes; a kernel placed
-        where no GPU has room starts anyway and its first cell says so (IPython kernels with
-        the agent; the server log for all). "off": the environment decides, as without
-        gpushare (for spawners that pin GPUs). Needs the gpushare provisioner (kernels of
-        another provisioner are not placed); MIG instances are not placed. Default "room".""",
-    ).tag(config=True)
-
-    placement_gpus = Int(
-        1,
-        help="""How many GPUs a kernel gets with placement = "room" when its kernelspec does not
-        say (metadata.gpushare.gpus). Default 1. Capped at the GPUs the kernel may use (a
-        kernelspec asking for more than that is refused at start with the reason). 0 = no
-        GPU: CUDA_VISIBLE_DEVICES="".""",
-    ).tag(config=True)
-
-    @validate("placement_gpus")
-    def _check_placement_gpus(self, proposal: Any) -> int:
-        if proposal["value"] < 0:
-            raise TraitError(f"GPUShareApp.placement_gpus must be >= 0, got {proposal['value']}")
-        return proposal["value"]
-
-    @validate("poll_interval", "restore_grace", "history_seconds", "lock_timeout")
-    def _check_positive(self, proposal: Any) -> float:
-        if proposal["value"] <= 0:
-            raise TraitError(f"GPUShareApp.{proposal['trait'].name} must be > 0, got {proposal['value']}")
-        return proposal["value"]
-
-    @validate("idle_timeout", "pressure_idle_timeout", "min_release_bytes", "host_memory_reserve",
-              "context_bytes")
-    def _check_non_negative(self, proposal: Any) -> Any:
-        if proposal["value"] < 0:
-            raise TraitError(f"GPUShareApp.{proposal['trait'].name} must be >= 0, got {proposal['value']}")
-        return proposal["value"]
-
-    @validate("idle_utilization")
-    def _check_percent(self, proposal: Any) -> float:
-        if not 0 <= proposal["value"] <= 100:
-            raise TraitError(f"GPUShareApp.idle_utilization is a percentage (0-100), got {proposal['value']}")
-        return proposal["value"]
-
-    @validate("pressure_free_fraction")
-    def _check_fraction(self, proposal: Any) -> float:
-        if not 0 <= proposal["value"] < 1:
-            raise TraitError(f"GPUShareApp.pressure_free_fraction must be in [0, 1), got {proposal['value']}")
-        return proposal["value"]
-
 
     # -- state (class defaults hold before, during and after a failed load) -----------------
     #: new -> loaded -> starting -> running -> stopped; "off" after a failed load
     _phase = "new"
     _refusal = ""  # why the configuration was refused when the extension was linked
     _teardown: ExitStack | None = None  # closes what was built, undoes what was changed
-    _poll_task: asyncio.Task[None] | None = None
+    poller: Poller | None = None
     telemetry: Telemetry | None = None
     backend_name = ""
     backend_reason = ""
@@ -449,19 +139,17 @@ class GPUShareApp(ExtensionApp):
     def _build(self, teardown: ExitStack) -> None:
         """Everything that can fail, each piece closed by ``teardown``."""
         self.hub_link: hub_link.HubLink | None = None
-        self._started = asyncio.Event()
-        self._poll_lock = asyncio.Lock()
-        self._next_poll: asyncio.Future[None] | None = None
+        self.poller = Poller(self._poll_step, self.poll_interval)
         self._open_telemetry(teardown)
         assert self.telemetry is not None
         self._choose_method()
         self.tracker = Tracker(
             self.server.kernel_manager, self.telemetry, self.history_seconds, self.poll_interval,
             session_manager=self.server.session_manager,
-            agent_reports=lambda kid: self.agent_ops.report_of(kid),
+            agent_reports=lambda kid: self.agent_ops.report_of(kid), settings=self,
         )
         teardown.callback(self.tracker.close)
-        self.tracker.idle_utilization = self.idle_utilization
+        self.node_room = ServerNodeRoom(self.tracker, self.telemetry, self.poller.refresh)
         self.controller = self._make_controller()
         self.agent_ops = AgentOps(
             self.controller, self.tracker, self.telemetry, poll=self.poll_once,
@@ -501,7 +189,12 @@ class GPUShareApp(ExtensionApp):
         self.log.info("gpushare: telemetry backend %s (%s)", self.backend_name, self.backend_reason)
 
     def _choose_method(self) -> None:
-        context = MethodContext(free_bytes=self._free_bytes, lock_timeout=self.lock_timeout)
+        context = MethodContext(
+            free_bytes=self._source.free_bytes, lock_timeout=self.lock_timeout,
+            # the last poll's GPUs: read without a hardware call (a restore asks on the loop)
+            gpu_uuids=lambda: {rec.info.index: rec.info.uuid for rec in self.tracker.gpus.values()
+                               if not rec.info.mig},
+        )
         assert self.telemetry is not None
         choice = selection.choose_method(self.release_method, self.backend_name, context,
                                          simulated=self.telemetry.simulated)
@@ -519,31 +212,17 @@ class GPUShareApp(ExtensionApp):
             self.log.warning("gpushare: restore_mode = lazy needs a method that supports it "
                              "(%s does not); using eager", method.name)
             restore_mode = "eager"
-        config = PolicyConfig(
-            idle_timeout=self.idle_timeout,
-            idle_utilization=self.idle_utilization,
-            min_release_bytes=self.min_release_bytes,
-            pressure_free_fraction=self.pressure_free_fraction,
-            pressure_idle_timeout=self.pressure_idle_timeout,
-        )
+        kernels = ServerKernels(self.server.kernel_manager, method,
+                                connections=lambda: self.channel.connections)
         return Controller(
-            self.tracker,
-            self.methods,
-            choose_method=self._method_for,
-            config=config,
-            rules=self.policy_class(config, parent=self),
-            read_free=self._read_free,
-            total_bytes=self._total_bytes,
-            agent=lambda kid: self.channel.connections.get(kid),
+            self.tracker, self.methods, config=self, node_room=self.node_room, kernels=kernels,
             emit=self._emit,
+            rules=self.policy_class(self, parent=self),
             restore_mode=restore_mode,
             restore_grace=self.restore_grace,
-            kernel_overrides=self._kernelspec_overrides,
-            refresh=self.refresh,
-            host_room=self._host_room,
+            move_after=self.restore_move_after,
             host_memory_reserve=self.host_memory_reserve,
             context_bytes=self._source.context_bytes(self.context_bytes),
-            live_state=self._live_state,
             clear_progress=not self.keep_restore_progress,
             node_locks=self._node_locks(),
         )
@@ -610,7 +289,8 @@ class GPUShareApp(ExtensionApp):
         if self._phase != "starting":  # stopped while the channel started: stop it too
             await self.channel.stop()
             return
-        self._poll_task = asyncio.ensure_future(self._poll_loop())
+        assert self.poller is not None
+        self.poller.start()
         self._phase = "running"
         if self.hub_link is not None:
             self.hub_link.start(self.server.event_logger)
@@ -621,42 +301,28 @@ class GPUShareApp(ExtensionApp):
     async def ready(self) -> None:
         """Wait until the channel listens and the first poll is done (handlers call this)."""
         await self._start()
-        if self._phase in ("starting", "running"):
-            await self._started.wait()
-
-    async def _poll_loop(self) -> None:
-        while self._phase == "running":
-            try:
-                await self.poll_once()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # one bad poll must not stop tracking
-                self.log.exception("gpushare: poll failed")
-            self._started.set()  # after the first poll: status never answers with no GPUs yet
-            await asyncio.sleep(self.poll_interval)
+        if self._phase in ("starting", "running") and self.poller is not None:
+            await self.poller.started.wait()
 
     async def refresh(self) -> None:
-        """A poll that starts after this call: what status shows after an operation is of one
-        moment. Operations that end while no such poll has started yet share one (under load
-        a poll per operation was most of a release's latency)."""
-        pending = self._next_poll
-        if pending is None or pending.done():
-            pending = self._next_poll = asyncio.ensure_future(self.poll_once())
-        await asyncio.shield(pending)
+        """A poll that starts after this call (see :meth:`.Poller.refresh`)."""
+        assert self.poller is not None
+        await self.poller.refresh()
 
     async def poll_once(self) -> None:
         """One sample and one policy pass; polls never overlap (the loop, an agent's release)."""
-        async with self._poll_lock:
-            if self._next_poll is not None and self._next_poll is asyncio.current_task():
-                self._next_poll = None  # started: later callers need a poll after this one
-            await self.channel.heal()  # its socket file removed: listen again
-            if self.tracker.foreign_pids:
-                await self.agent_ops.refresh_reports()
-            await self.tracker.poll()
-            metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
-            await self.controller.tick()
-            self.ahead.tick()
-            metrics.export_sample(self.tracker.gpus.values(), self.tracker.kernels)
+        assert self.poller is not None
+        await self.poller.poll_once()
+
+    async def _poll_step(self) -> None:
+        await self.channel.heal()  # its socket file removed: listen again
+        if self.tracker.foreign_pids:
+            await self.agent_ops.refresh_reports()
+        await self.tracker.poll()
+        metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
+        await self.controller.tick()
+        self.ahead.tick()
+        metrics.export_sample(self.tracker.gpus.values(), self.tracker.kernels)
 
     async def stop_extension(self) -> None:
         """Restore held kernels that have room, stop polling and listening, put back every
@@ -665,7 +331,8 @@ class GPUShareApp(ExtensionApp):
         if phase in ("new", "off", "stopped"):
             return
         try:
-            await self._stop_polling()
+            if self.poller is not None:
+                await self.poller.stop()
             if self.hub_link is not None:
                 await self.hub_link.stop()
             await self.controller.shutdown()
@@ -676,18 +343,8 @@ class GPUShareApp(ExtensionApp):
                 await self.channel.stop()
             self._unload()
             metrics.clear()
-            self._started.set()  # nobody waits for a first poll that will not come
-
-    async def _stop_polling(self) -> None:
-        """Cancel the poll loop and wait until it has ended. A cancel can be lost (Python
-        3.11's wait_for returns a result that arrived with it), so cancel until it ends; the
-        loop also ends by itself once the phase is no longer "running"."""
-        task, self._poll_task = self._poll_task, None
-        while task is not None and not task.done():
-            task.cancel()
-            await asyncio.wait({task}, timeout=1)
-        if task is not None and not task.cancelled() and task.exception() is not None:
-            self.log.error("gpushare: the poll loop ended with %r", task.exception())
+            if self.poller is not None:
+                self.poller.stop_now()  # nobody waits for a first poll that will not come
 
     def _abandon(self, why: str) -> None:
         """Stop at once, without the event loop (its server was left for a new one in this
@@ -700,63 +357,13 @@ class GPUShareApp(ExtensionApp):
             self.log.error("gpushare: kernels %s of the earlier server stay released: their "
                            "state is held in host memory until they exit", ", ".join(held))
         self._phase = "stopped"
-        if self._poll_task is not None:
-            self._poll_task.cancel()
-            self._poll_task = None
+        if self.poller is not None:
+            self.poller.stop_now()
         if self.hub_link is not None:
             self.hub_link.stop_now()
         self.controller.stop_now()
         self.channel.close_now()
         self._unload()
-        self._started.set()
-
-    # -- what the parts read from the server and the hardware ----------------------------------
-    def _free_bytes(self, gpu: int) -> int | None:
-        """Free memory of one GPU read now (blocking: call it off the event loop)."""
-        return self.telemetry.free_bytes(gpu) if self.telemetry is not None else None
-
-    async def _read_free(self, gpus: list[int]) -> dict[int, int | None]:
-        """Free memory of ``gpus`` read now, on the sampling thread; None where unknown."""
-        try:
-            return await self.tracker.off_loop(lambda: {g: self._free_bytes(g) for g in gpus}, 10)
-        except asyncio.TimeoutError:
-            self.log.warning("gpushare: reading free GPU memory took longer than 10 s")
-            return {g: None for g in gpus}
-
-    async def _host_room(self, pid: int | None) -> HostRoom:
-        return await self.tracker.off_loop(lambda: self.tracker.hostmem.room(pid), 10)
-
-    def _method_for(self, kernel_id: str) -> str | None:
-        method = self.methods.get(self.method_name)
-        if method is None:
-            return None
-        if method.needs_agent and kernel_id not in self.channel.connections:
-            return None
-        return method.name
-
-    def _live_state(self, kernel_id: str) -> str:
-        try:
-            return getattr(self.server.kernel_manager.get_kernel(kernel_id), "execution_state", "unknown")
-        except KeyError:
-            return "unknown"
-
-    def _total_bytes(self) -> dict[int, int]:
-        known = self._source.total_bytes()
-        if known is not None:
-            return known
-        return {g.info.index: g.info.memory_total for g in self.tracker.gpus.values()
-                if g.info.memory_total}
-
-    def _kernelspec_overrides(self, kernel_id: str) -> dict[str, Any]:
-        try:
-            spec = self.server.kernel_manager.get_kernel(kernel_id).kernel_spec
-            meta = (getattr(spec, "metadata", None) or {}).get("gpushare") or {}
-        except Exception:  # no spec (remote kernels): no overrides
-            return {}
-        out: dict[str, Any] = {}
-        if isinstance(meta.get("idle_timeout"), (int, float)) and meta["idle_timeout"] >= 0:
-            out["idle_timeout"] = float(meta["idle_timeout"])
-        return out
 
     def _emit(self, data: dict[str, Any]) -> None:
         self.server.event_logger.emit(schema_id=KERNEL_SCHEMA_ID, data=data)

@@ -35,11 +35,12 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "idle_seconds": round(rec.idle_seconds(now), 1) if rec else None,
         "release_in_seconds": _round(controller.release_in(kernel_id)),
         "idle_timeout": controller.idle_timeout(st),
-        "method": st.method or controller.choose_method(kernel_id),
+        "method": st.method or controller.method_for(kernel_id),
         "releases": st.releases,
         "restores": st.restores,
         "last_restore_seconds": _round(st.last_restore_seconds, 3),
         "last_release_seconds": _round(st.last_release_seconds, 3),
+        "restored_onto": st.restored_onto,
         "error": st.error,
         "waiting": ahead.view_waiting(
             st, f"{st.waiting}; {st.waiting_note}" if st.waiting and st.waiting_note else st.waiting),

@@ -10,6 +10,10 @@ emulated CUDA checkpoint state machine, with the driver's rules:
   step that cannot fail moves the accounting and the state. A failure in the copy leaves
   every array, and the node's accounting, exactly as before the call.
 
+A restore may bring the state back onto other GPUs (``resume(gpu_mapping={from: to})``, as the
+driver's restore with GPU pairs does): the blocks of GPU ``from`` come back on GPU ``to``, and
+the process's device numbering follows, so its device that was ``from`` is ``to`` from then on.
+
 For tests and demos the state machine takes injected faults and stalls
 (:meth:`SimDevice.inject_fault`, :meth:`SimDevice.stall`), and :meth:`SimDevice.resume`
 brings the device back to running from any state.
@@ -31,7 +35,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -168,18 +172,22 @@ class SimDevice:
         self._users: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._faults: dict[str, _Fault] = {}
         self._stalls: dict[str, Stall] = {}
+        #: node GPU a process device started on -> node GPU it is on now, after restores onto
+        #: other GPUs (as CUDA's numbering follows a restore with a GPU mapping)
+        self.remap: dict[int, int] = {}
 
     # -- the process's device numbering ------------------------------------------
     def visible(self) -> list[int]:
         """The node's indices of the GPUs this process sees, in its own order."""
         count = self.backend.device_count()
         seen = visible_gpus(self.visible_env, count)
-        return list(range(count)) if seen is None else seen
+        return [self.remap.get(g, g) for g in (range(count) if seen is None else seen)]
 
     def physical(self, gpu: int) -> int:
         """The node's index of this process's device ``gpu``."""
         if self.visible_env is None:
-            return gpu  # every GPU, numbered as the node numbers them (the node checks it)
+            # every GPU, numbered as the node numbers them (the node checks it)
+            return self.remap.get(gpu, gpu) if isinstance(gpu, int) else gpu
         seen = self.visible()
         if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < len(seen):
             raise SimInvalidDeviceError(
@@ -444,19 +452,40 @@ class SimDevice:
             self._free_quietly(int(key), nbytes)
         return _summary(arrays, moved)
 
-    def restore(self) -> dict[str, Any]:
+    def restore(self, gpu_mapping: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Allocate everything again, copy the bytes back, then account them on the device.
 
+        ``gpu_mapping`` ({from: to}, node GPUs): the blocks of GPU ``from`` come back on GPU
+        ``to``, and the process's device that was ``from`` is ``to`` from then on.
         All or nothing: if the allocation or a copy fails, what was allocated is freed and the
         process stays checkpointed, every array in host memory, accounted exactly as before."""
         with self._step_lock:
-            return self._restore()
+            return self._restore(gpu_mapping)
 
-    def _restore(self) -> dict[str, Any]:
+    def _check_mapping(self, gpu_mapping: Mapping[int, int] | None) -> dict[int, int]:
+        """``gpu_mapping`` as {from: to} without pairs that stay; ValueError when it names a
+        GPU that is not the node's or names one twice on either side."""
+        if gpu_mapping is None:
+            return {}
+        count = self.backend.device_count()
+        targets: set[int] = set()
+        for src, dst in gpu_mapping.items():
+            for gpu in (src, dst):
+                if isinstance(gpu, bool) or not isinstance(gpu, int) or not 0 <= gpu < count:
+                    raise ValueError(f"gpu_mapping: {gpu!r} is not a GPU of this node "
+                                     f"(it has {count} simulated GPUs)")
+            if dst in targets:
+                raise ValueError(f"gpu_mapping: GPU {dst} is named twice as a target")
+            targets.add(dst)
+        return {src: dst for src, dst in gpu_mapping.items() if src != dst}
+
+    def _restore(self, gpu_mapping: Mapping[int, int] | None = None) -> dict[str, Any]:
         self._expect("restore", CHECKPOINTED)
+        moves = self._check_mapping(gpu_mapping)
         with self._cond:
             arrays = [(a, b) for a, b in list(self._blocks.items()) if not b.on_device]
-        needed = _per_gpu(b for _, b in arrays)
+        onto = [moves.get(b.gpu, b.gpu) for _, b in arrays]  # where each block comes back
+        needed = _per_gpu(_Block(gpu, b.nbytes) for gpu, (_, b) in zip(onto, arrays, strict=True))
         allocated: list[tuple[int, int]] = []
         try:
             for key, nbytes in needed.items():  # per GPU: one request each, freed on failure
@@ -468,8 +497,14 @@ class SimDevice:
                 self._free_quietly(gpu, nbytes)
             raise
         with self._cond:  # commit
-            for _, block in arrays:
+            for gpu, (_, block) in zip(onto, arrays, strict=True):
                 block.on_device = True
+                block.gpu = gpu
+            if moves:  # the process's devices follow their memory
+                count = self.backend.device_count()
+                seen = visible_gpus(self.visible_env, count)
+                now = {g: self.remap.get(g, g) for g in (range(count) if seen is None else seen)}
+                self.remap = {g: moves.get(at, at) for g, at in now.items() if moves.get(at, at) != g}
             self.state = LOCKED
         return _summary(arrays, needed)
 
@@ -509,20 +544,26 @@ class SimDevice:
             self.state = RUNNING
             self._cond.notify_all()
 
-    def resume(self) -> dict[str, Any]:
+    def resume(self, gpu_mapping: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Bring the device back to running from whatever state it is in: locked -> unlock,
         checkpointed -> restore then unlock, running -> nothing.
 
         For a server that lost track (a lock that ran after its timeout, an interrupted
         operation). Returns what was moved back and the state it started from; raises like
-        the steps it runs (no room to restore: still checkpointed; ``failed``: stays)."""
+        the steps it runs (no room to restore: still checkpointed; ``failed``: stays).
+        ``gpu_mapping``: restore onto other GPUs (see :meth:`restore`); only from
+        checkpointed, else :class:`SimCheckpointError` and nothing changes (the memory never
+        left, so it cannot come back elsewhere)."""
         with self._step_lock:
             start = self.state
             moved: dict[str, Any] = {"bytes": 0, "arrays": 0, "gpus": {}}
             if start == FAILED:
                 raise SimCheckpointError("cannot resume: process is failed; restart the kernel")
+            if self._check_mapping(gpu_mapping) and start != CHECKPOINTED:
+                raise SimCheckpointError(f"cannot restore onto other GPUs: process is {start}, "
+                                         f"not {CHECKPOINTED}")
             if start == CHECKPOINTED:
-                moved = self._restore()
+                moved = self._restore(gpu_mapping)
             if self.state == LOCKED:
                 self._unlock()
             return {"from": start, **moved}

@@ -198,27 +198,29 @@ class GPUShare(Policy):
         return self.server_kernels(sim, k)
 
     def candidate(self, sim: Simulation, k: Kernel) -> product.Candidate:
-        """As Controller.candidate builds it; utilization is that of the kernel's last GPU
-        cell when the cell ran inside the window (cells keep their SM % while they run)."""
+        """Built as the controller builds it (``policy.observed``); utilization is that of the
+        kernel's last GPU cell when the cell ran inside a window (cells keep their SM % while
+        they run). No per-kernel overrides or pins in these workloads."""
         now = sim.now
-        window = self.config.idle_timeout  # no per-kernel overrides in these workloads
-        since = now - max(window, 1.0)
-        # the GPU use leaves the window once it is a full window old: the check on_idle
+
+        # the GPU use leaves a window once it is a full window old: the check on_idle
         # schedules at that moment then sees the kernel quiet
-        utilization = k.last_gpu_utilization if k.last_gpu_end > since else 0.0
-        if k.busy:
-            utilization = max(utilization, k.running_utilization)
+        def utilization_since(since: float) -> float:
+            used = k.last_gpu_utilization if k.last_gpu_end > since else 0.0
+            return max(used, k.running_utilization) if k.busy else used
+
         resident = k.state == RESIDENT
-        return product.Candidate(
-            kernel_id=k.id,
+        return product.observed(
+            k.id, self.config, now,
             resident=resident,
             busy=k.busy,
             pinned=False,
             idle_seconds=0.0 if k.busy else max(0.0, now - k.last_activity),
-            max_utilization=utilization,
+            utilization_since=utilization_since,
             gpu_bytes={g: k.nbytes for g in k.gpus} if resident else {},
-            idle_timeout=None,
-            releasable=True,
+            # quietness for room-making judged over the idle window, as the model always has
+            # (its figures and calibration rest on it)
+            pressure_window=self.config.idle_timeout,
         )
 
     def next_poll(self, user: int, t: float) -> float:

@@ -186,6 +186,12 @@ export interface IKernel {
   /** jupyter_server's execution_state (idle, busy, starting, ...; unknown). */
   execution_state: string;
   /**
+   * Where the last restore put the GPU state when it moved it onto other GPUs
+   * (c.GPUShareApp.restore_move_after), for example "onto GPU 1: GPU 0 had no room"; null when it
+   * came back where it was.
+   */
+  restored_onto: string | null;
+  /**
    * What the release method said about the release that holds the state now (for example "3 objects
    * left on the GPU": tensors it could not move); null when nothing is held or it said nothing.
    */

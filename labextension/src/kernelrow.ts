@@ -139,6 +139,9 @@ export class KernelRow {
     if (k.last_restore_seconds !== null && k.last_restore_seconds !== undefined) {
       parts.push(`last restore ${formatDuration(k.last_restore_seconds)}`);
     }
+    if (k.restored_onto && (state === 'active' || state === 'idle')) {
+      parts.push(`restored ${k.restored_onto}`); // "onto GPU 1: GPU 0 had no room"
+    }
     if (k.waiting) {
       // a restore ahead says what it does ("restoring ahead of your next cell")
       parts.push(isAheadText(k.waiting) ? k.waiting : `waiting: ${k.waiting}`);

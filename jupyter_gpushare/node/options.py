@@ -1,0 +1,69 @@
+"""The node-level options of the server (``c.GPUShareApp.NAME``): where kernels are placed
+and where restores of the machine's servers take turns."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jupyter_core.paths import jupyter_runtime_dir
+from traitlets import Enum, Int, Unicode, default, validate
+from traitlets.config import Configurable
+
+from ..policy.options import non_negative
+
+
+class NodeOptions(Configurable):
+    """Placement of kernels on GPUs, and turns across the servers of one machine."""
+
+    node_lock_dir = Unicode(
+        help="""A directory the Jupyter servers of this machine share, where restores take a
+        lock file per GPU (named by the GPU's UUID), so that restores on different servers take
+        turns on a GPU instead of both filling the same free memory. Used only where no other
+        user can take the locks: the directory (not a symbolic link) must belong to this
+        server's user and be writable by nobody else, or belong to root and be writable by
+        nobody else or sticky; a lock file must be a regular file of this user or root.
+        Created (mode 0700) when missing. Default: gpushare-locks in this user's Jupyter
+        runtime directory, which serializes this user's own servers. For a node with several
+        users' servers, an admin creates a root-owned directory and one root-owned lock file
+        per GPU (see the admin guide) and sets it here. A directory or lock file that does not
+        qualify is refused with a warning in the log, and restores on that GPU then go on
+        without a turn and ask for room for twice their state, read twice 0.5 s apart. The wait
+        for a turn another server holds is shown in the cell and status, and is bounded per
+        GPU: 60 s per holder, after which restores there go on without a turn while it keeps
+        it. "" = restores take turns only within this server. Not used with a private
+        simulated node (no other server sees it).""",
+    ).tag(config=True)
+
+    @default("node_lock_dir")
+    def _default_node_lock_dir(self) -> str:
+        return os.path.join(jupyter_runtime_dir(), "gpushare-locks")  # not at import
+
+    placement = Enum(
+        ["room", "off"],
+        default_value="room",
+        help="""How a kernel the server starts gets its GPU(s). "room": the gpushare kernel
+        provisioner sets the kernel's CUDA_VISIBLE_DEVICES to the GPU(s) with the most room
+        (free memory read at launch, less the bytes this server's released kernels will take
+        back and its restores have reserved), then the least SM utilization, then the fewest
+        kernels this server placed there; its device 0 is the one with the most room. An
+        existing CUDA_VISIBLE_DEVICES in the kernel's or the server's environment is the set
+        it chooses within. How many GPUs: the kernelspec's metadata.gpushare.gpus, else
+        placement_gpus. A GPU has room when that is at least context_bytes; a kernel placed
+        where no GPU has room starts anyway and its first cell says so (IPython kernels with
+        the agent; the server log for all). "off": the environment decides, as without
+        gpushare (for spawners that pin GPUs). Needs the gpushare provisioner (kernels of
+        another provisioner are not placed); MIG instances are not placed. Default "room".""",
+    ).tag(config=True)
+
+    placement_gpus = Int(
+        1,
+        help="""How many GPUs a kernel gets with placement = "room" when its kernelspec does not
+        say (metadata.gpushare.gpus). Default 1. Capped at the GPUs the kernel may use (a
+        kernelspec asking for more than that is refused at start with the reason). 0 = no
+        GPU: CUDA_VISIBLE_DEVICES="".""",
+    ).tag(config=True)
+
+    @validate("placement_gpus")
+    def _check_node_placement_gpus(self, proposal: Any) -> int:
+        return int(non_negative(self, proposal))

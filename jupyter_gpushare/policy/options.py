@@ -1,0 +1,98 @@
+"""The release settings, as the server's options (``c.GPUShareApp.NAME``).
+
+:class:`ReleaseOptions` owns them; the server's app is one (it inherits the class), and the
+rules read them through :class:`~jupyter_gpushare.policy.ReleaseSettings`, so no copy of
+them is made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from traitlets import Float, Int, TraitError, Type, validate
+from traitlets.config import Configurable
+
+from . import Policy
+
+
+class ReleaseOptions(Configurable):
+    """When an idle kernel's GPU memory is released, and by which rules."""
+
+    idle_timeout = Float(
+        600.0,
+        help="""Seconds a kernel must sit idle (not executing, SM utilization at or below
+        idle_utilization) before its GPU memory is released. Default 600. 0 = never release
+        automatically (REST, the panel and %gpushare release still work). A kernelspec can
+        override it in metadata.gpushare.idle_timeout.""",
+    ).tag(config=True)
+
+    idle_utilization = Float(
+        5.0,
+        help="""SM utilization (percent, 0-100) at or below which a kernel counts as idle, over
+        the idle window. Default 5. 0 = any GPU activity keeps a kernel resident.""",
+    ).tag(config=True)
+
+    min_release_bytes = Int(
+        256 * 1024 * 1024,
+        help="""Kernels holding less GPU memory than this (bytes) are never released
+        automatically: moving them is not worth the pause. Default 256 MiB. 0 = release any
+        kernel that holds GPU memory.""",
+    ).tag(config=True)
+
+    pressure_free_fraction = Float(
+        0.1,
+        help="""When a GPU's free memory falls below this fraction (0-1) of its total, idle
+        kernels on it are released after pressure_idle_timeout instead of idle_timeout,
+        longest idle first, until it is above again. Default 0.1. 0 = no pressure releases.""",
+    ).tag(config=True)
+
+    pressure_idle_timeout = Float(
+        120.0,
+        help="""Seconds idle after which a kernel may be released under memory pressure or to
+        make room for another kernel's restore. Default 120. 0 = any idle kernel may be taken
+        at once.""",
+    ).tag(config=True)
+
+    policy_class = Type(
+        default_value=Policy,
+        klass=Policy,
+        help="""The release rules: a subclass of jupyter_gpushare.policy.Policy whose decide,
+        make_room and seconds_until_release say which kernels to release after each poll and
+        to make room for a restore (quotas, fair share). It may have options of its own
+        (c.MyPolicy.NAME). Default: Policy, the rules docs/how-it-works.md describes.""",
+    ).tag(config=True)
+
+    @validate("idle_timeout", "pressure_idle_timeout", "min_release_bytes")
+    def _check_release_non_negative(self, proposal: Any) -> Any:
+        return non_negative(self, proposal)
+
+    @validate("idle_utilization")
+    def _check_release_percent(self, proposal: Any) -> float:
+        if not 0 <= proposal["value"] <= 100:
+            raise TraitError(f"{type(self).__name__}.idle_utilization is a percentage (0-100), "
+                             f"got {proposal['value']}")
+        return proposal["value"]
+
+    @validate("pressure_free_fraction")
+    def _check_release_fraction(self, proposal: Any) -> float:
+        if not 0 <= proposal["value"] < 1:
+            raise TraitError(f"{type(self).__name__}.pressure_free_fraction must be in [0, 1), "
+                             f"got {proposal['value']}")
+        return proposal["value"]
+
+
+# the checks the options classes share (this is the lowest room that has options)
+def non_negative(owner: Configurable, proposal: Any) -> Any:
+    """A validator's body: the proposed value is >= 0."""
+    if proposal["value"] < 0:
+        raise TraitError(f"{type(owner).__name__}.{proposal['trait'].name} must be >= 0, "
+                         f"got {proposal['value']}")
+    return proposal["value"]
+
+
+def positive(owner: Configurable, proposal: Any) -> float:
+    """A validator's body: the proposed value is > 0."""
+    if proposal["value"] <= 0:
+        raise TraitError(f"{type(owner).__name__}.{proposal['trait'].name} must be > 0, "
+                         f"got {proposal['value']}")
+    return float(proposal["value"])

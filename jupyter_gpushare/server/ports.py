@@ -1,0 +1,90 @@
+"""The controller's ports (:mod:`..core.ports`) as the server supplies them: the node read
+through the telemetry source and the tracker, the kernels through jupyter_server's kernel
+manager and the agent channel."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from ..core.hostmem import HostRoom
+from ..core.tracker import Tracker
+from ..reclaim import ReclaimMethod
+from ..telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT = 10.0  # s a read on the sampling thread may take before it counts as unknown
+
+
+class ServerNodeRoom:
+    """GPU and host memory of this server's node (a :class:`..core.ports.NodeRoom`)."""
+
+    def __init__(self, tracker: Tracker, source: Telemetry,
+                 refresh: Callable[[], Awaitable[None]]) -> None:
+        self.tracker = tracker
+        self.source = source
+        self._refresh = refresh
+
+    async def read_free(self, gpus: list[int]) -> dict[int, int | None]:
+        try:
+            return await self.tracker.off_loop(
+                lambda: {g: self.source.free_bytes(g) for g in gpus}, READ_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("gpushare: reading free GPU memory took longer than %g s", READ_TIMEOUT)
+            return {g: None for g in gpus}
+
+    def total_bytes(self) -> dict[int, int]:
+        known = self.source.total_bytes()
+        if known is not None:
+            return known
+        return {g.info.index: g.info.memory_total for g in self.tracker.gpus.values()
+                if g.info.memory_total}
+
+    async def host_room(self, pid: int | None) -> HostRoom | None:
+        return await self.tracker.off_loop(lambda: self.tracker.hostmem.room(pid), READ_TIMEOUT)
+
+    async def refresh(self) -> None:
+        await self._refresh()
+
+
+class ServerKernels:
+    """What the server knows of its kernels (a :class:`..core.ports.KernelFacts`)."""
+
+    def __init__(self, kernel_manager: Any, method: ReclaimMethod | None,
+                 connections: Callable[[], dict[str, Any]]) -> None:
+        """method: the release method in use (None: off); connections(): the agents connected
+        now, by kernel id (the channel is built after the controller)."""
+        self.kernel_manager = kernel_manager
+        self.method = method
+        self.connections = connections
+
+    def live_state(self, kernel_id: str) -> str:
+        try:
+            kernel = self.kernel_manager.get_kernel(kernel_id)
+        except KeyError:
+            return "unknown"
+        return getattr(kernel, "execution_state", "unknown")
+
+    def overrides(self, kernel_id: str) -> dict[str, Any]:
+        try:
+            spec = self.kernel_manager.get_kernel(kernel_id).kernel_spec
+            meta = (getattr(spec, "metadata", None) or {}).get("gpushare") or {}
+        except Exception:  # no spec (remote kernels): no overrides
+            return {}
+        out: dict[str, Any] = {}
+        if isinstance(meta.get("idle_timeout"), (int, float)) and meta["idle_timeout"] >= 0:
+            out["idle_timeout"] = float(meta["idle_timeout"])
+        return out
+
+    def method_for(self, kernel_id: str) -> str | None:
+        if self.method is None:
+            return None
+        if self.method.needs_agent and kernel_id not in self.connections():
+            return None
+        return self.method.name
+
+    def agent(self, kernel_id: str) -> Any:
+        return self.connections().get(kernel_id)
