@@ -58,12 +58,12 @@ def test_every_trait_is_documented():
 def test_the_options_classes_do_not_shadow_each_other():
     """The app inherits every options class: a validator or default of one that had the name
     of another's would silently replace it (traitlets finds them by attribute)."""
+    from traitlets.config import Configurable
+
     from jupyter_gpushare.core.options import RestoreOptions, TrackingOptions
     from jupyter_gpushare.node.options import NodeOptions
     from jupyter_gpushare.policy.options import ReleaseOptions
     from jupyter_gpushare.server.options import KernelOptions, SourceOptions
-
-    from traitlets.config import Configurable
 
     internal = set(vars(type("Empty", (Configurable,), {})))  # what traitlets adds to each class
     seen: dict[str, str] = {}
