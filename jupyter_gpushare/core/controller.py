@@ -66,7 +66,7 @@ def onto(mapping: dict[int, int]) -> str | None:
         return None
     to = ", ".join(str(mapping[g]) for g in sorted(mapping))
     came = ", ".join(str(g) for g in sorted(mapping))
-    return (f"onto GPU {to}: GPU {came} had no room")
+    return f"onto GPU {to}: GPU {came} had no room"
 
 IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
 #: restores that precede the code of the cell they show progress in (its only output so far)

@@ -4,6 +4,7 @@ leaves the GPU, what the kernels the server starts get."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from traitlets import Bool, Dict, Int, List, TraitError, Type, Unicode, default, validate
@@ -11,6 +12,14 @@ from traitlets.config import Configurable
 
 from ..telemetry import SIMULATED_GPUS_DEFAULT, SIMULATED_NODE_ENV, Telemetry
 from . import selection
+
+
+def _checked(check: Callable[..., str], *args: Any) -> str:
+    """What ``check`` answers; its refusal as the TraitError traitlets reports."""
+    try:
+        return check(*args)
+    except selection.SettingError as e:
+        raise TraitError(str(e)) from None
 
 
 class SourceOptions(Configurable):
@@ -27,17 +36,11 @@ class SourceOptions(Configurable):
 
     @default("backend")
     def _default_backend(self) -> str:
-        try:
-            return selection.backend_from_environment()
-        except selection.SettingError as e:
-            raise TraitError(str(e)) from None
+        return _checked(selection.backend_from_environment)
 
     @validate("backend")
     def _check_source_backend(self, proposal: Any) -> str:
-        try:
-            return selection.check_backend(proposal["value"])
-        except selection.SettingError as e:
-            raise TraitError(str(e)) from None
+        return _checked(selection.check_backend, proposal["value"])
 
     simulated_gpus = List(
         Int(),
@@ -79,10 +82,7 @@ class SourceOptions(Configurable):
 
     @validate("release_method")
     def _check_source_method(self, proposal: Any) -> str:
-        try:
-            return selection.check_method(proposal["value"])
-        except selection.SettingError as e:
-            raise TraitError(str(e)) from None
+        return _checked(selection.check_method, proposal["value"])
 
     telemetry_class = Type(
         klass=Telemetry,
