@@ -326,7 +326,9 @@ def start_hub(directory: Path, users: list[str], admins: list[str], service_conf
             "--GPUShareApp.backend=simulated", "--GPUShareApp.poll_interval=0.2",
             "--GPUShareApp.min_release_bytes=0", "--GPUShareApp.idle_timeout=3600",
             "--GPUShareApp.pressure_free_fraction=0", "--GPUShareHubLink.refresh_interval=1",
-            "--GPUShareHubLink.push_interval=1", "--GPUShareApp.placement=off",
+            "--GPUShareHubLink.push_interval=1",
+            *([] if any(a.startswith("--GPUShareApp.placement=") for a in server_args or [])
+              else ["--GPUShareApp.placement=off"]),  # the same option twice is refused
             *(server_args or []),
         ],
         "server_env": {"PYTHONPATH": pythonpath, "JUPYTER_GPUSHARE_SIMULATED_NODE": node_path,

@@ -419,6 +419,34 @@ class Coordinator:
                 waits[kid] = why
         return {"released": released, "waits": waits, "me": self.me(user)}
 
+    # -- placing new kernels ------------------------------------------------------------------------
+    async def rooms(self, user: str, uuids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Room for a new kernel of ``user`` on each GPU of ``uuids`` the service knows, as it
+        sees the node: free memory (its own reading where it measures) less what every
+        server's released kernels will take back there and what waiting restores need; and
+        whether ``user`` is within their share there. Numbers only: nothing names anyone.
+
+        Released bytes are the servers' claims; a false one can only steer placement away
+        from a GPU (never release or refuse anything), and placement reads free memory too."""
+        await self._measure()
+        self._rebuild()
+        ledger = self.view.ledger(self.settings.shares, self.groups)
+        ledger.shares[user] = shares_of(user, self.groups.get(user, []), self.settings.shares)
+        needed: dict[int, int] = {}
+        for p in self.view.waiting():
+            for gid, n in p.need.items():
+                needed[gid] = needed.get(gid, 0) + n
+        by_uuid = {gpu.uuid: gpu for gpu in self.view.gpus.values()}
+        out: dict[str, dict[str, Any]] = {}
+        for uuid in dict.fromkeys(uuids):
+            gpu = by_uuid.get(uuid)
+            if gpu is None:
+                continue
+            free = gpu.free
+            room = None if free is None else free - gpu.released_bytes - needed.get(gpu.gid, 0)
+            out[uuid] = {"room": room, "within_share": not ledger.over(user, gpu.gid)}
+        return out
+
     # -- making room ------------------------------------------------------------------------------
     async def _serve(self, placed: Placed, trigger: str) -> tuple[list[dict[str, Any]], str | None]:
         """Make room for one waiting restore; (what was released, why not)."""

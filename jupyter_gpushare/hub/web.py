@@ -154,6 +154,17 @@ class Waiting(ServiceHandler):
         self.write_json(answer)
 
 
+class Place(ServiceHandler):
+    async def post(self) -> None:
+        if self.user is None or self.user.get("kind", "user") != "user":
+            return self.refuse(403, "a Hub user's token is needed")
+        body = self.body_object()
+        if body is None or not isinstance(body.get("uuids"), list) or len(body["uuids"]) > 64 \
+                or not all(isinstance(u, str) and 0 < len(u) <= 100 for u in body["uuids"]):
+            return self.refuse(400, 'body must be {"uuids": [GPU_UUID, ...]} (at most 64)')
+        self.write_json({"gpus": await self.coordinator.rooms(self.user["name"], body["uuids"])})
+
+
 class Metrics(ServiceHandler):
     def get(self) -> None:
         scopes = set(self.user.get("scopes", [])) if self.user else set()
@@ -179,6 +190,7 @@ def routes(prefix: str, coordinator: Coordinator, hub_auth: Any, settings: dict[
         (p + "api/actions", AdminActions, kw),
         (p + "api/me", Me, kw),
         (p + "api/waiting", Waiting, kw),
+        (p + "api/place", Place, kw),
         (p + "metrics", Metrics, kw),
         (p + r"static/(admin\.js|admin\.css)", web.StaticFileHandler, {"path": str(STATIC)}),
     ]

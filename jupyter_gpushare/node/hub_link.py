@@ -10,6 +10,9 @@ Under JupyterHub, when ``GPUShareHubLink.url`` names the service, this server
   restore, which re-checks after every poll, goes on. While the restore still waits it is
   pushed again every ``push_interval`` seconds: the service decides again on live numbers, and
   the waiting text follows its current reason;
+- **asks**, when it places a new kernel, how much room each GPU has as the service sees
+  the node (other users' released kernels and waiting restores included) and whether the user
+  is within their share there (:meth:`HubLink.rooms`);
 - **learns** its user's share and usage, and whether the user may open the admin page, for
   the status API (``hub``), the lab panel and ``%gpushare``.
 
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 
 URL_ENV = "JUPYTER_GPUSHARE_HUB_URL"
 PUSH_ANSWER_WITHIN = 600.0  # s: releases of tens of GB run at a few GB/s
+PLACE_ANSWER_WITHIN = 2.0  # s a kernel's start waits for the service's view of the node
 
 
 class GPUShareHubLink(Configurable):
@@ -208,6 +212,25 @@ class HubLink:
         if answer.get("released"):
             await self.refresh()  # see the freed memory now: the waiting restore goes on
         return answer
+
+    async def rooms(self, uuids: list[str]) -> dict[str, tuple[int | None, bool]] | None:
+        """The service's view of the room on each GPU of ``uuids`` for a new kernel of this
+        user: {uuid: (bytes or None, within the user's share)}; None when it does not answer
+        within a couple of seconds (placement then goes by this server's own view)."""
+        answer = await self._call("POST", "api/place", {"uuids": uuids},
+                                  answer_within=min(self.options.timeout, PLACE_ANSWER_WITHIN))
+        gpus = answer.get("gpus") if answer is not None else None
+        if not isinstance(gpus, dict):
+            return None
+        out: dict[str, tuple[int | None, bool]] = {}
+        for uuid, row in gpus.items():
+            if not isinstance(row, dict) or uuid not in uuids:
+                continue
+            room = row.get("room")
+            if room is not None and (not isinstance(room, int) or isinstance(room, bool)):
+                continue
+            out[uuid] = (room, row.get("within_share") is not False)
+        return out
 
     # -- what status shows ---------------------------------------------------------------------
     def view(self) -> dict[str, Any]:

@@ -7,6 +7,11 @@ how many of this server's kernels were placed there, then index:
 - room = free memory read now (on the shared node or from NVML, so other servers' kernels
   count) less the bytes this server's released kernels will take back and the bytes its
   restores have reserved;
+- with the hub service (``GPUShareHubLink.url``), the service's view of each GPU counts too:
+  what other users' released kernels will take back and what waiting restores need there
+  (the smaller room of the two views counts), and GPUs where the user is over their share
+  rank after those where they are within it. A service that does not answer within a couple
+  of seconds is left out (logged): the kernel is placed by this server's view;
 - the candidates are the GPUs the kernel's environment allows (an existing
   ``CUDA_VISIBLE_DEVICES``, the kernel's or the server's), else every GPU;
 - how many: the kernelspec's ``metadata.gpushare.gpus``, else ``placement_gpus``. A
@@ -33,6 +38,8 @@ VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SAMPLE_WAIT = 10.0  # s a kernel start waits for a reading of the GPUs before the first poll
 
 ReadFree = Callable[[list[int]], Awaitable[dict[int, "int | None"]]]
+#: the hub service's view: GPU UUIDs -> {uuid: (room in bytes or None, within the user's share)}
+ServiceRoom = Callable[[list[str]], Awaitable["dict[str, tuple[int | None, bool]] | None"]]
 
 
 class PlacementError(HTTPError):
@@ -107,6 +114,7 @@ class Placer:
         min_room: int = 1,
         sample: Callable[[], Awaitable[list[GPUInfo]]] | None = None,
         log: logging.Logger | None = None,
+        service_room: ServiceRoom | None = None,
     ):
         self.devices = devices
         self.read_free = read_free
@@ -116,6 +124,7 @@ class Placer:
         self.default_gpus = default_gpus
         self.min_room = max(1, min_room)
         self.sample = sample
+        self.service_room = service_room
         self.log = log or logging.getLogger(__name__)
         self.placed: dict[str, list[int]] = {}  # kernel id -> GPUs, for the tie-break
 
@@ -131,6 +140,10 @@ class Placer:
                         out[g] = out.get(g, 0) + n
             return out
 
+        async def service_room(uuids: list[str]) -> dict[str, tuple[int | None, bool]] | None:
+            link = app.hub_link  # connected after the placer is built
+            return None if link is None else await link.rooms(uuids)
+
         return cls(
             devices=lambda: [rec.info for rec in list(app.tracker.gpus.values())],
             read_free=app.node_room.read_free,
@@ -143,6 +156,7 @@ class Placer:
             # poll could wait on this very kernel's start (a server started with a kernel)
             sample=lambda: app.tracker.off_loop(app.tracker.telemetry.devices, SAMPLE_WAIT),
             log=app.log,
+            service_room=service_room,
         )
 
     async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:
@@ -174,10 +188,11 @@ class Placer:
         if count == 0:
             return Placement([], "", {})  # a kernel that asked for no GPU sees none
         room = await self._room([g.index for g, _ in candidates])
+        within = await self._service_view([g for g, _ in candidates], room, kernel_id)
         placed = self._placed_counts()
         ranked = sorted(candidates, key=lambda c: (
-            room[c[0].index] is None, -(room[c[0].index] or 0), c[0].utilization or 0.0,
-            placed.get(c[0].index, 0), c[0].index))
+            room[c[0].index] is None, not within.get(c[0].index, True), -(room[c[0].index] or 0),
+            c[0].utilization or 0.0, placed.get(c[0].index, 0), c[0].index))
         chosen = ranked[:count]
         # real GPUs: an entry as written where there was one, else the UUID (CUDA's own
         # numbering can differ from NVML's); simulated ones by index (all the simulator reads)
@@ -189,10 +204,35 @@ class Placer:
         if short:
             note = _no_room_note(indices, short, room)
         self.placed[kernel_id] = indices
-        self.log.info("gpushare: kernel %s placed on GPU %s (%s=%s; room %s)%s", kernel_id,
+        self.log.info("gpushare: kernel %s placed on GPU %s (%s=%s; room %s%s)%s", kernel_id,
                       ", ".join(map(str, indices)), VISIBLE_ENV, value, _rooms(room),
+                      ", with the hub service's view" if within else "",
                       "; no GPU had room" if short else "")
         return Placement(indices, value, room, note)
+
+    async def _service_view(self, gpus: list[GPUInfo], room: dict[int, int | None],
+                            kernel_id: str) -> dict[int, bool]:
+        """Fold the hub service's view into ``room`` (the smaller of the two counts); returns,
+        per GPU it answered for, whether the user is within their share there."""
+        by_uuid = {g.uuid: g.index for g in gpus if g.uuid}
+        if self.service_room is None or not by_uuid:
+            return {}
+        try:
+            seen = await self.service_room(list(by_uuid))
+        except Exception as e:  # a kernel must start: placed by this server's view
+            self.log.warning("gpushare: kernel %s: the hub service's view of the GPUs could not "
+                             "be read (%s); placed by this server's", kernel_id, e or type(e).__name__)
+            seen = None
+        within: dict[int, bool] = {}
+        for uuid, (theirs, ok) in (seen or {}).items():
+            index = by_uuid.get(uuid)
+            if index is None:
+                continue
+            within[index] = ok
+            ours = room.get(index)
+            if theirs is not None:
+                room[index] = theirs if ours is None else min(ours, theirs)
+        return within
 
     async def _devices(self) -> list[GPUInfo]:
         gpus = self.devices()

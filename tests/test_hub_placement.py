@@ -1,0 +1,89 @@
+"""Placement with the hub service: a new kernel goes where the room is as the service sees
+the node, other users' released kernels included (a server alone sees only its own).
+
+A real JupyterHub, one shared simulated node of two 512 MiB GPUs, servers with placement on.
+alice's released kernel will take 320 MiB back on GPU 0, which reads as empty; bob's server
+knows nothing of it, the service does. dave's server cannot reach the service: his kernels are
+placed by his server's own view, at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .hubharness import Hub, MiB, can_run, start_hub
+from .scenarios import hold, intact
+from .test_hub import BIG, admin_view, shut, until
+
+pytestmark = pytest.mark.skipif(bool(can_run()), reason=can_run() or "")
+
+SERVICE_CONFIG = """
+c.GPUShareHub.poll_interval = 1
+c.GPUShareHub.min_release_bytes = 0
+"""
+
+
+@pytest.fixture(scope="module")
+def hub():
+    directory = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))  # short: AF_UNIX paths fit
+    hub = start_hub(directory, ["alice", "bob", "dave"], ["admin"], SERVICE_CONFIG,
+                    server_args=["--GPUShareApp.placement=room"],
+                    user_env={"dave": {"JUPYTER_GPUSHARE_HUB_URL": "http://127.0.0.1:9/nowhere/"}},
+                    gpus=(512 * MiB, 512 * MiB))
+    try:
+        asyncio.run(_start(hub, "alice", "bob", "dave"))
+        yield hub
+    finally:
+        hub.stop()
+        if not os.environ.get("GPUSHARE_KEEP_HUB_DIR"):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _start(hub: Hub, *users: str) -> None:
+    await asyncio.gather(*(hub.start_server(u) for u in users))
+
+
+async def visible(k) -> str:
+    out = await k.run("import os; print('visible=' + os.environ.get('CUDA_VISIBLE_DEVICES', '-'))")
+    return out["text"].split("visible=")[-1].strip()
+
+
+def kernels_of(view: dict, user: str) -> list[dict]:
+    return next((u["kernels"] for u in view["users"] if u["name"] == user), [])
+
+
+async def test_a_new_kernel_avoids_the_gpu_another_users_released_kernel_comes_back_to(hub):
+    alice = await hub.kernel("alice")
+    assert await visible(alice) == "0"  # both GPUs empty: the first
+    await alice.run(hold(BIG, chunk=BIG))
+    await hub.wait_kernel("alice", alice.id, lambda s: s["gpu_memory_bytes"] == BIG << 20, "held")
+    code, body = await hub.gpushare("alice", f"kernels/{alice.id}/release", "POST",
+                                    token=await hub.token_for("alice"))
+    assert code == 200 and body["state"] == "released", body
+    # the service has read alice's server since the release
+    await until(lambda: admin_view(hub),
+                lambda v: any(k.get("state") == "released" for k in kernels_of(v, "alice")),
+                "the service sees alice's released kernel")
+    bob = await hub.kernel("bob")
+    # GPU 0 reads as empty, as GPU 1 does; only the service knows alice's 320 MiB comes back there
+    assert await visible(bob) == "1"
+    out = await alice.run(intact())  # and alice's state comes back, whole, where it was
+    assert "intact" in out["text"]
+    status = await hub.kernel_status("alice", alice.id)
+    assert status is not None and status["state"] in ("active", "idle"), status
+    await shut(alice, bob)
+
+
+async def test_a_server_that_cannot_reach_the_service_places_by_its_own_view(hub):
+    dave = await hub.kernel("dave")  # the service's address answers nothing: placed anyway
+    assert await visible(dave) in ("0", "1")
+    log = (hub.dir / "hub.log").read_text(errors="replace")
+    assert "with the hub service's view" not in "\n".join(
+        line for line in log.splitlines() if dave.id in line)
+    await shut(dave)
