@@ -14,6 +14,7 @@ c.GPUShareApp.simulated_gpus = [1 << 30, 1 << 30]
 # Demo-friendly timing (as `jupyter gpushare demo`): release after 2 minutes idle, take
 # kernels idle for 30 s under memory pressure or to make room, sample every second.
 c.GPUShareApp.idle_timeout = 120
+c.GPUShareApp.release_policy = "proactive"  # show releases within minutes, needed or not
 c.GPUShareApp.pressure_idle_timeout = 30
 c.GPUShareApp.min_release_bytes = 0
 c.GPUShareApp.poll_interval = 1.0

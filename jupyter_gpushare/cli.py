@@ -117,6 +117,9 @@ def demo(args: argparse.Namespace, lab_args: list[str]) -> int:
         f"--LabApp.default_url=/lab/tree/{notebook.name}",
         f"--GPUShareApp.backend={backend}",
         f"--GPUShareApp.idle_timeout={args.idle_timeout}",
+        # the demo shows releases within minutes: it releases idle kernels whether or not
+        # the GPU needs the memory (the product's default waits for a need)
+        "--GPUShareApp.release_policy=proactive",
         f"--GPUShareApp.pressure_idle_timeout={min(args.idle_timeout, 30)}",
         "--GPUShareApp.min_release_bytes=0",
         "--GPUShareApp.poll_interval=1",

@@ -28,6 +28,7 @@ def jp_server_config(gpushare_config):
         "simulated_gpus": [16 * GiB, 16 * GiB],
         "poll_interval": 0.2,
         "idle_timeout": 0,  # no automatic releases unless a test asks for them
+        "release_policy": "proactive",  # a test's idle_timeout is when its kernel is released
         "min_release_bytes": 0,
         "pressure_free_fraction": 0.0,
         # kernels see every GPU, numbered as the node numbers them (tests/test_placement.py

@@ -84,6 +84,9 @@ def prepare(directory: Path, port: int, idle_timeout: float) -> tuple[Path, dict
         write_demo(directory / "home" / user, simulated=True)
     args = ["--GPUShareApp.backend=simulated", "--GPUShareApp.poll_interval=1",
             f"--GPUShareApp.idle_timeout={idle_timeout}", "--GPUShareApp.min_release_bytes=0",
+            # releases at idle_timeout, to be seen in a minute or two (the default, "needs",
+            # would wait for memory pressure or long_idle)
+            "--GPUShareApp.release_policy=proactive",
             f"--GPUShareApp.pressure_idle_timeout={min(idle_timeout, 30)}"]
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         args.append("--ServerApp.allow_root=True")  # every demo server runs as this OS user

@@ -100,6 +100,21 @@ class StatusView:
         return f"<table class='gpushare-status'><caption>{as_html(self.title)}</caption>{body}</table>"
 
 
+def _next_release(kernel: dict[str, Any], seconds: float | None, counted: str = "") -> str:
+    """The "next automatic release" line: ``seconds`` to it (None: none is due), ``counted``
+    what the time counts from. Under the server's release policy "needs" (the kernel's
+    ``release_policy``, where the server says it) a kernel is released when its GPU needs
+    the memory, and otherwise only after a long idle (``seconds``; None: never)."""
+    at = "" if seconds is None else f"in {_fmt_seconds(seconds)}{counted}"
+    if kernel.get("release_policy") != "needs":
+        return at or "never"
+    if (kernel.get("pinned") or kernel.get("idle_timeout") == 0
+            or kernel.get("state") not in states.RESIDENT):
+        return at or "never"  # out of every automatic release, or nothing on the GPU to release
+    need = "when its GPU needs the memory"
+    return f"{need}, or {at} if it does not" if at else f"only {need}"
+
+
 def _idle_rows(kernel: dict[str, Any], after_cell: Any) -> list[tuple[str, str]]:
     """Idle time and next automatic release, from the one idle clock the server's policy uses.
 
@@ -108,12 +123,11 @@ def _idle_rows(kernel: dict[str, Any], after_cell: Any) -> list[tuple[str, str]]
     ``...`` when the server did not say (then the release is counted from the idle time)."""
     idle = _fmt_seconds(kernel.get("idle_seconds"))
     if after_cell is ...:
-        release_in = kernel.get("release_in_seconds")
-        return [("idle", idle), ("next automatic release",
-                                 "never" if release_in is None else f"in {_fmt_seconds(release_in)}")]
+        return [("idle", idle),
+                ("next automatic release", _next_release(kernel, kernel.get("release_in_seconds")))]
     return [("idle", f"{idle} before this cell (every cell counts as use, this one too)"),
-            ("next automatic release", "never" if after_cell is None
-             else f"in {_fmt_seconds(after_cell)}, counted from the end of this cell")]
+            ("next automatic release",
+             _next_release(kernel, after_cell, ", counted from the end of this cell"))]
 
 
 def status_rows(kernel: dict[str, Any], restore_mode: str = "",

@@ -15,6 +15,11 @@ from typing import Protocol
 
 from traitlets.config import LoggingConfigurable
 
+#: when an idle kernel is released (``c.GPUShareApp.release_policy``): ``proactive``, once it
+#: has idled ``idle_timeout``; ``needs``, only when its GPU needs the memory (free below
+#: ``pressure_free_fraction``, a restore waiting for room) or after ``long_idle``
+RELEASE_POLICIES = ("proactive", "needs")
+
 
 class ReleaseSettings(Protocol):
     """The thresholds the rules read. The server's are its options (``c.GPUShareApp.*``,
@@ -30,17 +35,29 @@ class ReleaseSettings(Protocol):
     def pressure_free_fraction(self) -> float: ...
     @property
     def pressure_idle_timeout(self) -> float: ...
+    @property
+    def release_policy(self) -> str: ...
+    @property
+    def long_idle(self) -> float: ...
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Release settings as plain values (the product's defaults)."""
+    """Release settings as plain values: the product's defaults, except ``release_policy``.
+
+    ``release_policy`` is ``"proactive"`` here, while the server's option defaults to
+    ``"needs"`` (:class:`.options.ReleaseOptions`): the simulator models both release policies
+    on top of these rules' proactive answers (``simulate/policies.py``), and the rules' own
+    tests read ``idle_timeout`` as the time of the release. Say ``release_policy="needs"`` to
+    get the server's default rules."""
 
     idle_timeout: float = 600.0  # s; 0 = never release automatically
     idle_utilization: float = 5.0  # SM % at or below which a kernel counts as idle
     min_release_bytes: int = 256 << 20
     pressure_free_fraction: float = 0.1  # 0 = no pressure releases
     pressure_idle_timeout: float = 120.0  # s
+    release_policy: str = "proactive"  # one of RELEASE_POLICIES
+    long_idle: float = 7200.0  # s; "needs": released anyway after this long idle; 0 = never
 
 
 @dataclass(frozen=True)
@@ -133,19 +150,41 @@ def _quiet_under_pressure(c: Candidate, cfg: ReleaseSettings) -> bool:
     return c.idle_seconds >= cfg.pressure_idle_timeout and eligible(c, cfg)
 
 
-def idle_release(c: Candidate, cfg: ReleaseSettings) -> Decision | None:
+def release_timeout(c: Candidate, cfg: ReleaseSettings) -> tuple[float, str]:
+    """Seconds idle after which the kernel is released with no other reason (0: never), and
+    the setting that says so (for the reason shown).
+
+    ``proactive``: its idle timeout (its own, else the server's ``idle_timeout``). ``needs``:
+    its own idle timeout when it has one (a kernelspec or a person asked for that kernel),
+    else the server's ``long_idle``. An idle timeout of 0 (the kernel's or the server's) is
+    never under both: such a kernel is not released automatically at all."""
     timeout = effective_idle_timeout(c.idle_timeout, cfg.idle_timeout)
+    if timeout <= 0:
+        return 0.0, "idle_timeout"
+    if cfg.release_policy == "needs" and c.idle_timeout is None:
+        return max(cfg.long_idle, 0.0), "long_idle"
+    return timeout, "idle_timeout"
+
+
+def idle_release(c: Candidate, cfg: ReleaseSettings) -> Decision | None:
+    """The release an idle kernel is due with no other reason: after its idle timeout
+    (``proactive``) or after ``long_idle`` (``needs``; :func:`release_timeout`). Memory
+    pressure (:func:`pressure_releases`) and room for a restore (:func:`make_room`) are their
+    own rules, the same under both release policies."""
+    timeout, setting = release_timeout(c, cfg)
     automatic_release_on = timeout > 0
     idle_long_enough = c.idle_seconds >= timeout
     if automatic_release_on and idle_long_enough and _quiet(c, cfg):
         # no parentheses: the lab's toasts put the reason in parentheses themselves
-        return Decision(c.kernel_id, f"idle for {c.idle_seconds:.0f} s, idle_timeout {timeout:.0f} s")
+        return Decision(c.kernel_id, f"idle for {c.idle_seconds:.0f} s, {setting} {timeout:.0f} s")
     return None
 
 
 def seconds_until_release(c: Candidate, cfg: ReleaseSettings) -> float | None:
-    """When an automatic release will happen if nothing changes (None: never)."""
-    timeout = effective_idle_timeout(c.idle_timeout, cfg.idle_timeout)
+    """When an automatic release will happen if nothing changes (None: never). Under
+    ``needs`` that is the long-idle release: a GPU that comes to need the memory (pressure, a
+    restore waiting for room) may take the kernel sooner, under both release policies."""
+    timeout, _ = release_timeout(c, cfg)
     if timeout <= 0 or c.pinned or not c.resident or not c.releasable:
         return None
     if c.bytes < cfg.min_release_bytes:
@@ -189,7 +228,8 @@ def pressure_releases(
 def decide(
     candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: ReleaseSettings
 ) -> list[Decision]:
-    """Everything to release now: idle timeouts first, then memory pressure."""
+    """Everything to release now: idle releases first (:func:`idle_release`: at the idle
+    timeout, or under ``needs`` at ``long_idle``), then memory pressure."""
     out = [d for c in candidates if (d := idle_release(c, cfg)) is not None]
     taken = {d.kernel_id for d in out}
     rest = [c for c in candidates if c.kernel_id not in taken]

@@ -7,23 +7,53 @@ them is made.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from traitlets import Float, Int, TraitError, Type, validate
+from traitlets import Enum, Float, Int, TraitError, Type, validate
 from traitlets.config import Configurable
 
-from . import Policy
+from . import RELEASE_POLICIES, Policy
 
 
 class ReleaseOptions(Configurable):
     """When an idle kernel's GPU memory is released, and by which rules."""
 
+    release_policy = Enum(
+        list(RELEASE_POLICIES),
+        default_value="needs",
+        help="""When an idle kernel's GPU memory is released. "needs" (the default): only when
+        its GPU needs the memory - free memory below pressure_free_fraction (the kernel idle
+        for pressure_idle_timeout), or another kernel's restore waiting for room there, or the
+        hub service asking - or else after long_idle seconds idle. "proactive": also as soon as
+        it has been idle for idle_timeout, whether anyone needs the memory or not (its memory
+        is ready before anyone asks, at the price of more restores). Under both, idle_timeout
+        0 (the server's or a kernel's own) means never released automatically, and a kernel's
+        own idle timeout (kernelspec metadata.gpushare.idle_timeout, %gpushare idle-timeout)
+        is honoured: it is released after that long idle. "needs" is the default because on
+        the simulated workloads far fewer cells wait for a restore under it (see
+        docs/how-it-works.md); "proactive" frees memory before a new kernel allocates it.""",
+    ).tag(config=True)
+
+    long_idle = Float(
+        7200.0,
+        help="""release_policy "needs" only: seconds idle after which a kernel is released even
+        though its GPU has room (held memory nobody uses for this long goes to the host, so
+        that a GPU does not stay full of forgotten kernels). Default 7200 (2 h). 0 = never:
+        released only when the GPU needs the memory. A kernel's own idle timeout replaces it
+        for that kernel. Ignored under "proactive" (idle_timeout decides there).""",
+    ).tag(config=True)
+
     idle_timeout = Float(
         600.0,
         help="""Seconds a kernel must sit idle (not executing, SM utilization at or below
-        idle_utilization) before its GPU memory is released. Default 600. 0 = never release
-        automatically (REST, the panel and %gpushare release still work). A kernelspec can
-        override it in metadata.gpushare.idle_timeout.""",
+        idle_utilization) before its GPU memory is released, under release_policy
+        "proactive"; under "needs" (the default) it is released then only if its GPU needs
+        the memory (see release_policy, long_idle), and this sets the window over which
+        quietness is judged. Default 600. 0 = never release automatically, under both
+        policies: no idle, pressure or make-room releases (REST, the panel and %gpushare
+        release still work). A kernelspec can override it in metadata.gpushare.idle_timeout;
+        an override is honoured under both policies.""",
     ).tag(config=True)
 
     idle_utilization = Float(
@@ -43,7 +73,10 @@ class ReleaseOptions(Configurable):
         0.1,
         help="""When a GPU's free memory falls below this fraction (0-1) of its total, idle
         kernels on it are released after pressure_idle_timeout instead of idle_timeout,
-        longest idle first, until it is above again. Default 0.1. 0 = no pressure releases.""",
+        longest idle first, until it is above again. Default 0.1. 0 = no pressure releases.
+        Under release_policy "needs" this is what frees memory for a new kernel's first
+        allocations on a GPU that idle kernels hold (only released kernels wait for room):
+        raise it where kernels allocate much at their start.""",
     ).tag(config=True)
 
     pressure_idle_timeout = Float(
@@ -65,6 +98,14 @@ class ReleaseOptions(Configurable):
     @validate("idle_timeout", "pressure_idle_timeout", "min_release_bytes")
     def _check_release_non_negative(self, proposal: Any) -> Any:
         return non_negative(self, proposal)
+
+    @validate("long_idle")
+    def _check_long_idle(self, proposal: Any) -> float:
+        value = proposal["value"]
+        if not 0 <= value < math.inf:  # NaN and infinity too (0 is "never")
+            raise TraitError(f"{type(self).__name__}.long_idle must be a number of seconds >= 0 "
+                             f"(0 = never), got {value}")
+        return float(value)
 
     @validate("idle_utilization")
     def _check_release_percent(self, proposal: Any) -> float:

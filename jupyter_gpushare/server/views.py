@@ -34,6 +34,7 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "gpu_utilization": {str(g): u for g, u in (rec.gpu_utilization.items() if rec else ())},
         "idle_seconds": round(rec.idle_seconds(now), 1) if rec else None,
         "release_in_seconds": _round(controller.release_in(kernel_id)),
+        "release_policy": controller.config.release_policy,
         "idle_timeout": controller.idle_timeout(st),
         "method": st.method or controller.method_for(kernel_id),
         "releases": st.releases,
