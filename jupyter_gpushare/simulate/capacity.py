@@ -24,6 +24,16 @@ from .transfer import TransferModel
 from .workload import GiB, Workload
 
 AHEAD_LEADS = (0.0, 2.0, 5.0, 10.0, 30.0)  # s: the sensitivity table's leads
+DEFAULT_MOVE_AFTER = 30.0  # s: the product's restore_move_after, where the settings say 0
+
+
+def placements(s: Settings) -> list[tuple[str, str, float]]:
+    """The placement table's configurations: (name, placement, move_after): each placement
+    without moves and with them (``s.move_after``, or the product's default where it is 0)."""
+    after = s.move_after if s.move_after > 0 else DEFAULT_MOVE_AFTER
+    return [(f"{placement}{suffix}", placement, moves)
+            for placement in ("round-robin", "load-aware")
+            for suffix, moves in (("", 0.0), (f" + move {after:g} s", after))]
 
 
 def run(workload: Workload, policy: str, s: Settings, series: bool = False,
@@ -54,12 +64,14 @@ def serves(f: dict[str, Any], s: Settings) -> bool:
     return not why_not(f, s)
 
 
-def fewest_gpus(policy: str, workload: Workload, s: Settings) -> dict[str, Any]:
+def fewest_gpus(policy: str, workload: Workload, s: Settings, every: bool = False) -> dict[str, Any]:
     """The fewest GPUs (in machines of ``s.gpus``) on which ``policy`` serves every user of
     ``workload``, with that run's figures; ``exclusive``: its own count, by definition.
 
     Bisects between the widest kernel's GPUs and exclusive's count (which serves unless a
-    user's own kernels do not fit a GPU); None where not even that serves."""
+    user's own kernels do not fit a GPU); None where not even that serves. ``every``: then
+    tries each count below the one found too (placement can make fewer GPUs serve where
+    more do not); ``fails_above``: the counts above the fewest tried that do not serve."""
     probes: list[dict[str, Any]] = []
     cache: dict[int, dict[str, Any]] = {}
     top = sum(workload.user_gpus().values())
@@ -82,6 +94,8 @@ def fewest_gpus(policy: str, workload: Workload, s: Settings) -> dict[str, Any]:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if ok(mid) else (mid, hi)
             best = hi
+            if every:
+                best = next(g for g in range(low, best + 1) if ok(g))
     f = cache.get(best) if best is not None else None
     hours = workload.duration / 3600.0
     reserved = workload.reserved_gpu_seconds() / 3600.0
@@ -95,6 +109,8 @@ def fewest_gpus(policy: str, workload: Workload, s: Settings) -> dict[str, Any]:
         "hours": hours,
         "figures": f,
         "probes": sorted(probes, key=lambda p: p["gpus"]),
+        "fails_above": sorted(p["gpus"] for p in probes
+                              if best is not None and p["gpus"] > best and not p["serves"]),
     }
 
 
@@ -165,4 +181,33 @@ def ahead_sensitivity(policy: str, workload: Workload, s: Settings,
                                               "ahead_restores", "ahead_released_again",
                                               "ahead_cancelled")},
                          "fewest_gpus": fewest})
+    return rows
+
+
+def placement_comparison(policy: str, workload: Workload, s: Settings,
+                         models: list[TransferModel]) -> list[dict[str, Any]]:
+    """``policy`` on ``workload`` under each of :func:`placements`: round-robin and
+    load-aware placement, each without and with restores that move onto other GPUs after
+    ``move_after``. At the node's GPUs: the delays and moves; and the fewest GPUs that serve
+    every user under each of ``models`` (every count below the bisection's tried: placement
+    is not monotonic), with the delays and moves there and the larger counts that fail."""
+    rows = []
+    for name, placement, after in placements(s):
+        at = replace(s, placement=placement, move_after=after)
+        f = run(workload, policy, at)
+        fewest = {}
+        for m in models:
+            c = fewest_gpus(policy, workload, replace(at, transfer=m), every=True)
+            there = c["figures"] or {}
+            fewest[m.name] = {"gpus": c["gpus"], "cell_delay_p99_s": there.get("cell_delay_p99_s"),
+                              "delay_max_s": there.get("delay_max_s"),
+                              "cells_delayed_pct": there.get("cells_delayed_pct"),
+                              "moves": there.get("moves"), "fails_above": c["fails_above"],
+                              "probes": c["probes"]}
+        rows.append({"configuration": name, "placement": placement, "move_after_s": after,
+                     "gpus": f["gpus"],
+                     **{k: f[k] for k in ("cell_delay_p99_s", "delay_max_s", "cells_delayed_pct",
+                                          "cells_still_waiting_at_end", "releases", "restores",
+                                          "moves")},
+                     "fewest_gpus": fewest})
     return rows

@@ -11,7 +11,9 @@ GPU-hours they cost against reserving GPUs for each user's sessions; under the t
 model chosen and the other of ``driver`` / ``pinned``. Then the most users per GPU on the
 node, as a second table. ``--ahead-sensitivity``: gpushare's delays and fewest GPUs for leads
 of 0-30 s between a person's first activity and their cell (restores ahead), under
-both release policies (``--release-policy``).
+both release policies (``--release-policy``). ``--placement-table``: gpushare's delays, moves
+and fewest GPUs with round-robin and load-aware placement, each without and with restores that
+move onto other GPUs after ``--move-after`` s.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ from typing import Any
 from ..policy import PolicyConfig
 from . import report
 from .calibration import trace_statistics
-from .capacity import AHEAD_LEADS, ahead_sensitivity, fewest_gpus, most_users, run
+from .capacity import (
+    AHEAD_LEADS,
+    DEFAULT_MOVE_AFTER,
+    ahead_sensitivity,
+    fewest_gpus,
+    most_users,
+    placement_comparison,
+    run,
+)
 from .engine import PLACEMENTS, RESTORE_MODES
 from .generator import generate
 from .policies import RELEASE_POLICIES, GPUShare
@@ -61,6 +71,15 @@ def parser() -> argparse.ArgumentParser:
                     help="where sharing policies put a kernel: round-robin by user, or "
                          "load-aware (most free memory after held and reserved bytes, then "
                          "least SM load) at its start (default round-robin)")
+    ap.add_argument("--move-after", type=float, default=DEFAULT_MOVE_AFTER, metavar="SECONDS",
+                    help="s a restore waits for room on its kernel's own GPUs before it goes "
+                         "onto other GPUs of the machine that have room, the kernel then "
+                         "living there (the product's restore_move_after; default "
+                         f"{DEFAULT_MOVE_AFTER:g}; 0: never move)")
+    ap.add_argument("--placement-table", action="store_true",
+                    help="a table of gpushare's delays, moves and fewest GPUs with round-robin "
+                         "and load-aware placement, each without and with restores that move "
+                         "(--move-after)")
     node = ap.add_argument_group("the node")
     node.add_argument("--gpus", type=int, help="GPUs per node (default 8; a replay's trace.json may say)")
     node.add_argument("--gpu-gib", type=float, help="GiB per GPU (default 80)")
@@ -114,9 +133,10 @@ def parser() -> argparse.ArgumentParser:
                          f"{', '.join(f'{x:g}' for x in AHEAD_LEADS)} s, under both release "
                          "policies")
     ah.add_argument("--release-policy", choices=RELEASE_POLICIES, default="proactive",
-                    help="proactive: release at idle_timeout (the product's); needs: release "
-                         "an idle kernel only when its GPU is below the pressure threshold or "
-                         "a restore waits there, or after --long-idle (default proactive)")
+                    help="proactive: release at idle_timeout; needs (the product's default "
+                         "release_policy): release an idle kernel only when its GPU is below "
+                         "the pressure threshold or a restore waits there, or after --long-idle "
+                         "(default proactive, the baseline the figures compare against)")
     ah.add_argument("--long-idle", type=float, default=7200.0, metavar="SECONDS",
                     help="under --release-policy needs: released anyway after this long idle "
                          "(default 7200)")
@@ -156,7 +176,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     max_users_per_gpu=min(args.max_users_per_gpu, 8) if args.quick else args.max_users_per_gpu,
                     seed=args.seed, ahead_lead=args.ahead_lead, ahead_share=args.ahead_share,
                     ahead_grace=args.ahead_grace, release_policy=args.release_policy,
-                    long_idle=args.long_idle)
+                    long_idle=args.long_idle, move_after=args.move_after)
 
 
 def moves_state(policy: str, s: Settings) -> bool:
@@ -191,7 +211,8 @@ def headline(workload: Workload, s: Settings, policies: list[str]) -> dict[str, 
 
 def compare(name: str, source: str, workload_for: Any, reference_users: int, s: Settings,
             policies: list[str], capacity: bool, stats: dict[str, Any],
-            recorded: dict[str, Any] | None = None, ahead: bool = False) -> dict[str, Any]:
+            recorded: dict[str, Any] | None = None, ahead: bool = False,
+            placement: bool = False) -> dict[str, Any]:
     """Every policy on the same workload; (optionally) each one's fewest GPUs for all its
     users, under each compared transfer model, and its most users per GPU on the node."""
     reference = {p: run(workload_for(reference_users), p, s, series=True) for p in policies}
@@ -205,6 +226,9 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
     moving = [p for p in policies if moves_state(p, s)]
     if ahead and moving:
         result["ahead_sensitivity"] = {"policy": moving[0], "rows": ahead_sensitivity(
+            moving[0], workload_for(reference_users), s, compared_models(s))}
+    if placement and moving:
+        result["placement_table"] = {"policy": moving[0], "rows": placement_comparison(
             moving[0], workload_for(reference_users), s, compared_models(s))}
     if capacity:
         result["fewest_gpus"] = headline(workload_for(reference_users), s, policies)
@@ -224,7 +248,9 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
     print()
     say(f"== {r['name']}: {r['source']}")
     say(f"node: {node['nodes']} x {node['gpus_per_node']} GPUs of {node['gpu_gib']:g} GiB; "
-        f"restore mode {s.restore_mode}; placement {s.placement}; {s.transfer.describe()}")
+        f"restore mode {s.restore_mode}; placement {s.placement}; "
+        + (f"restores move after {s.move_after:g} s; " if s.move_after > 0
+           else "restores never move; ") + s.transfer.describe())
     if r["statistics"]:
         print("\nthe workload against the published figures the generator is calibrated to:")
         print(report.statistics_table(r["statistics"], wide))
@@ -252,6 +278,13 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
             f"{r['reference_users']} users; at the node's {node['nodes'] * node['gpus_per_node']}"
             f" GPUs, then at the fewest that serve them (transfer model {s.transfer.name} first):")
         print(report.ahead_table(a["rows"], wide))
+    if "placement_table" in r:
+        p = r["placement_table"]
+        print()
+        say(f"placement and restores that move (--placement, --move-after): {p['policy']}, "
+            f"{r['reference_users']} users; at the node's {node['nodes'] * node['gpus_per_node']}"
+            f" GPUs, then at the fewest that serve them (transfer model {s.transfer.name} first):")
+        print(report.placement_table(p["rows"], wide))
     if "capacity" in r:
         print()
         say(f"most users per GPU on the node with no out-of-memory failure, p99 cell delay <= "
@@ -272,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown:
         parser().error(f"unknown policy {', '.join(unknown)}; known: {', '.join(POLICIES)}")
+    if not args.move_after >= 0:
+        parser().error(f"--move-after {args.move_after:g}: seconds, 0 (never move) or more")
     base = settings_from(args)
     results = []
     traces: list[tuple[str, Workload, dict[str, Any]]] = []
@@ -289,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare("default workload", source, synthetic.first_users, reference, base,
                                policies, not args.no_capacity,
                                trace_statistics(synthetic.first_users(reference)),
-                               ahead=args.ahead_sensitivity))
+                               ahead=args.ahead_sensitivity,
+                               placement=args.placement_table))
     for path, tw, node in traces:
         s = replace(base, gpus=args.gpus or int(node.get("gpus", base.gpus)),
                     gpu_gib=args.gpu_gib or float(node.get("gpu_gib", base.gpu_gib)))
@@ -300,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare(f"trace {Path(path).name}", tw.source,
                                lambda n, w=tw, seed=s.seed: with_users(w, n, seed),
                                len(tw.users), s, policies, not args.no_capacity,
-                               trace_statistics(tw), ahead=args.ahead_sensitivity))
+                               trace_statistics(tw), ahead=args.ahead_sensitivity,
+                               placement=args.placement_table))
     for path in args.replay or ([] if args.trace else [str(EXAMPLE)]):
         rep = read_replay(path)
         s = replace(base, gpus=args.gpus or int(rep.node.get("gpus", base.gpus)),
@@ -310,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(compare(name, w.source, lambda n, w=w, seed=s.seed: with_users(w, n, seed),
                                len(w.users), s, policies, not args.no_capacity,
                                trace_statistics(w, marks_cpu_cells=False), rep.recorded,
-                               ahead=args.ahead_sensitivity))
+                               ahead=args.ahead_sensitivity,
+                               placement=args.placement_table))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes = []

@@ -18,7 +18,8 @@ cell from ``seed``).
 Placement: ``round-robin`` (user ``i``'s kernels on GPU ``i mod G``, and the next ones for a
 kernel of several GPUs) or ``load-aware`` (at each kernel's start, the GPUs of its user's
 machine with the most memory free after what is held and what released kernels placed there
-will take back, then the least SM load).
+will take back, then the least SM load). A policy may move a released kernel onto other GPUs
+of its machine before it restores it (:meth:`Simulation.move`): the kernel then lives there.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Waiting:
     cell: Cell
     arrival: float
     restore_seconds: float = 0.0  # the restore this cell waited for, if any
+    gpu: int = 0  # its kernel's first GPU when it arrived (a restore may move the kernel)
 
 
 @dataclass
@@ -125,6 +127,8 @@ class CellRecord:
     restore_seconds: float  # the restore it waited for (0: none)
     gpus: int = 1  # GPUs it computed on (0: a CPU-only cell)
     end: float | None = None  # None: still running at the end of the trace
+    waited_on: int = 0  # its kernel's first GPU when it arrived
+    ran_on: int = 0  # and when it started (another where its restore moved the kernel)
 
     @property
     def delay(self) -> float:
@@ -152,6 +156,7 @@ class Counters:
     ahead_used: int = 0  # restores ahead that a cell then used
     ahead_released_again: int = 0  # no cell within ahead_grace: released again
     ahead_cancelled: int = 0  # no room found within ahead_grace: never restored ahead
+    moves: int = 0  # restores onto other GPUs than those the kernel was released from
 
 
 class Simulation:
@@ -229,7 +234,7 @@ class Simulation:
     # -- cells ----------------------------------------------------------------------------------
     def _arrive(self, k: Kernel) -> None:
         s = k.work.sessions[k.session]
-        k.pending = Waiting(s.cells[k.cell], self.now)
+        k.pending = Waiting(s.cells[k.cell], self.now, gpu=k.gpu)
         k.ahead_since = None  # the cell the activity announced is here
         if k.ahead_restore:
             k.ahead_restore = False
@@ -315,7 +320,7 @@ class Simulation:
         k.pending = None
         on = k.gpus[:min(cell.n_gpus, len(k.gpus))] if k.state == RESIDENT else []
         rec = CellRecord(k.index, w.arrival, self.now, cell.duration, cell.utilization,
-                         w.restore_seconds, len(on))
+                         w.restore_seconds, len(on), waited_on=w.gpu, ran_on=k.gpu)
         self.cells.append(rec)
         k.busy, k.running_utilization = True, cell.utilization if on else 0.0
         k.last_activity = self.now
@@ -461,6 +466,15 @@ class Simulation:
         # each GPU's share moves over its own link, all at once: the time of one GPU's bytes
         self.schedule(self.now + self.transfer.release_seconds(k.held), released)
         return True
+
+    def move(self, k: Kernel, gpus: list[int]) -> None:
+        """Put a released kernel's state back onto ``gpus`` (as many as it had, on its machine)
+        instead of its own: its restore, later cells, growth and releases are there."""
+        assert k.state == RELEASED and len(gpus) == len(k.gpus) == len(set(gpus))
+        assert all(g in self.node_gpus(k.gpu) for g in gpus)
+        was, k.gpus = k.gpus, list(gpus)
+        self.counters.moves += 1
+        self.note(k, "moved", gpus_from=was, gpus_to=list(gpus))
 
     def restore(self, k: Kernel) -> None:
         """Bring a released kernel back onto all its GPUs at once (in parallel, one copy per

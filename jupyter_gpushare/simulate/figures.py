@@ -81,6 +81,8 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         "ahead_used": c.ahead_used,
         "ahead_released_again": c.ahead_released_again,
         "ahead_cancelled": c.ahead_cancelled,
+        "move_after_s": getattr(sim.policy, "move_after", None),
+        "moves": c.moves,  # restores onto other GPUs than the kernel's own
         "culls": c.culls,
         "restarts": c.restarts,
         "work_lost_gpu_hours": c.work_lost_seconds / HOUR,  # GPU cells' time x their GPUs
@@ -109,19 +111,22 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
 
 
 def _worst_cell(sim: Simulation) -> dict[str, Any] | None:
-    """The cell that waited longest (started, or still waiting at the end): whose, where, how."""
-    best: tuple[float, int, float, float, bool] | None = None  # delay, kernel, arrival, restore, waiting
+    """The cell that waited longest (started, or still waiting at the end): whose, where, how
+    (``gpu``: where it waited; ``moved_to``: where its restore moved the kernel, or None)."""
+    # delay, kernel, arrival, restore, still waiting, GPU it waited on, GPU it ran on
+    best: tuple[float, int, float, float, bool, int, int] | None = None
     for r in sim.cells:
         if r.delay > DELAYED and (best is None or r.delay > best[0]):
-            best = (r.delay, r.kernel, r.arrival, r.restore_seconds, False)
+            best = (r.delay, r.kernel, r.arrival, r.restore_seconds, False, r.waited_on, r.ran_on)
     for k in sim.kernels:  # a cell still waiting at the end has waited at least this long
         if k.pending is not None:
             delay = sim.duration - k.pending.arrival
             if delay > DELAYED and (best is None or delay > best[0]):
-                best = (delay, k.index, k.pending.arrival, 0.0, True)
+                best = (delay, k.index, k.pending.arrival, 0.0, True, k.pending.gpu, k.gpu)
     if best is None:
         return None
-    delay, index, arrival, restore, waiting = best
+    delay, index, arrival, restore, waiting, waited_on, ran_on = best
     k = sim.kernels[index]
-    return {"kernel": k.id, "user": k.work.user, "gpu": k.gpu, "arrival_h": arrival / HOUR,
-            "delay_s": delay, "restore_s": restore, "still_waiting_at_end": waiting}
+    return {"kernel": k.id, "user": k.work.user, "gpu": waited_on, "arrival_h": arrival / HOUR,
+            "delay_s": delay, "restore_s": restore, "still_waiting_at_end": waiting,
+            "moved_to": None if ran_on == waited_on else ran_on}

@@ -29,7 +29,9 @@ class GPUShareHub(GPUShare):
     def __init__(self, config: Any, poll_interval: float = 2.0, seed: int = 0,
                  over_share_idle_timeout: float = 30.0, shares: dict[str, object] | None = None,
                  service_poll: float = 10.0, **release: Any):
-        """``release``: :class:`GPUShare`'s ``release_policy``, ``long_idle``, ``ahead_grace``."""
+        """``release``: :class:`GPUShare`'s ``release_policy``, ``long_idle``, ``ahead_grace``,
+        ``move_after`` (its own server moves a restore that has waited that long, before the
+        service is asked)."""
         super().__init__(config, poll_interval, seed, **release)
         self.hub = crossuser.HubPolicy(config, over_share_idle_timeout)
         self.shares = parse_table(shares or {})  # keys "u0", "u1", ... (users by index)

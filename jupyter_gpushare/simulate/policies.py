@@ -10,7 +10,7 @@
 - ``gpushare``: shared GPUs; each user's server releases its own idle kernels and restores
   them before their next cell, by calling :mod:`jupyter_gpushare.policy` unchanged, with
   candidates built as :meth:`jupyter_gpushare.core.controller.Controller.candidate` builds them.
-  Its release policy: ``proactive`` (the product's idle release: a kernel idle for
+  Its release policy: ``proactive`` (release at idle timeout: a kernel idle for
   ``idle_timeout`` is released, its memory ready for whoever comes) or ``needs`` (an idle
   kernel is released only when its GPU needs memory: free below the pressure threshold or a
   restore waiting there, or after ``long_idle``). Restores ahead: when the person works in a
@@ -19,7 +19,12 @@
   ``pressure_idle_timeout``, so never one whose person works), ranked below cells' restores:
   it never takes room a cell's restore waits for, and waits behind them. A kernel restored
   ahead that runs no cell for ``ahead_grace`` s is released again; a restore ahead that found
-  no room within ``ahead_grace`` of the activity is dropped (0: neither).
+  no room within ``ahead_grace`` of the activity is dropped (0: neither). Migration
+  (``move_after``, the product's ``restore_move_after``): a restore whose kernel's own GPUs
+  have lacked room for ``move_after`` s goes onto other GPUs of its machine that have it, by
+  :func:`jupyter_gpushare.policy.room.move_plan` unchanged (each GPU without room onto the
+  one with the most free memory; all of them or none), and the kernel lives there from then
+  on (0: never; a restore ahead never moves onto a GPU where a cell's restore waits).
 
 Placement is the simulation's choice, for every sharing policy (``Simulation.placement``):
 ``round-robin`` (user ``i`` on GPU ``i mod G``, as a hub that gives each user one
@@ -38,6 +43,7 @@ from dataclasses import replace
 from functools import partial
 
 from .. import policy as product
+from ..policy.room import lacking, move_plan
 from .engine import RELEASED, RESIDENT, Kernel, Simulation, reason_kind
 from .workload import Workload
 
@@ -168,7 +174,7 @@ class GPUShare(Policy):
 
     def __init__(self, config: product.PolicyConfig, poll_interval: float = 2.0, seed: int = 0,
                  release_policy: str = "proactive", long_idle: float = 7200.0,
-                 ahead_grace: float = 300.0):
+                 ahead_grace: float = 300.0, move_after: float = 30.0):
         if release_policy not in RELEASE_POLICIES:
             raise ValueError(f"release policy {release_policy!r}: one of "
                              f"{', '.join(RELEASE_POLICIES)}")
@@ -178,6 +184,9 @@ class GPUShare(Policy):
         self.release_policy = release_policy
         self.long_idle = long_idle
         self.ahead_grace = ahead_grace
+        if not move_after >= 0:  # NaN too
+            raise ValueError(f"move_after {move_after!r}: seconds, 0 (never move) or more")
+        self.move_after = move_after
 
     def setup(self, sim: Simulation) -> None:
         # servers poll on their own clocks, not in step: a phase per user
@@ -187,6 +196,7 @@ class GPUShare(Policy):
         self.waiting: dict[int, list[Kernel]] = {}  # GPU -> kernels whose restore waits for room
         self.waiting_ahead: dict[int, list[Kernel]] = {}  # the same for restores ahead of a cell
         self.making_room: set[int] = set()  # kernels whose restore waits for make-room releases
+        self.short_since: dict[int, float] = {}  # kernel -> when its restore first lacked room
 
     # -- the server's view ----------------------------------------------------------------------
     def server_kernels(self, sim: Simulation, k: Kernel) -> list[Kernel]:
@@ -337,6 +347,7 @@ class GPUShare(Policy):
             k.ahead_since = None
             sim.counters.ahead_cancelled += 1
             self._stop_waiting(k)
+            self.short_since.pop(k.index, None)
 
     def _ahead_unused(self, sim: Simulation, k: Kernel, since: float) -> None:
         """A kernel restored ahead for the activity at ``since`` ran no cell for
@@ -361,14 +372,23 @@ class GPUShare(Policy):
         ahead = k.pending is None
         if ahead and k.ahead_since is None:
             self._stop_waiting(k)  # nothing wants it any more (a CPU cell ran, lazy mode)
+            self.short_since.pop(k.index, None)
             return
         if ahead and self._cells_wait(sim, k):
             self._wait(sim, k, ahead)
             return
         if sim.fits_now(k):  # on every one of its GPUs: a cell of several runs on all or none
             self._stop_waiting(k)
+            self.short_since.pop(k.index, None)
             sim.restore(k)
             return
+        if self.move_after > 0:
+            since = self.short_since.get(k.index)
+            if since is None:  # its own GPUs lack room from now: look elsewhere move_after on
+                self.short_since[k.index] = sim.now
+                sim.schedule(sim.now + self.move_after, partial(self._move_due, sim, k, sim.now))
+            elif sim.now - since >= self.move_after - 1e-9 and self._move(sim, k, ahead):
+                return
         free = {g: sim.node.free(g) for g in k.gpus}
         cands = [self.candidate(sim, o) for o in self.room_candidates(sim, k)]
         plan = product.make_room({g: k.nbytes for g in k.gpus}, free, cands, self.config,
@@ -379,6 +399,30 @@ class GPUShare(Policy):
             self._release_in_turn(sim, [(by_id[d.kernel_id], d.reason) for d in plan], k)
             return
         self._wait(sim, k, ahead)
+
+    def _move_due(self, sim: Simulation, k: Kernel, since: float) -> None:
+        """``move_after`` s since ``k``'s restore first lacked room (at ``since``): the
+        controller wakes then (not at its next poll) and looks for other GPUs."""
+        if k.state == RELEASED and self.short_since.get(k.index) == since:
+            self._try_restore(sim, k)
+
+    def _move(self, sim: Simulation, k: Kernel, ahead: bool) -> bool:
+        """Restore ``k`` onto other GPUs of its machine with room, if each GPU of its own that
+        lacks room has one to go to (the product's ``move_plan``: free memory now, the most
+        first); False: it stays where it is and waits. A restore ahead leaves alone the GPUs
+        where a cell's restore waits for room."""
+        want = {g: k.nbytes for g in k.gpus}
+        free: dict[int, int | None] = {g: sim.node.free(g) for g in sim.node_gpus(k.gpu)}
+        if ahead:
+            free.update({g: None for g in free if g not in want and self.waiting.get(g)})
+        plan = move_plan(want, lacking(want, free), free)
+        if plan is None:
+            return False
+        self._stop_waiting(k)  # from the queues of the GPUs it leaves
+        self.short_since.pop(k.index, None)
+        sim.move(k, [plan.get(g, g) for g in k.gpus])
+        sim.restore(k)
+        return True
 
     def _wait(self, sim: Simulation, k: Kernel, ahead: bool) -> None:
         """``k``'s restore waits for room: a cell's in ``waiting``, one ahead in
@@ -426,4 +470,6 @@ class GPUShare(Policy):
                    f", release only when needed or after {self.long_idle:.0f} s idle")
         return (f"gpushare: idle_timeout {c.idle_timeout:.0f} s, pressure below "
                 f"{c.pressure_free_fraction:.0%} free after {c.pressure_idle_timeout:.0f} s idle, "
-                f"poll {self.poll_interval:g} s{release}, ahead_grace {self.ahead_grace:.0f} s")
+                f"poll {self.poll_interval:g} s{release}, ahead_grace {self.ahead_grace:.0f} s, "
+                + (f"restores move after {self.move_after:g} s" if self.move_after > 0
+                   else "restores never move"))

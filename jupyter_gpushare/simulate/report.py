@@ -211,6 +211,9 @@ def tail_note(name: str, c: dict[str, Any], bound: float, lead: bool = True) -> 
                  f"{cell['gpu']}, arriving {cell['arrival_h']:.1f} h into the trace, that ")
         if cell["still_waiting_at_end"]:
             text += "was still waiting for room on its GPU when the trace ended"
+        elif cell["restore_s"] > 0 and cell.get("moved_to") is not None:
+            text += (f"waited {_n(worst - cell['restore_s'])} s for room on its GPU, then "
+                     f"{cell['restore_s']:.1f} s for its restore onto GPU {cell['moved_to']}")
         elif cell["restore_s"] > 0:
             text += (f"waited {_n(worst - cell['restore_s'])} s for room on its GPU, then "
                      f"{cell['restore_s']:.1f} s for its restore")
@@ -319,4 +322,42 @@ def ahead_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
              f"started ahead of a cell, releases. {first}: the fewest GPUs that serve every user "
              f"under that transfer model, with p99 / worst delay and delayed % at that count; "
              + ", ".join(models[1:]) + ": the fewest GPUs under that model."),
+    ])
+
+
+def placement_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    """Placement and migration: per configuration (round-robin and load-aware placement, each
+    without and with restores that move), delays and moves at the node's GPUs, and the fewest
+    GPUs under each transfer model, with the delays and moves there."""
+    models = list(rows[0]["fewest_gpus"]) if rows else []
+    first = models[0] if models else ""
+
+    def fewest(c: dict[str, Any]) -> str:
+        return _gpus(c) + ("*" if c.get("fails_above") else "")
+
+    out = []
+    for r in rows:
+        there = r["fewest_gpus"].get(first, {})
+        served = there.get("gpus") is not None
+        out.append([r["configuration"], _s(r["cell_delay_p99_s"]), _s(r["delay_max_s"]),
+                    f"{r['cells_delayed_pct']:.2f}", f"{r['moves']:,}", fewest(there),
+                    f"{_s(there['cell_delay_p99_s'])} / {_s(there['delay_max_s'])}" if served else "-",
+                    f"{there['moves']:,}" if served else "-",
+                    *[fewest(r["fewest_gpus"][m]) for m in models[1:]]])
+    if wide:
+        return table(["configuration", "p99 all cells s", "worst delay s", "delayed %", "moves",
+                      f"fewest GPUs ({first})", "p99 / worst there s", "moves there",
+                      *[f"fewest GPUs ({m})" for m in models[1:]]], out)
+    return "\n".join([
+        table(["configuration", "p99", "worst", "delayed %", "moves", first, "p99 / worst",
+               "moves", *models[1:]], out, WIDTH),
+        wrap(f"round-robin: each user's kernels on their turn's GPUs; load-aware: at a kernel's "
+             f"start, the GPUs of its machine with the most memory free after held and reserved "
+             f"bytes; + move: a restore whose own GPUs lack room that long goes onto GPUs with "
+             f"room, and the kernel stays there (without it: never moved). At the node's GPUs: "
+             f"p99 delay over every cell and worst wait in s, share of cells delayed, restores "
+             f"moved. {first}: the fewest GPUs that serve every user under that transfer model "
+             f"(every count tried), with p99 / worst delay and moves at that count; "
+             + ", ".join(models[1:]) + ": the fewest GPUs under that model. *: a larger count "
+             "tried does not serve (where kernels land changes with the count of GPUs)."),
     ])

@@ -33,6 +33,7 @@ class Settings:
     ahead_grace: float = 300.0  # s a kernel restored ahead waits for its cell (the product's)
     release_policy: str = "proactive"  # proactive | needs (policies.RELEASE_POLICIES)
     long_idle: float = 7200.0  # s: under ``needs``, released however much room there is
+    move_after: float = 30.0  # s a restore waits for its own GPUs before others (0: never)
 
     @property
     def total_gpus(self) -> int:
@@ -50,4 +51,4 @@ POLICIES: dict[str, Callable[[Settings], Policy]] = {
 
 def _release(s: Settings) -> dict:
     return {"release_policy": s.release_policy, "long_idle": s.long_idle,
-            "ahead_grace": s.ahead_grace}
+            "ahead_grace": s.ahead_grace, "move_after": s.move_after}
