@@ -24,6 +24,8 @@ _COUNTED = {
     "restored": (metrics.RESTORES, "ok", metrics.RESTORE_SECONDS),
     "restore_failed": (metrics.RESTORES, "failed", None),
 }
+#: actions whose event gives the move's rate (``bytes_per_second``)
+_RATED = ("released", "restored")
 
 
 class Announcer:
@@ -61,6 +63,8 @@ class Announcer:
         for k, v in data.items():
             if v is not None:
                 payload[k] = int(v) if k == "bytes" else v
+        if action in _RATED and payload.get("bytes") and data.get("seconds"):
+            payload["bytes_per_second"] = round(payload["bytes"] / data["seconds"], 1)
         try:
             self.emit(payload)
         except Exception:

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..core.hostmem import HostRoom
 from ..core.tracker import Tracker
 from ..reclaim import ReclaimMethod
 from ..telemetry import Telemetry
+from .selection import method_for_kernel
 
 log = logging.getLogger(__name__)
 
@@ -50,16 +52,30 @@ class ServerNodeRoom:
         await self._refresh()
 
 
+@dataclass(frozen=True)
+class AutoPick:
+    """``release_method = "auto"`` per kernel (:func:`.selection.method_for_kernel`): every
+    usable method, what telemetry sees a kernel's processes hold (None: unknown) and the CUDA
+    context's share of that."""
+
+    methods: Mapping[str, ReclaimMethod]
+    gpu_bytes: Callable[[str], int | None]
+    context_bytes: int
+
+
 class ServerKernels:
     """What the server knows of its kernels (a :class:`..core.ports.KernelFacts`)."""
 
     def __init__(self, kernel_manager: Any, method: ReclaimMethod | None,
-                 connections: Callable[[], dict[str, Any]]) -> None:
+                 connections: Callable[[], dict[str, Any]], auto: AutoPick | None = None) -> None:
         """method: the release method in use (None: off); connections(): the agents connected
-        now, by kernel id (the channel is built after the controller)."""
+        now, by kernel id (the channel is built after the controller); auto: pick per kernel
+        (``release_method = "auto"``), else every kernel gets ``method``."""
         self.kernel_manager = kernel_manager
         self.method = method
         self.connections = connections
+        self.auto = auto
+        self.picks: dict[str, str] = {}  # kernel id -> "method: why", as auto last picked
 
     def live_state(self, kernel_id: str) -> str:
         try:
@@ -80,11 +96,23 @@ class ServerKernels:
         return out
 
     def method_for(self, kernel_id: str) -> str | None:
+        """The method for the kernel now; with ``auto_methods``, the framework method where
+        the frameworks hold the kernel's memory (why: ``picks[kernel_id]``)."""
         if self.method is None:
             return None
-        if self.method.needs_agent and kernel_id not in self.connections():
+        connections = self.connections()
+        if self.method.needs_agent and kernel_id not in connections:
             return None
-        return self.method.name
+        if self.auto is None or kernel_id not in connections:
+            return self.method.name
+        report = getattr(connections[kernel_id], "report", None)
+        name, why = method_for_kernel(self.method.name, self.auto.methods, report,
+                                      self.auto.gpu_bytes(kernel_id), self.auto.context_bytes)
+        pick = f"{name}: {why}"
+        if self.picks.get(kernel_id) != pick:
+            log.info("gpushare: kernel %s: release method %s", kernel_id, pick)
+            self.picks[kernel_id] = pick
+        return name
 
     def agent(self, kernel_id: str) -> Any:
         return self.connections().get(kernel_id)

@@ -369,3 +369,51 @@ def choose_method(release_method: str, backend: str, context: MethodContext,
             or "no release method acts on this node"
     return choice
 
+
+
+# -- "auto", per kernel: the framework method where the frameworks hold the kernel's memory ---
+FRAMEWORK = "framework"
+#: what the frameworks' count may miss of a kernel's GPU memory (beyond its CUDA context) and
+#: the framework method still be picked: a share of the kernel's memory, and a floor in
+#: bytes (cuBLAS/cuDNN workspaces, the allocators' rounding)
+COVER_TOLERANCE = 0.05
+COVER_SLACK = 256 << 20
+
+
+def framework_covers(framework_bytes: int | None, process_bytes: int | None, context_bytes: int,
+                     tolerance: float = COVER_TOLERANCE, slack: int = COVER_SLACK) -> tuple[bool, str]:
+    """Whether the kernel's GPU memory is the frameworks' state, so that moving their tensors
+    frees it: (yes, why). ``framework_bytes``: what PyTorch, CuPy and JAX hold on the GPUs by
+    the kernel agent's count (allocated plus cached); ``process_bytes``: what telemetry sees
+    the kernel's processes hold; ``context_bytes``: a CUDA context's share of that, which no
+    offload frees. Unknown figures never pick the framework method."""
+    if framework_bytes is None:
+        return False, "the kernel agent gave no count of its frameworks' GPU memory"
+    if process_bytes is None:
+        return False, "telemetry does not attribute GPU memory to the kernel's processes"
+    if framework_bytes <= 0:
+        return False, "no PyTorch, CuPy or JAX memory on the GPU"
+    own = max(0, process_bytes - context_bytes)
+    foreign = own - framework_bytes
+    allowed = max(slack, int(own * tolerance))
+    mib = 1 << 20
+    if foreign > allowed:
+        return False, (f"{foreign // mib} MiB of the kernel's {own // mib} MiB (CUDA context "
+                       f"excluded) is not PyTorch, CuPy or JAX memory: only the driver moves it")
+    return True, (f"PyTorch, CuPy or JAX hold {framework_bytes // mib} MiB of the kernel's "
+                  f"{own // mib} MiB (CUDA context excluded)")
+
+
+def method_for_kernel(default: str, usable: Mapping[str, ReclaimMethod], report: Mapping[str, Any] | None,
+                      process_bytes: int | None, context_bytes: int) -> tuple[str, str]:
+    """The method "auto" uses for one kernel: (name, why). The framework method when it is
+    usable and the frameworks hold the kernel's memory (:func:`framework_covers`; its
+    copies run at the bus's speed, the driver checkpoint's at a few GB/s), else ``default``
+    (the node's choice, :func:`choose_method`)."""
+    if FRAMEWORK not in usable or default == FRAMEWORK:
+        return default, "the node's choice"
+    counted = report.get("framework_bytes") if report else None
+    if isinstance(counted, bool) or not isinstance(counted, int):
+        counted = None
+    ok, why = framework_covers(counted, process_bytes, context_bytes)
+    return (FRAMEWORK, why) if ok else (default, why)

@@ -161,8 +161,17 @@ export interface IKernel {
   gpu_utilization: { [key: string]: number };
   /** Seconds since the last activity; 0 while busy; null when not tracked yet. */
   idle_seconds: number | null;
-  /** Seconds until the automatic idle release; null = none scheduled. */
+  /**
+   * Seconds until the automatic idle release if nothing changes (under release_policy "needs": the
+   * long-idle release); memory pressure or a waiting restore may release the kernel sooner. null =
+   * none scheduled.
+   */
   release_in_seconds: number | null;
+  /**
+   * The server's release_policy: "needs" releases an idle kernel when its GPU needs the memory (or
+   * after long_idle), "proactive" also at its idle timeout.
+   */
+  release_policy?: 'needs' | 'proactive';
   /** This kernel's effective idle timeout (override, else the server's). */
   idle_timeout: number;
   /** Method of the last release, else the one that would be used; null = none. */
@@ -288,6 +297,11 @@ export interface IKernelEvent {
   bytes?: number;
   /** How long the operation took. */
   seconds?: number;
+  /**
+   * The move's rate (released, restored): bytes divided by seconds, the whole operation as the
+   * server timed it (the agent's or driver's round trip included).
+   */
+  bytes_per_second?: number;
   /** driver, framework or simulated. */
   method?: string;
   /** Why it happened, or why it failed. */

@@ -31,6 +31,17 @@ def adapter_class(spec: str) -> type[OffloadAdapter]:
     return getattr(importlib.import_module(module_name), class_name)
 
 
+def pinned_kept_bytes() -> int:
+    """Page-locked host memory the adapters keep for the next release while the kernel is
+    resident (:mod:`.pinned`); imports no framework (a pool exists only once it was used)."""
+    total = 0
+    for module_name, attr in (("jupyter_gpushare.kernel.offload.torch_adapter", "_default_pool"),
+                              ("jupyter_gpushare.kernel.offload.cupy_adapter", "_pool")):
+        pool = getattr(sys.modules.get(module_name), attr, None)
+        total += pool.kept_bytes if pool is not None else 0
+    return total
+
+
 def present_adapters() -> list[OffloadAdapter]:
     """New adapters (default, real-device settings) for the frameworks imported right now."""
     return [adapter_class(spec)() for module, spec in ADAPTERS if module in sys.modules]
@@ -41,5 +52,6 @@ __all__ = [
     "OffloadAdapter",
     "OffloadReport",
     "adapter_class",
+    "pinned_kept_bytes",
     "present_adapters",
 ]

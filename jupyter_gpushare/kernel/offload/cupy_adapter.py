@@ -16,6 +16,11 @@ All or nothing (:mod:`.txn`): every allocation is copied first; then every array
 re-pointed, and if one refuses, those already re-pointed go back to the memory they had, so
 a failed offload or reload leaves every array exactly as it was and raises.
 
+Speed, as for PyTorch: the pinned host copies come from a pool kept across cycles
+(:class:`.pinned.PinnedPool`, bounded by ``$JUPYTER_GPUSHARE_PINNED_KEEP``; ``trim`` frees
+it), every copy is issued on one non-blocking stream per GPU that first waits for the
+device's current stream, and each move ends with one synchronize per GPU.
+
 Covered by tests/gpu/test_offload_cuda.py only: CuPy cannot run without a GPU (the shared
 undo bookkeeping is tested on CPU in tests/test_offload_txn.py).
 """
@@ -31,6 +36,7 @@ from typing import Any
 
 from ..walk import Child, Ref, walk_namespace
 from .base import OffloadAdapter, OffloadReport
+from .pinned import PinnedPool
 from .txn import Change, UndoIncomplete, apply_all
 
 _probe_result: str | None = None  # "" when re-pointing works, else why not
@@ -93,6 +99,49 @@ def _probe() -> str:
     return _probe_result
 
 
+_pool: PinnedPool | None = None
+_streams: dict[int, Any] = {}  # one copy stream per GPU for the kernel process
+
+
+def _pinned_alloc(nbytes: int) -> Any:
+    return _cupy().cuda.alloc_pinned_memory(nbytes)
+
+
+def pinned_pool() -> PinnedPool:
+    global _pool
+    if _pool is None:
+        _pool = PinnedPool(_pinned_alloc)
+    return _pool
+
+
+def _copy_stream(device_id: int) -> Any:
+    """The device's copy stream, made to wait for the work queued on its current stream
+    (call inside ``Device(device_id)``)."""
+    cupy = _cupy()
+    stream = _streams.get(device_id)
+    if stream is None:
+        stream = _streams[device_id] = cupy.cuda.Stream(non_blocking=True)
+    stream.wait_event(cupy.cuda.get_current_stream().record())
+    return stream
+
+
+def _sync_devices(device_ids: Iterable[int]) -> None:
+    """One wait per device, each waited for even if another fails."""
+    cupy = _cupy()
+    error: BaseException | None = None
+    for device_id in dict.fromkeys(device_ids):
+        stream = _streams.get(device_id)
+        if stream is None:
+            continue
+        try:
+            with cupy.cuda.Device(device_id):
+                stream.synchronize()
+        except BaseException as exc:
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 def array_children(array: Any) -> Iterable[Child]:
     if array.base is not None:
         yield ".base", array.base, Ref(array, "base", "fixed")
@@ -136,6 +185,7 @@ class CupyAdapter(OffloadAdapter):
         pool = cupy.get_default_memory_pool()
         before = pool.total_bytes()
         pool.free_all_blocks()
+        pinned_pool().clear()  # the kept pinned buffers: host memory a checkpoint needs
         cupy.get_default_pinned_memory_pool().free_all_blocks()
         return max(0, int(before - pool.total_bytes()))
 
@@ -151,20 +201,24 @@ class CupyAdapter(OffloadAdapter):
                 report.skip(f"{g.paths[0]}: cannot re-point CuPy arrays ({why})")
             return report
         before = self.device_bytes()
-        # 1. copy every allocation to pinned host memory; nothing has changed if this fails
+        # 1. copy every allocation to pinned host memory, queued on each GPU's copy stream,
+        # then one wait per GPU; nothing has changed if this fails
+        pool = pinned_pool()
+        streams: dict[int, Any] = {}
         try:
             for group in groups:
                 with cupy.cuda.Device(group.device_id):
-                    group.host = cupy.cuda.alloc_pinned_memory(group.nbytes)
+                    if group.device_id not in streams:
+                        streams[group.device_id] = _copy_stream(group.device_id)
+                    group.host = pool.take(group.nbytes)
                     # no local name for the source pointer: it would keep the allocation alive
                     cupy.cuda.MemoryPointer(group.mem, 0).copy_to_host_async(
-                        ctypes.c_void_p(group.host.ptr), group.nbytes
+                        ctypes.c_void_p(group.host.ptr), group.nbytes,
+                        stream=streams[group.device_id],
                     )
-            for group in groups:
-                with cupy.cuda.Device(group.device_id):
-                    cupy.cuda.get_current_stream().synchronize()
+            _sync_devices(streams)
         except BaseException:
-            self._drop_host_copies(groups)
+            self._drop_host_copies(groups, streams)
             raise
         # 2. re-point every array at its host copy, all or nothing. The device sees
         # page-locked host memory at the same address (UVA).
@@ -178,7 +232,7 @@ class CupyAdapter(OffloadAdapter):
             apply_all(self._changes(groups, hosts))
         except BaseException:
             del hosts
-            self._drop_host_copies(groups)
+            self._drop_host_copies(groups, {})
             raise
         for group in groups:
             group.mem = None  # the last reference to the device allocation
@@ -197,27 +251,44 @@ class CupyAdapter(OffloadAdapter):
         start = time.perf_counter()
         cupy = _cupy()
         fresh = []
+        streams: dict[int, Any] = {}
         try:
-            # 1. allocate and fill every device allocation
+            # 1. allocate and fill every device allocation, queued on each GPU's copy
+            # stream, then one wait per GPU
             for group in self._groups:
                 with cupy.cuda.Device(group.device_id):
+                    if group.device_id not in streams:
+                        streams[group.device_id] = _copy_stream(group.device_id)
                     memptr = cupy.cuda.alloc(group.nbytes)
-                    memptr.copy_from_host_async(ctypes.c_void_p(group.host.ptr), group.nbytes)
+                    memptr.copy_from_host_async(ctypes.c_void_p(group.host.ptr), group.nbytes,
+                                                stream=streams[group.device_id])
                     fresh.append(memptr)
-            for group in self._groups:
-                with cupy.cuda.Device(group.device_id):
-                    cupy.cuda.get_current_stream().synchronize()
+            _sync_devices(streams)
             # 2. re-point every array at it, all or nothing
             apply_all(self._changes(self._groups, fresh))
         except BaseException:
+            try:  # queued copies finish before their target memory goes back to the pool
+                _sync_devices(streams)
+            except BaseException:
+                pass
             del fresh  # still fully offloaded; a later reload may find room
             cupy.get_default_memory_pool().free_all_blocks()
             raise
         for group in self._groups:
             report.bytes += group.nbytes
             report.count += len(group.arrays)
-        self._groups = []
-        cupy.get_default_pinned_memory_pool().free_all_blocks()
+        groups, self._groups = self._groups, []
+        pool = pinned_pool()
+        for group in groups:  # kept for the next cycle (bounded), or freed
+            host, group.host = group.host, None
+            # an array the user made while offloaded still points into it (through the
+            # UnownedMemory that holds it): never reuse it then. References: ``host`` and
+            # getrefcount's argument
+            if sys.getrefcount(host) <= 2:
+                pool.give(host, group.nbytes)
+            del host
+        if pool.end_cycle():
+            cupy.get_default_pinned_memory_pool().free_all_blocks()
         report.seconds = time.perf_counter() - start
         return report
 
@@ -233,9 +304,20 @@ class CupyAdapter(OffloadAdapter):
                 )
 
     @staticmethod
-    def _drop_host_copies(groups: list[_Group]) -> None:
+    def _drop_host_copies(groups: list[_Group], streams: dict[int, Any]) -> None:
+        """After a failed move: wait for the queued copies, then give the buffers back to
+        the pool (if the wait fails, drop them: memory a copy may still write is not reused)."""
+        try:
+            _sync_devices(streams)
+            waited = True
+        except BaseException:
+            waited = False
+        pool = pinned_pool()
         for group in groups:
-            group.host = None
+            host, group.host = group.host, None
+            if waited and host is not None:
+                pool.give(host, group.nbytes)
+            del host
         _cupy().get_default_pinned_memory_pool().free_all_blocks()
 
     def _find_groups(self, namespace: dict[str, Any], report: OffloadReport) -> list[_Group]:

@@ -21,8 +21,15 @@ is undone completely if one refuses. On offload, a storage whose tensors refuse 
 device and is reported in ``skipped`` while the rest moves; a failed reload leaves every
 tensor offloaded, ready for a retry.
 
-The move is parametrised by ``is_device`` / ``to_host`` / ``to_device`` / ``synchronize``, so
-tests run the very same logic between two CPU storages.
+Speed (:class:`StreamCopies`, the default): host copies go into page-locked buffers kept
+from one cycle to the next (:class:`.pinned.PinnedPool`, bounded, see there for how that
+host memory is counted), every copy is issued on one side stream per GPU (which first waits
+for the work already queued on the device), and each move ends with one synchronize per GPU,
+never one per tensor: the GPUs' copies run at the same time, each at its bus's speed.
+
+The copies are parametrised: ``copies`` (an object with :class:`StreamCopies`'s hooks) or,
+the older seam, ``to_host`` / ``to_device`` / ``synchronize`` (fresh buffers each time, one
+global synchronize), so tests run the very same logic between two CPU storages.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..walk import Child, Ref, walk_namespace
 from .base import OffloadAdapter, OffloadReport
+from .pinned import PinnedPool
 from .txn import Change, UndoIncomplete, apply_all
 
 if TYPE_CHECKING:  # torch is imported only when the adapter is used (it is then loaded already)
@@ -97,6 +105,147 @@ def _release_pinned_cache() -> None:
         empty()
 
 
+def _pinned_alloc(nbytes: int) -> torch.UntypedStorage:
+    torch = _torch()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+
+
+def _storage_shared(storage: torch.UntypedStorage) -> bool:
+    """Whether something besides the one Python wrapper holds ``storage`` (a view the user
+    took of an offloaded tensor): such a buffer must never be overwritten by a later cycle."""
+    return bool(_torch()._C._storage_Use_Count(storage._cdata) > 1)
+
+
+_default_pool: PinnedPool | None = None
+
+
+def default_pool() -> PinnedPool:
+    """The kernel process's pool of pinned buffers for PyTorch (adapters are made anew for
+    each release; the buffers outlive them)."""
+    global _default_pool
+    if _default_pool is None:
+        _default_pool = PinnedPool(_pinned_alloc, shared=_storage_shared)
+    return _default_pool
+
+
+class StreamCopies:
+    """How bytes move, the fast way: pooled page-locked host buffers, copies issued on one
+    stream per device, one synchronize per device at the end of a move.
+
+    The hooks (all optional; defaults are CUDA's) are the seam the CPU tests drive:
+    ``alloc_device(nbytes, device)`` a new device storage; ``copy(dst, src, device)`` an
+    asynchronous copy on ``device``'s copy stream (the first one of a move per device also
+    makes that stream wait for the work queued on the device: the copy must see what the
+    last cell wrote, and must not write memory a queued kernel still uses);
+    ``sync(device)`` waits for ``device``'s copy stream. ``pool`` hands out host buffers."""
+
+    def __init__(self, *, pool: PinnedPool | None = None,
+                 alloc_device: Callable[[int, Any], Any] | None = None,
+                 copy: Callable[[Any, Any, Any], None] | None = None,
+                 sync: Callable[[Any], None] | None = None) -> None:
+        self.pool = pool if pool is not None else default_pool()
+        self.alloc_device = alloc_device or _cuda_alloc
+        self.copy = copy or self._cuda_copy
+        self.sync = sync or self._cuda_sync
+        self._joined: set[Any] = set()  # devices whose copy stream waited this move
+
+    # -- the move, as the adapter uses it ------------------------------------------------
+    def to_host(self, storage: Any, device: Any) -> Any:
+        host = self.pool.take(storage.nbytes())
+        try:
+            self.copy(host, storage, device)
+        except BaseException:
+            self.pool.give(host, storage.nbytes())  # nothing was queued into it
+            raise
+        return host
+
+    def to_device(self, host: Any, device: Any) -> Any:
+        new = self.alloc_device(host.nbytes(), device)
+        self.copy(new, host, device)
+        return new
+
+    def synchronize(self, devices: Iterable[Any]) -> None:
+        """One wait per device (every device's copies were queued before the first wait, so
+        they ran at the same time); each device is waited for even if another fails."""
+        error: BaseException | None = None
+        for device in dict.fromkeys(devices):
+            try:
+                self.sync(device)
+            except BaseException as exc:
+                error = error or exc
+            self._joined.discard(device)
+        if error is not None:
+            raise error
+
+    def recycle(self, host: Any) -> None:
+        """A host copy no longer in use: kept for the next cycle when the bounds allow."""
+        self.pool.give(host, host.nbytes())
+
+    def end_cycle(self) -> None:
+        if self.pool.end_cycle():
+            _release_pinned_cache()  # the dropped buffers go back to the OS, not a cache
+
+    # -- CUDA -----------------------------------------------------------------------------
+    def _stream(self, device: Any) -> Any:
+        key = _stream_key(device)
+        stream = _streams.get(key)
+        if stream is None:
+            stream = _streams[key] = _torch().cuda.Stream(device=device)
+        return stream
+
+    def _cuda_copy(self, dst: Any, src: Any, device: Any) -> None:
+        torch = _torch()
+        stream = self._stream(device)
+        if device not in self._joined:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._joined.add(device)
+        with torch.cuda.stream(stream):
+            _byte_view(dst).copy_(_byte_view(src), non_blocking=True)
+
+    def _cuda_sync(self, device: Any) -> None:
+        self._stream(device).synchronize()
+
+
+#: one copy stream per GPU for the kernel process (streams are cheap but not free to make)
+_streams: dict[Any, Any] = {}
+
+
+def _stream_key(device: Any) -> Any:
+    index = getattr(device, "index", None)
+    return index if index is not None else str(device)
+
+
+def _cuda_alloc(nbytes: int, device: Any) -> torch.UntypedStorage:
+    """A new device storage, allocated for the device's current stream (the one cells use),
+    so the caching allocator gives it back to that stream's pool when it is freed."""
+    torch = _torch()
+    return torch.empty(nbytes, dtype=torch.uint8, device=device).untyped_storage()
+
+
+class LegacyCopies:
+    """The older seam: ``to_host(storage)`` / ``to_device(host, device)`` make a new buffer
+    each time, ``synchronize()`` waits for everything; nothing is kept across cycles."""
+
+    def __init__(self, to_host: Callable[[Any], Any], to_device: Callable[[Any, Any], Any],
+                 synchronize: Callable[[], None]) -> None:
+        self._to_host, self._to_device, self._synchronize = to_host, to_device, synchronize
+
+    def to_host(self, storage: Any, device: Any) -> Any:
+        return self._to_host(storage)
+
+    def to_device(self, host: Any, device: Any) -> Any:
+        return self._to_device(host, device)
+
+    def synchronize(self, devices: Iterable[Any]) -> None:
+        self._synchronize()
+
+    def recycle(self, host: Any) -> None:
+        pass
+
+    def end_cycle(self) -> None:
+        _release_pinned_cache()
+
+
 def tensor_children(tensor: Any) -> Iterable[Child]:
     """What a tensor leads to: its gradient, the base of a view, Python attributes, and the
     inner tensors of wrapper subclasses (``__tensor_flatten__``, e.g. DTensor)."""
@@ -136,23 +285,32 @@ class TorchAdapter(OffloadAdapter):
         self,
         *,
         is_device: Callable[[Any], bool] | None = None,
+        device_of: Callable[[Any], Any] | None = None,
+        copies: StreamCopies | LegacyCopies | None = None,
         to_host: Callable[[Any], Any] | None = None,
         to_device: Callable[[Any, Any], Any] | None = None,
         synchronize: Callable[[], None] | None = None,
         max_depth: int = 100,
         max_objects: int = 1_000_000,
     ) -> None:
-        """Defaults move CUDA tensors to pinned host memory and back.
+        """Defaults move CUDA tensors to pooled pinned host memory and back on one copy
+        stream per GPU (:class:`StreamCopies`).
 
         is_device(tensor) -> bool: which tensors live on "the device".
-        to_host(storage) -> host storage with the same bytes (may be asynchronous).
-        to_device(host storage, device) -> new device storage with the same bytes.
+        device_of(storage) -> the device it lives on (default ``storage.device``).
+        copies: how bytes move (:class:`StreamCopies` with test hooks, or another object
+        with the same methods).
+        The older seam, used when ``to_host`` or ``to_device`` is given (:class:`LegacyCopies`):
+        to_host(storage) -> host storage with the same bytes (may be asynchronous);
+        to_device(host storage, device) -> new device storage with the same bytes;
         synchronize(): waits for the asynchronous copies.
         """
         self.is_device = is_device or (lambda t: t.is_cuda)
-        self.to_host = to_host or cuda_to_pinned
-        self.to_device = to_device or pinned_to_cuda
-        self.synchronize = synchronize or _cuda_synchronize
+        self.device_of = device_of or (lambda storage: storage.device)
+        if to_host is not None or to_device is not None:
+            copies = LegacyCopies(to_host or cuda_to_pinned, to_device or pinned_to_cuda,
+                                  synchronize or _cuda_synchronize)
+        self.copies = copies if copies is not None else StreamCopies()
         self.walk_options = {"max_depth": max_depth, "max_objects": max_objects}
         self._groups: list[_Group] = []
 
@@ -166,8 +324,13 @@ class TorchAdapter(OffloadAdapter):
         return _cuda_reserved()
 
     def trim(self) -> int:
+        """Empty the device caches; also frees the kept pinned buffers (host memory a driver
+        checkpoint needs room in). Returns the device bytes freed."""
         before = _cuda_reserved()
         _empty_caches()
+        pool = getattr(self.copies, "pool", None)
+        if pool is not None and pool.clear():
+            _release_pinned_cache()
         return max(0, before - _cuda_reserved())
 
     def offload(self, namespace: dict[str, Any]) -> OffloadReport:
@@ -177,19 +340,19 @@ class TorchAdapter(OffloadAdapter):
         start = time.perf_counter()
         reserved_before = _cuda_reserved()
         groups = self._find_groups(namespace, report)
+        copies = self.copies
 
-        # 1. copy every storage to host; nothing has changed yet if this fails
+        # 1. copy every storage to host (every device's copies queued, then one wait per
+        # device); nothing has changed yet if this fails
         try:
             for group, storage in groups:
-                group.host = self.to_host(storage)
-            self.synchronize()
+                group.host = copies.to_host(storage, group.device)
+            copies.synchronize(group.device for group, _ in groups)
         except BaseException:
-            for group, _ in groups:
-                group.host = None
-            _release_pinned_cache()
+            self._drop_host_copies([group for group, _ in groups])
             raise
         # 2. re-point every tensor at its host copy; drop the last device references
-        self._groups = _swap_groups(groups, report)
+        self._groups = _swap_groups(groups, report, copies.recycle)
         for group in self._groups:
             report.bytes += group.nbytes
             report.count += len(group.tensors)
@@ -204,12 +367,20 @@ class TorchAdapter(OffloadAdapter):
         if not self._groups:
             return report
         start = time.perf_counter()
+        copies = self.copies
         # 1. allocate and fill every device storage; on failure (out of memory) the state is
         # still fully offloaded and a later reload can try again
+        fresh: list[Any] = []
         try:
-            fresh = [self.to_device(group.host, group.device) for group in self._groups]
-            self.synchronize()
+            for group in self._groups:
+                fresh.append(copies.to_device(group.host, group.device))
+            copies.synchronize(group.device for group in self._groups[:len(fresh)])
         except BaseException:
+            if fresh:  # let queued copies finish before their target memory is freed
+                try:
+                    copies.synchronize(group.device for group in self._groups[:len(fresh)])
+                except BaseException:
+                    pass
             fresh = []
             _empty_caches()
             raise
@@ -224,11 +395,33 @@ class TorchAdapter(OffloadAdapter):
         for group in self._groups:
             report.bytes += group.nbytes
             report.count += len(group.tensors)
-        self._groups = []
+        groups, self._groups = self._groups, []
         del fresh
-        _release_pinned_cache()
+        for group in groups:  # kept for the next cycle (bounded), or freed
+            host, group.host = group.host, None
+            copies.recycle(host)
+            del host
+        copies.end_cycle()
         report.seconds = time.perf_counter() - start
         return report
+
+    def _drop_host_copies(self, groups: list[_Group]) -> None:
+        """After a failed copy: wait for what was queued, then give the buffers back (or, if
+        the wait fails, drop them: memory a copy may still write is never reused)."""
+        taken = [group for group in groups if group.host is not None]
+        try:
+            self.copies.synchronize(group.device for group in taken)
+        except BaseException:
+            for group in taken:
+                group.host = None
+            _release_pinned_cache()
+            return
+        for group in taken:
+            host, group.host = group.host, None
+            self.copies.recycle(host)
+            del host
+        if isinstance(self.copies, LegacyCopies):
+            _release_pinned_cache()
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -259,7 +452,7 @@ class TorchAdapter(OffloadAdapter):
                 continue
             key = storage._cdata
             if key not in groups:
-                groups[key] = (_Group(storage.device, storage.nbytes()), storage)
+                groups[key] = (_Group(self.device_of(storage), storage.nbytes()), storage)
             group = groups[key][0]
             group.tensors.append(tensor)
             group.paths.append(found.path)
@@ -280,9 +473,10 @@ class TorchAdapter(OffloadAdapter):
         return movable
 
 
-def _swap_groups(groups: list[tuple[_Group, Any]], report: OffloadReport) -> list[_Group]:
+def _swap_groups(groups: list[tuple[_Group, Any]], report: OffloadReport,
+                 recycle: Callable[[Any], None]) -> list[_Group]:
     """Re-point each group (with its device storage) at its host copy; a group that refuses
-    stays on the device and is reported."""
+    stays on the device and is reported (its host copy goes to ``recycle``)."""
     try:
         _swap([(group, group.host) for group, _ in groups])  # fast path: one batch
         return [group for group, _ in groups]
@@ -302,7 +496,9 @@ def _swap_groups(groups: list[tuple[_Group, Any]], report: OffloadReport) -> lis
                     pass  # UndoIncomplete is on its way up and says the state is damaged
             raise
         except Exception as exc:
-            group.host = None
+            host, group.host = group.host, None
+            recycle(host)
+            del host
             report.skip(
                 f"{group.paths[0]}: cannot be re-pointed ({type(exc).__name__}: {exc});"
                 " left on the device"
