@@ -156,11 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_arguments(doctor_parser)
     sub.add_parser("simulate", help="compare sharing policies on a simulated node: how many "
                    "users fit (`jupyter gpushare simulate --help`)")
+    from .node import daemon as node_daemon
+
+    daemon_parser = sub.add_parser(
+        "node-daemon", help="per-GPU restore turns for every server of a shared node (run as root)")
+    node_daemon.add_arguments(daemon_parser)
     args, extra = parser.parse_known_args(argv)
     if args.command == "doctor":
         if extra:
             doctor_parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return doctor.run(args, doctor_parser)
+    if args.command == "node-daemon":
+        if extra:
+            daemon_parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return node_daemon.run(args, daemon_parser)
     return demo(args, jupyter_options(extra, demo_parser))
 
 

@@ -11,6 +11,7 @@ from traitlets import Enum, Int, Unicode, default, validate
 from traitlets.config import Configurable
 
 from ..policy.options import non_negative
+from .daemon_client import NODE_DAEMON_ENV
 
 
 class NodeOptions(Configurable):
@@ -38,6 +39,25 @@ class NodeOptions(Configurable):
     @default("node_lock_dir")
     def _default_node_lock_dir(self) -> str:
         return os.path.join(jupyter_runtime_dir(), "gpushare-locks")  # not at import
+
+    node_daemon_socket = Unicode(
+        help="""The Unix socket of the node daemon (`jupyter gpushare node-daemon`, run by an
+        admin as root on a node shared by users who do not trust each other), which then owns
+        the restore turns per GPU of every server on the node: a restore asks it for its GPUs'
+        turns, all at once, and holds them until its bytes have landed; the daemon knows each
+        server by its Unix user (SO_PEERCRED) and revokes a turn held longer than its
+        --turn-timeout, so no user stalls the others' restores for longer. When set,
+        node_lock_dir is not used (no lock files). The daemon is used only when its process
+        runs as root or as this server's user. When it cannot be reached (or is not trusted,
+        or refuses), restores go on without a turn and ask for room for twice their state,
+        read twice 0.5 s apart, with a warning in the log that says why, as with a refused
+        node_lock_dir. Default: the environment variable JUPYTER_GPUSHARE_NODE_DAEMON, else ""
+        = not used (lock files in node_lock_dir). Not used with a private simulated node.""",
+    ).tag(config=True)
+
+    @default("node_daemon_socket")
+    def _default_node_daemon_socket(self) -> str:
+        return os.environ.get(NODE_DAEMON_ENV, "")
 
     placement = Enum(
         ["room", "off"],

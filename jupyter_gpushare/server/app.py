@@ -30,6 +30,7 @@ from ..core.options import RestoreOptions, TrackingOptions
 from ..core.tracker import Tracker
 from ..events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from ..node import hub_link
+from ..node.daemon_client import NodeDaemonTurns
 from ..node.node_locks import NodeLocks
 from ..node.options import NodeOptions
 from ..node.placement import Placer
@@ -43,7 +44,7 @@ from .gate import GATES_KEY, SETTINGS_KEY, Gates
 from .handlers import handlers
 from .options import KernelOptions, SourceOptions
 from .poller import Poller
-from .ports import ServerKernels, ServerNodeRoom
+from .ports import AutoPick, ServerKernels, ServerNodeRoom
 from .provisioner import LaunchSettings
 from .views import kernel_view, status_view
 
@@ -139,6 +140,7 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
     def _build(self, teardown: ExitStack) -> None:
         """Everything that can fail, each piece closed by ``teardown``."""
         self.hub_link: hub_link.HubLink | None = None
+        self.auto_pick: AutoPick | None = None  # release_method "auto" per kernel (_auto_pick)
         self.poller = Poller(self._poll_step, self.poll_interval)
         self._open_telemetry(teardown)
         assert self.telemetry is not None
@@ -205,6 +207,21 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         else:
             self.log.info("gpushare: release method %s (%s)", choice.name, choice.reason)
 
+    def _auto_pick(self, restore_mode: str) -> AutoPick | None:
+        """With ``release_method = "auto"``, the framework method for the kernels whose GPU
+        memory is all PyTorch, CuPy or JAX state (its copies run at the bus's speed), the
+        node's choice for the others. Eager restores only: the framework method has no lazy
+        mode, and the mode is the node's."""
+        if self.release_method != selection.AUTO or restore_mode != "eager" \
+                or selection.FRAMEWORK not in self.methods or self.method_name == selection.FRAMEWORK:
+            return None
+
+        def gpu_bytes(kernel_id: str) -> int | None:
+            rec = self.tracker.kernels.get(kernel_id)
+            return sum(rec.gpu_bytes.values()) if rec is not None and rec.attributed else None
+
+        return AutoPick(self.methods, gpu_bytes, self._source.context_bytes(self.context_bytes))
+
     def _make_controller(self) -> Controller:
         method = self.methods.get(self.method_name)
         restore_mode = self.restore_mode
@@ -212,8 +229,10 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             self.log.warning("gpushare: restore_mode = lazy needs a method that supports it "
                              "(%s does not); using eager", method.name)
             restore_mode = "eager"
+        self.auto_pick = self._auto_pick(restore_mode)
         kernels = ServerKernels(self.server.kernel_manager, method,
-                                connections=lambda: self.channel.connections)
+                                connections=lambda: self.channel.connections,
+                                auto=self.auto_pick)
         return Controller(
             self.tracker, self.methods, config=self, node_room=self.node_room, kernels=kernels,
             emit=self._emit,
@@ -228,6 +247,17 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         )
 
     def _node_locks(self) -> NodeLocks | None:
+        if self.node_daemon_socket and self._source.shares_node_locks():
+            turns = NodeDaemonTurns(self.node_daemon_socket)
+            why = turns.refusal()  # said at start; each restore's turn tries again
+            if why:
+                self.log.warning("gpushare: %s; restores go on without a turn across servers, "
+                                 "with a stricter room check (see GPUShareApp.node_daemon_socket)",
+                                 why)
+            else:
+                self.log.info("gpushare: restore turns from the node daemon at %s",
+                              self.node_daemon_socket)
+            return turns
         if not self.node_lock_dir or not self._source.shares_node_locks():
             return None
         locks = NodeLocks(self.node_lock_dir)
@@ -316,8 +346,8 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
 
     async def _poll_step(self) -> None:
         await self.channel.heal()  # its socket file removed: listen again
-        if self.tracker.foreign_pids:
-            await self.agent_ops.refresh_reports()
+        if self.tracker.foreign_pids or self.auto_pick is not None:
+            await self.agent_ops.refresh_reports()  # their own counts: attribution, auto's pick
         await self.tracker.poll()
         metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
         await self.controller.tick()
