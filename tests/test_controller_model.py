@@ -470,6 +470,9 @@ class ControllerModel(RuleBasedStateMachine):
     async def refresh(self) -> None:
         await self._poll()
 
+    async def node_view(self, gpus: list[int]) -> None:
+        return None  # no hub service on this node
+
     def overrides(self, kid: str) -> dict[str, Any]:
         return {}
 

@@ -1,5 +1,6 @@
-"""Placement with the hub service: a new kernel goes where the room is as the service sees
-the node, other users' released kernels included (a server alone sees only its own).
+"""Placement and restores that move, with the hub service: a new kernel goes, and a waiting
+restore moves, where the room is as the service sees the node, other users' released kernels
+included (a server alone sees only its own).
 
 A real JupyterHub, one shared simulated node of two 512 MiB GPUs, servers with placement on.
 alice's released kernel will take 320 MiB back on GPU 0, which reads as empty; bob's server
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .hubharness import Hub, MiB, can_run, start_hub
+from .hubharness import Hub, MiB, UserKernel, can_run, start_hub
 from .scenarios import hold, intact
 from .test_hub import BIG, admin_view, shut, until
 
@@ -33,7 +34,8 @@ c.GPUShareHub.min_release_bytes = 0
 def hub():
     directory = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))  # short: AF_UNIX paths fit
     hub = start_hub(directory, ["alice", "bob", "dave"], ["admin"], SERVICE_CONFIG,
-                    server_args=["--GPUShareApp.placement=room"],
+                    server_args=["--GPUShareApp.placement=room",
+                                 "--GPUShareApp.restore_move_after=1"],
                     user_env={"dave": {"JUPYTER_GPUSHARE_HUB_URL": "http://127.0.0.1:9/nowhere/"}},
                     gpus=(512 * MiB, 512 * MiB))
     try:
@@ -87,3 +89,48 @@ async def test_a_server_that_cannot_reach_the_service_places_by_its_own_view(hub
     assert "with the hub service's view" not in "\n".join(
         line for line in log.splitlines() if dave.id in line)
     await shut(dave)
+
+
+async def released_where_placed(hub: Hub, user: str, mib: int, gpu: str) -> UserKernel:
+    k = await hub.kernel(user)
+    assert await visible(k) == gpu
+    await k.run(hold(mib, chunk=mib))
+    await hub.wait_kernel(user, k.id, lambda s: s["gpu_memory_bytes"] == mib << 20, "held")
+    code, body = await hub.gpushare(user, f"kernels/{k.id}/release", "POST",
+                                    token=await hub.token_for(user))
+    assert code == 200 and body["state"] == "released", body
+    return k
+
+
+async def test_a_waiting_restore_does_not_move_onto_room_another_users_released_kernel_needs(hub):
+    alice = await released_where_placed(hub, "alice", BIG, "0")
+    await until(lambda: admin_view(hub),
+                lambda v: any(k.get("state") == "released" for k in kernels_of(v, "alice")),
+                "the service sees alice's released kernel")
+    bob = await released_where_placed(hub, "bob", BIG, "1")  # GPU 0's room is alice's
+    await until(lambda: admin_view(hub),
+                lambda v: any(k.get("state") == "released" for k in kernels_of(v, "bob")),
+                "the service sees bob's released kernel")
+    # dave (no service) fills GPU 0, where alice's state belongs, and keeps it
+    dave = await hub.kernel("dave")
+    assert await visible(dave) == "0"
+    await dave.run(hold(400, name="d", chunk=400))
+    await hub.wait_kernel("dave", dave.id, lambda s: s["gpu_memory_bytes"] == 400 << 20, "dave's")
+    await hub.gpushare("dave", f"kernels/{dave.id}/pin", "PUT", body={"pinned": True})
+
+    cell = alice.send(intact())  # needs 320 MiB on GPU 0, which has 112 free
+    await hub.wait_kernel("alice", alice.id, lambda s: bool(s["waiting"]), "alice's restore waits")
+    # GPU 1 reads 512 MiB free, but bob's state comes back there: moving alice would leave
+    # bob without room. Well past restore_move_after (1 s), she still waits, unmoved.
+    await asyncio.sleep(4)
+    status = await hub.kernel_status("alice", alice.id)
+    assert status is not None and status["state"] == "released" and status["waiting"], status
+    assert status["restored_onto"] is None, status
+    # dave is done: alice comes back home, bob onto his own GPU, both whole
+    await dave.shutdown()
+    out = await alice.wait(cell, timeout=60)
+    assert "intact" in out["text"], out
+    assert "intact" in (await bob.run(intact()))["text"]
+    status = await hub.kernel_status("alice", alice.id)
+    assert status is not None and status["restored_onto"] is None, status
+    await shut(alice, bob)

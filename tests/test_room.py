@@ -36,6 +36,9 @@ class _Node:
     async def refresh(self) -> None:
         pass
 
+    async def node_view(self, gpus: list[int]) -> None:
+        return None
+
     def live_state(self, kernel_id: str) -> str:
         return "unknown"
 

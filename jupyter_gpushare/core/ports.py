@@ -27,6 +27,12 @@ class NodeRoom(Protocol):
     async def refresh(self) -> None:
         """One poll, so what status shows after an operation is of one moment."""
 
+    async def node_view(self, gpus: list[int]) -> dict[int, tuple[int | None, bool]] | None:
+        """Room per GPU as a party that sees every server of the node counts it (the hub
+        service: other people's released kernels and waiting restores included), and whether
+        this server's person is within their share there: {gpu: (bytes or None, within)}.
+        None: no such party, or it did not answer."""
+
 
 class KernelFacts(Protocol):
     """What the server knows of one kernel beyond GPU numbers."""

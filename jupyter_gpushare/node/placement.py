@@ -140,10 +140,6 @@ class Placer:
                         out[g] = out.get(g, 0) + n
             return out
 
-        async def service_room(uuids: list[str]) -> dict[str, tuple[int | None, bool]] | None:
-            link = app.hub_link  # connected after the placer is built
-            return None if link is None else await link.rooms(uuids)
-
         return cls(
             devices=lambda: [rec.info for rec in list(app.tracker.gpus.values())],
             read_free=app.node_room.read_free,
@@ -156,7 +152,7 @@ class Placer:
             # poll could wait on this very kernel's start (a server started with a kernel)
             sample=lambda: app.tracker.off_loop(app.tracker.telemetry.devices, SAMPLE_WAIT),
             log=app.log,
-            service_room=service_room,
+            service_room=app.service_room,
         )
 
     async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:

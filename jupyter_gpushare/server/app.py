@@ -151,7 +151,8 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             agent_reports=lambda kid: self.agent_ops.report_of(kid), settings=self,
         )
         teardown.callback(self.tracker.close)
-        self.node_room = ServerNodeRoom(self.tracker, self.telemetry, self.poller.refresh)
+        self.node_room = ServerNodeRoom(self.tracker, self.telemetry, self.poller.refresh,
+                                        service_room=self.service_room)
         self.controller = self._make_controller()
         self.agent_ops = AgentOps(
             self.controller, self.tracker, self.telemetry, poll=self.poll_once,
@@ -206,6 +207,11 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             self.log.warning("gpushare: %s; nothing is released", choice.reason)
         else:
             self.log.info("gpushare: release method %s (%s)", choice.name, choice.reason)
+
+    async def service_room(self, uuids: list[str]) -> dict[str, tuple[int | None, bool]] | None:
+        """The hub service's view of the room on those GPUs (placement and restores that
+        move ask it); None without a service or an answer."""
+        return None if self.hub_link is None else await self.hub_link.rooms(uuids)
 
     def _auto_pick(self, restore_mode: str) -> AutoPick | None:
         """With ``release_method = "auto"``, the framework method for the kernels whose GPU

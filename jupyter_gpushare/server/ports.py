@@ -12,6 +12,7 @@ from typing import Any
 
 from ..core.hostmem import HostRoom
 from ..core.tracker import Tracker
+from ..node.placement import ServiceRoom
 from ..reclaim import ReclaimMethod
 from ..telemetry import Telemetry
 from .selection import method_for_kernel
@@ -25,10 +26,14 @@ class ServerNodeRoom:
     """GPU and host memory of this server's node (a :class:`..core.ports.NodeRoom`)."""
 
     def __init__(self, tracker: Tracker, source: Telemetry,
-                 refresh: Callable[[], Awaitable[None]]) -> None:
+                 refresh: Callable[[], Awaitable[None]],
+                 service_room: ServiceRoom | None = None) -> None:
+        """service_room(uuids): the hub service's view of those GPUs (None: no service, or no
+        answer)."""
         self.tracker = tracker
         self.source = source
         self._refresh = refresh
+        self._service_room = service_room
 
     async def read_free(self, gpus: list[int]) -> dict[int, int | None]:
         try:
@@ -50,6 +55,16 @@ class ServerNodeRoom:
 
     async def refresh(self) -> None:
         await self._refresh()
+
+    async def node_view(self, gpus: list[int]) -> dict[int, tuple[int | None, bool]] | None:
+        if self._service_room is None:
+            return None
+        uuids = {rec.info.uuid: rec.info.index for rec in self.tracker.gpus.values()
+                 if rec.info.uuid and rec.info.index in gpus}
+        if not uuids:
+            return None
+        seen = await self._service_room(list(uuids))
+        return None if seen is None else {uuids[u]: v for u, v in seen.items() if u in uuids}
 
 
 @dataclass(frozen=True)
