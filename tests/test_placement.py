@@ -122,6 +122,43 @@ async def test_no_room_anywhere_still_places_with_a_note():
     assert got is not None and got.gpus == [1] and "no GPU had room" in got.note
 
 
+async def test_a_gpu_that_errors_when_read_is_placed_last():
+    """A GPU whose memory cannot be read now (NVML error, a GPU fallen off the bus) and has
+    no earlier reading is never chosen while another GPU can be."""
+    two = [GPUInfo(0, "SIM-0", "Simulated GPU", 2 * GiB, None, None), gpu(1, used=1900 * MiB)]
+
+    async def read_free(indices: list[int]) -> dict[int, int | None]:
+        return {0: None, 1: 100 * MiB}
+
+    got = await Placer(lambda: two, read_free, lambda: {}, lambda: {}, lambda: [],
+                       min_room=512 * MiB).place("k", Spec(), {})
+    assert got is not None and got.gpus == [1] and "no GPU had room" in got.note
+
+
+async def test_the_hub_services_view_narrows_the_room_and_shares_come_first():
+    two = [gpu(0), gpu(1, used=GiB)]
+    views = {
+        # GPU 0 reads empty, but another person's released 1.5 GiB comes back there
+        "theirs": {"SIM-0": (512 * MiB, True), "SIM-1": (GiB, True)},
+        # the person is over their share on GPU 0: GPU 1 first, though it has less room
+        "share": {"SIM-0": (2 * GiB, False), "SIM-1": (GiB, True)},
+        "silent": None,
+    }
+    for case, want in (("theirs", "1"), ("share", "1"), ("silent", "0")):
+        async def service(uuids: list[str], view: Any = views[case]) -> Any:
+            assert sorted(uuids) == ["SIM-0", "SIM-1"]
+            return view
+
+        got = await placer(two, service_room=service).place("k", Spec(), {})
+        assert got is not None and got.value == want, case
+
+    async def broken(uuids: list[str]) -> Any:
+        raise OSError("connection refused")
+
+    got = await placer(two, service_room=broken).place("k", Spec(), {})
+    assert got is not None and got.value == "0"  # placed by the server's own view
+
+
 # -- end to end: a real server and real kernels ----------------------------------------------
 async def start(jp_fetch, jp_ws_fetch, kernels, app, name: str = "python3") -> tuple[KernelConn, Execution]:
     """A kernel of kernelspec ``name`` and the output of its first cell."""
