@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 GPU_FRAMEWORKS = ("torch", "cupy", "jax", "tensorflow")
 _MAX_SHOWN = 32  # display ids remembered (one per restore that showed progress)
 RECONNECT_WAIT = 15.0  # s a cell waits for a dropped channel to come back before it restores
+SIM_RESUME_WAIT = 0.5  # s a sim_resume waits for the resume before it answers with progress
 
 
 class KernelBusy(RuntimeError):
@@ -146,7 +147,8 @@ class Agent:
             "begin_release": self._begin_release,
             "sim_lock": self._sim_lock,
             "sim_checkpoint": lambda msg: _sim().checkpoint(),
-            "sim_resume": lambda msg: _sim_resume(_gpu_mapping(msg.get("gpu_mapping"))),
+            "sim_resume": lambda msg: _sim_resume(_gpu_mapping(msg.get("gpu_mapping")),
+                                                  msg.get("wait", SIM_RESUME_WAIT)),
             "state": self._on_state,
             "show": self._show,
             "clear": self._clear,
@@ -367,12 +369,21 @@ def _gpu_mapping(value: Any) -> dict[int, int] | None:
     return out
 
 
-def _sim_resume(gpu_mapping: dict[int, int] | None = None) -> dict[str, Any]:
+def _sim_resume(gpu_mapping: dict[int, int] | None = None,
+                wait: float = SIM_RESUME_WAIT) -> dict[str, Any]:
     """Back to running from any state: the restore (onto ``gpu_mapping``'s GPUs, if given),
-    and the undo of a failed release."""
+    and the undo of a failed release.
+
+    The resume runs on a thread of its own; the answer comes once it is done or after
+    ``wait`` seconds, whichever is first: ``done`` False says how far each GPU's copy is, and
+    the server asks again (the same request joins the resume that runs) until ``done``. A
+    failed resume is an error answer, as it always was."""
     from ..sim import device as sim_device
 
     dev = _sim()
+    step = getattr(dev, "resume_step", None)
+    if step is not None:
+        return step(gpu_mapping, wait)
     if gpu_mapping is not None:
         return dev.resume(gpu_mapping=gpu_mapping)
     resume = getattr(dev, "resume", None)

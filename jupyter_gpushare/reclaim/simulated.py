@@ -5,13 +5,24 @@ inside the kernel (lock -> checkpoint on release; resume = restore -> unlock on 
 (locked, checkpointed or running), so it is both the restore and the undo of a failed release.
 A restore with ``KernelTarget.gpu_mapping`` passes it on as ``gpu_mapping`` = [[from, to], ...]
 (JSON keys cannot be integers); the undo never moves.
+
+The kernel runs the resume on a thread of its own and answers ``sim_resume`` once it is done
+or after half a second, whichever is first; ``done: false`` says how far each GPU's copy is,
+and the method asks again (the same request joins the resume that runs) until it is done. A
+kernel with memory on several GPUs restores them in parallel, and the cell's progress line
+says so per GPU while they move ("restoring 2 GPUs in parallel: GPU 0 1.2/4.0 GiB, GPU 1
+0.8/4.0 GiB"), then how long each took and the rate. A restore that ends within the first
+answer shows nothing more than the controller's two lines (what it restores, how long it
+took). An answer without ``done`` is a whole answer (an agent that waits to the end).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from ..protocol import RemoteError
+from ..units import GiB, KiB, MiB, format_bytes
 from .base import (
     AGENT_ERRORS,
     AgentLink,
@@ -73,7 +84,7 @@ class SimulatedMethod(ReclaimMethod):
     async def _undo(self, agent: AgentLink, why: str) -> ReclaimError:
         """Bring the kernel back to running; say whether that is confirmed."""
         try:
-            await agent.request("sim_resume", timeout=self.undo_timeout)
+            await self._resume(agent, {}, time.monotonic() + self.undo_timeout)
         except AGENT_ERRORS as e:
             return ReclaimError(f"{why}; undo not confirmed ({agent_failure(e)}): the state stays held "
                                 "until a restore brings it back")
@@ -85,8 +96,96 @@ class SimulatedMethod(ReclaimMethod):
         args = {"gpu_mapping": [[src, dst] for src, dst in sorted(moves.items())]} if moves else {}
         started = time.monotonic()
         try:
-            reply = await agent.request("sim_resume", timeout=self.op_timeout, **args)
+            reply = await self._resume(agent, args, started + self.op_timeout, progress)
         except AGENT_ERRORS as e:
             raise ReclaimError(agent_failure(e)) from None
-        return ReclaimResult(reply_int(reply, "bytes"), time.monotonic() - started,
-                             f"{reply.get('arrays', 0)} arrays")
+        moved = reply_int(reply, "bytes")
+        seconds = time.monotonic() - started
+        copies = _copies(reply.get("transfers"))
+        parallel = reply.get("parallel") is True
+        if len(copies) > 1:
+            await say(progress, done_line(copies, moved, seconds, parallel))
+        return ReclaimResult(moved, seconds, f"{reply.get('arrays', 0)} arrays"
+                             + (f" from {len(copies)} GPUs in parallel" if parallel else ""))
+
+    async def _resume(self, agent: AgentLink, args: dict[str, Any], deadline: float,
+                      progress: Progress | None = None) -> dict[str, Any]:
+        """``sim_resume`` asked until it is done (or ``deadline``, a TimeoutError); each
+        answer that it still runs goes to ``progress`` as a per-GPU line, when it changed."""
+        shown = ""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the resume did not end in time")
+            reply = await agent.request("sim_resume", timeout=left, **args)
+            done = reply.get("done", True)
+            if not isinstance(done, bool):
+                raise ReclaimError(f"the kernel agent answered done={done!r}, not true or false")
+            if done:
+                return reply
+            plan = _per_gpu(reply.get("plan"))
+            gpus = reply.get("progress", {}).get("gpus") if isinstance(reply.get("progress"), dict) else None
+            line = moving_line(plan, _per_gpu(gpus, pairs=True), reply.get("parallel") is True)
+            if plan and line != shown:
+                shown = line
+                await say(progress, line)
+
+
+def _per_gpu(value: Any, pairs: bool = False) -> dict[int, Any]:
+    """The agent's {"gpu": bytes} (or {"gpu": [moved, total]} with ``pairs``), keys as GPU
+    indices; entries of another shape are left out (progress is a courtesy, never an error)."""
+    out: dict[int, Any] = {}
+    if not isinstance(value, dict):
+        return out
+    for key, item in value.items():
+        if not isinstance(key, str) or not key.isdigit():
+            continue
+        numbers = item if pairs else [item]
+        if (not isinstance(numbers, list) or len(numbers) != (2 if pairs else 1)
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers)):
+            continue
+        out[int(key)] = numbers[0] if pairs else item
+    return out
+
+
+def _copies(value: Any) -> list[tuple[int, int, float]]:
+    """(GPU, bytes, seconds) of each GPU's copy in the agent's ``transfers``, by GPU."""
+    out = []
+    for item in value if isinstance(value, list) else []:
+        if not isinstance(item, dict):
+            continue
+        gpu, nbytes, start, end = (item.get(k) for k in ("gpu", "bytes", "start", "end"))
+        if (isinstance(gpu, int) and isinstance(nbytes, int) and not isinstance(gpu, bool)
+                and isinstance(start, (int, float)) and isinstance(end, (int, float))):
+            out.append((gpu, nbytes, max(0.0, float(end) - float(start))))
+    return sorted(out)
+
+
+def fraction(moved: int, total: int) -> str:
+    """``1.2/4.0 GiB``: ``moved`` in the unit ``total`` reads in."""
+    whole = format_bytes(total)
+    unit = whole.rsplit(" ", 1)[-1]
+    size = {"GiB": GiB, "MiB": MiB, "KiB": KiB}.get(unit)
+    part = str(int(moved)) if size is None else f"{min(moved, total) / size:.1f}"
+    return f"{part}/{whole}"
+
+
+def moving_line(plan: dict[int, int], moved: dict[int, int], parallel: bool) -> str:
+    """What a restore moves now, per GPU: ``restoring 2 GPUs in parallel: GPU 0 1.2/4.0 GiB,
+    GPU 1 0.8/4.0 GiB`` (one GPU: ``restoring GPU 0: 1.2/4.0 GiB``)."""
+    if len(plan) == 1:
+        [(gpu, nbytes)] = plan.items()
+        return f"restoring GPU {gpu}: {fraction(moved.get(gpu, 0), nbytes)}"
+    per_gpu = ", ".join(f"GPU {g} {fraction(moved.get(g, 0), n)}" for g, n in sorted(plan.items()))
+    how = "in parallel" if parallel else "one after another"
+    return f"restoring {len(plan)} GPUs {how}: {per_gpu}"
+
+
+def done_line(copies: list[tuple[int, int, float]], moved: int, seconds: float,
+              parallel: bool) -> str:
+    """How long a restore of several GPUs took, its rate, and each GPU's copy."""
+    rate = f", {format_bytes(moved / seconds)}/s" if seconds > 0 else ""
+    how = "in parallel" if parallel else "one after another"
+    per_gpu = ", ".join(f"GPU {g} {format_bytes(n)} in {s:.2f} s" for g, n, s in copies)
+    return (f"restored {len(copies)} GPUs {how}: {format_bytes(moved)} in {seconds:.2f} s"
+            f"{rate} ({per_gpu})")

@@ -14,6 +14,16 @@ A restore may bring the state back onto other GPUs (``resume(gpu_mapping={from: 
 driver's restore with GPU pairs does): the blocks of GPU ``from`` come back on GPU ``to``, and
 the process's device numbering follows, so its device that was ``from`` is ``to`` from then on.
 
+A checkpoint or restore of a process that holds memory on several GPUs moves them in
+parallel, as the driver does for one process: one copy per GPU at once, each GPU's time
+overlapping the others', and still all or nothing across them (a failure on any GPU, or no
+room on one, leaves none moved). Each copy takes at least its bytes over
+:attr:`SimDevice.transfer_rate` (bytes per second per GPU, from
+``JUPYTER_GPUSHARE_SIM_TRANSFER_RATE``; unset: the time the host copy takes), shows in
+:meth:`SimDevice.progress` while it runs and in :meth:`SimDevice.transfer_log` after.
+:attr:`SimDevice.parallel` False (``JUPYTER_GPUSHARE_SIM_PARALLEL=0``) moves one GPU after
+another instead (the sequential baseline of ``benchmarks/parallel_restore.py``).
+
 For tests and demos the state machine takes injected faults and stalls
 (:meth:`SimDevice.inject_fault`, :meth:`SimDevice.stall`), and :meth:`SimDevice.resume`
 brings the device back to running from any state.
@@ -35,6 +45,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -50,6 +61,31 @@ RUNNING, LOCKED, CHECKPOINTED = "running", "locked", "checkpointed"
 #: and every GPU call fails until the process is restarted
 FAILED = "failed"
 STEPS = ("lock", "checkpoint", "restore", "unlock")
+
+#: bytes per second each simulated GPU moves between host and device memory (read when the
+#: process's device is made); unset or 0: a move takes the time of its host copy only
+TRANSFER_RATE_ENV = "JUPYTER_GPUSHARE_SIM_TRANSFER_RATE"
+#: "0": a checkpoint or restore moves one GPU after another instead of all at once
+PARALLEL_ENV = "JUPYTER_GPUSHARE_SIM_PARALLEL"
+PACE_SLICE = 0.02  # s: the finest step in which a paced copy advances its progress
+TRANSFER_LOG = 64  # per-GPU copies remembered by transfer_log()
+MAX_WAIT = 30.0  # s the longest wait_resume() holds its caller
+
+
+def _rate_from_env(value: str | None) -> float | None:
+    """``JUPYTER_GPUSHARE_SIM_TRANSFER_RATE`` as bytes per second, None when unset or 0; a
+    value that is not a number is said in the log and ignored (the device must still start)."""
+    if not value or not value.strip():
+        return None
+    try:
+        rate = float(value)
+    except ValueError:
+        log.warning("gpushare: %s=%r is not a number of bytes per second; ignored",
+                    TRANSFER_RATE_ENV, value)
+        return None
+    if not rate > 0 or rate == float("inf"):
+        return None
+    return rate
 
 
 class Backend(Protocol):
@@ -133,6 +169,52 @@ class _Fault:
 
 
 @dataclass
+class Transfer:
+    """One GPU's copy in a checkpoint or restore: when it ran and what it moved."""
+
+    step: str  # "checkpoint" or "restore"
+    gpu: int  # the node's GPU the bytes left (checkpoint) or landed on (restore)
+    bytes: int
+    arrays: int
+    start: float  # time.monotonic() of this process when the first byte moved
+    end: float  # ... when the last one had (or the copy stopped)
+    ok: bool  # False: the move failed (on this GPU or another) and was undone
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "gpu": self.gpu, "bytes": self.bytes, "arrays": self.arrays,
+                "start": self.start, "end": self.end, "seconds": self.end - self.start,
+                "ok": self.ok}
+
+
+@dataclass
+class _Copy:
+    """A GPU's part of the move in flight: its progress, and when it began and ended."""
+
+    total: int
+    moved: int = 0
+    arrays: int = 0
+    start: float | None = None
+    end: float | None = None
+
+
+@dataclass
+class _ResumeJob:
+    """A resume running on its own thread (:meth:`SimDevice.start_resume`)."""
+
+    plan: dict[int, int]  # node GPU -> bytes it brings back
+    parallel: bool
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    result: dict[str, Any] | None = None
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class _Aborted(Exception):
+    """A GPU's copy stopped because another GPU's failed (the whole move is undone)."""
+
+
+@dataclass
 class Stall:
     """A step held up on purpose (see :meth:`SimDevice.stall`)."""
 
@@ -170,8 +252,21 @@ class SimDevice:
         self._waiting = 0  # GPU calls blocked until the device runs again
         self._blocks: weakref.WeakKeyDictionary[Any, _Block] = weakref.WeakKeyDictionary()
         self._users: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-        self._faults: dict[str, _Fault] = {}
-        self._stalls: dict[str, Stall] = {}
+        #: (step, node GPU or None for any) -> what strikes there next
+        self._faults: dict[tuple[str, int | None], _Fault] = {}
+        self._stalls: dict[tuple[str, int | None], Stall] = {}
+        #: bytes per second each GPU's copy moves at most (None: as fast as the host copies)
+        self.transfer_rate: float | None = _rate_from_env(os.environ.get(TRANSFER_RATE_ENV))
+        #: a process's GPUs move at once, as the driver moves them (False: one after another)
+        self.parallel = os.environ.get(PARALLEL_ENV, "1").strip() not in ("0", "false", "no")
+        self._progress_lock = threading.Lock()  # guards _moving, _transfers
+        self._moving: dict[int, _Copy] = {}  # node GPU -> its copy, while a move runs
+        self._moving_step: str | None = None
+        self._transfers: deque[Transfer] = deque(maxlen=TRANSFER_LOG)
+        self._job_lock = threading.Lock()
+        self._job: _ResumeJob | None = None
+        #: how many times wait_resume() answered that the resume still runs
+        self.progress_reads = 0
         #: node GPU a process device started on -> node GPU it is on now, after restores onto
         #: other GPUs (as CUDA's numbering follows a restore with a GPU mapping)
         self.remap: dict[int, int] = {}
@@ -324,17 +419,23 @@ class SimDevice:
         *,
         after: int = 0,
         wedge: bool = False,
+        gpu: int | None = None,
     ) -> None:
         """Make the next ``step`` ("lock", "checkpoint", "restore", "unlock") fail once.
 
         ``error``: the exception to raise (a message becomes an :class:`InjectedFault`).
         ``after``: for checkpoint and restore, how many arrays are copied before it strikes
         (a restore has allocated its device memory by then); it strikes before the commit
-        even when there are fewer arrays. The failed step changes nothing, as the driver's
-        do, unless ``wedge``: then the device goes to the driver's ``failed`` state, where
-        every step and GPU call fails. A later fault for the same step replaces this one.
+        even when there are fewer arrays. Counted across GPUs in the order the arrays were
+        made, which moves the GPUs one after another for that step; with ``gpu`` (the
+        node's index of a GPU: where a restore's bytes land, where a checkpoint's leave),
+        only that GPU's copy fails, after ``after`` of its arrays, while the others move in
+        parallel (a GPU the move does not touch: no strike). The failed step changes
+        nothing, as the driver's do, on any GPU, unless ``wedge``: then the device goes to
+        the driver's ``failed`` state, where every step and GPU call fails. A later fault
+        for the same step and ``gpu`` replaces this one.
         """
-        self._check_step(step, after)
+        self._check_step(step, after, gpu)
         if error is None:
             error = InjectedFault(f"injected fault in {step}")
         elif isinstance(error, str):
@@ -342,22 +443,26 @@ class SimDevice:
         elif not isinstance(error, BaseException):
             raise TypeError(f"error must be an exception or a message, got {error!r}")
         with self._cond:
-            self._faults[step] = _Fault(error, after, wedge)
+            self._faults[(step, gpu)] = _Fault(error, after, wedge)
 
-    def stall(self, step: str, *, seconds: float | None = None, after: int = 0) -> Stall:
+    def stall(self, step: str, *, seconds: float | None = None, after: int = 0,
+              gpu: int | None = None) -> Stall:
         """Hold up the next ``step`` until ``Stall.release()`` or for ``seconds`` (once).
 
         The step has checked its state and (checkpoint, restore) copied ``after`` arrays; a
         stalled lock has not locked yet, a stalled restore holds its device memory.
+        ``gpu``: only that GPU's copy stalls, after ``after`` of its arrays (see
+        :meth:`inject_fault`), while the other GPUs' copies go on.
         ``Stall.reached`` is set when the step gets there. Then the step goes on (an injected
-        fault for it still strikes). A later stall for the same step replaces this one.
+        fault for it still strikes). A later stall for the same step and ``gpu`` replaces
+        this one.
         """
-        self._check_step(step, after)
+        self._check_step(step, after, gpu)
         if seconds is not None and seconds < 0:
             raise ValueError(f"seconds must be >= 0, got {seconds!r}")
         stall = Stall(step, after, seconds)
         with self._cond:
-            self._stalls[step] = stall
+            self._stalls[(step, gpu)] = stall
         return stall
 
     def clear_faults(self) -> None:
@@ -370,26 +475,39 @@ class SimDevice:
             stall.release()
 
     @staticmethod
-    def _check_step(step: str, after: int) -> None:
+    def _check_step(step: str, after: int, gpu: int | None = None) -> None:
         if step not in STEPS:
             raise ValueError(f"step must be one of {', '.join(STEPS)}, got {step!r}")
         if not isinstance(after, int) or isinstance(after, bool) or after < 0:
             raise ValueError(f"after must be a count of arrays >= 0, got {after!r}")
         if after and step in ("lock", "unlock"):
             raise ValueError(f"after applies to checkpoint and restore only, not {step}")
+        if gpu is not None:
+            if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+                raise ValueError(f"gpu must be a GPU index >= 0 or None, got {gpu!r}")
+            if step in ("lock", "unlock"):
+                raise ValueError(f"gpu applies to checkpoint and restore only, not {step}")
 
-    def _strike(self, step: str, copied: int, last: bool = False) -> None:
-        """Where a step may be stalled or fail: once ``copied`` arrays were copied (``last``:
-        the copy is complete and nothing is committed yet)."""
+    def _counts_in_order(self, step: str) -> bool:
+        """A fault or stall for ``step`` on any GPU waits for a count of arrays: it counts
+        them in the order they were made, so the move runs in that order."""
         with self._cond:
-            stall = self._stalls.get(step)
+            pending = [self._faults.get((step, None)), self._stalls.get((step, None))]
+        return any(p is not None and p.after > 0 for p in pending)
+
+    def _strike(self, step: str, copied: int, last: bool = False, gpu: int | None = None) -> None:
+        """Where a step may be stalled or fail: once ``copied`` arrays were copied (``last``:
+        the copy is complete and nothing is committed yet); ``gpu``: those of that GPU's copy."""
+        key = (step, gpu)
+        with self._cond:
+            stall = self._stalls.get(key)
             if stall is not None and (copied >= stall.after or last):
-                del self._stalls[step]
+                del self._stalls[key]
             else:
                 stall = None
-            fault = self._faults.get(step)
+            fault = self._faults.get(key)
             if fault is not None and (copied >= fault.after or last):
-                del self._faults[step]
+                del self._faults[key]
             else:
                 fault = None
         if stall is not None:
@@ -491,7 +609,7 @@ class SimDevice:
             for key, nbytes in needed.items():  # per GPU: one request each, freed on failure
                 self.backend.alloc(int(key), nbytes)
                 allocated.append((int(key), nbytes))
-            self._move(arrays, "restore", to_host=False)
+            self._move(arrays, "restore", to_host=False, onto=onto)
         except BaseException:
             for gpu, nbytes in allocated:
                 self._free_quietly(gpu, nbytes)
@@ -508,23 +626,40 @@ class SimDevice:
             self.state = LOCKED
         return _summary(arrays, needed)
 
-    def _move(self, arrays: list[tuple[Any, _Block]], step: str, *, to_host: bool) -> None:
+    def _move(self, arrays: list[tuple[Any, _Block]], step: str, *, to_host: bool,
+              onto: list[int] | None = None) -> None:
         """Copy every array's bytes to the other side, or leave every array where it was.
+
+        ``onto``: the node GPU each array's bytes land on (a restore), else its block's GPU.
+        One copy per GPU, all at once (one after another when not :attr:`parallel`, or when
+        a fault or stall counts arrays across GPUs); the move is whole only once every GPU's
+        copy is: any failure stops the others and undoes them all.
 
         A simulated GPU's device memory is host RAM too, so each array hands its old buffer
         over as soon as its copy exists (holding the whole state twice would double the
         kernel's memory during a move). Handing it back is an assignment, which cannot fail:
         on any error every array already moved goes back, with the same bytes."""
+        gpus = onto if onto is not None else [b.gpu for _, b in arrays]
+        groups: dict[int, list[int]] = {}  # node GPU -> indices of its arrays, in order
+        for index, gpu in enumerate(gpus):
+            groups.setdefault(gpu, []).append(index)
+        with self._progress_lock:
+            self._moving_step = step
+            self._moving = {g: _Copy(sum(arrays[i][1].nbytes for i in idx))
+                            for g, idx in sorted(groups.items())}
         moved: list[Any] = []
+        ok = False
         try:
-            for index, (array, _) in enumerate(arrays):
-                self._strike(step, index)
-                if to_host:
-                    array._commit_host(array._copy_to_host())
-                else:
-                    array._commit_device(array._copy_to_device())
-                moved.append(array)
+            in_order = self._counts_in_order(step)
+            if self.parallel and len(groups) > 1 and not in_order:
+                self._strike(step, 0)  # a fault for any GPU, after no array: before any copy
+                self._move_parallel(arrays, groups, step, to_host, moved)
+            else:  # one GPU after another, unless a count of arrays needs the arrays' order
+                order = (list(range(len(arrays))) if in_order
+                         else [i for _, idx in sorted(groups.items()) for i in idx])
+                self._move_in_order(arrays, gpus, order, step, to_host, moved)
             self._strike(step, len(arrays), last=True)
+            ok = True
         except BaseException:
             for array in reversed(moved):  # the copy it holds has the very same bytes
                 if to_host:
@@ -532,6 +667,107 @@ class SimDevice:
                 else:
                     array._commit_host(array._dev)
             raise
+        finally:
+            self._end_move(step, ok)
+
+    def _move_in_order(self, arrays: list[tuple[Any, _Block]], gpus: list[int], order: list[int],
+                       step: str, to_host: bool, moved: list[Any]) -> None:
+        counts: dict[int, int] = {}
+        for copied, index in enumerate(order):
+            array, block = arrays[index]
+            gpu = gpus[index]
+            self._strike(step, copied)
+            self._strike(step, counts.get(gpu, 0), gpu=gpu)
+            self._copy(array, block.nbytes, gpu, to_host, moved)
+            counts[gpu] = counts.get(gpu, 0) + 1
+        for gpu, count in sorted(counts.items()):
+            self._strike(step, count, last=True, gpu=gpu)
+
+    def _move_parallel(self, arrays: list[tuple[Any, _Block]], groups: dict[int, list[int]],
+                       step: str, to_host: bool, moved: list[Any]) -> None:
+        """One thread per GPU; the first failure stops the others and is raised here."""
+        abort = threading.Event()
+        errors: list[BaseException] = []
+
+        def copy_gpu(gpu: int, indices: list[int]) -> None:
+            try:
+                for count, index in enumerate(indices):
+                    if abort.is_set():
+                        return
+                    self._strike(step, count, gpu=gpu)
+                    array, block = arrays[index]
+                    self._copy(array, block.nbytes, gpu, to_host, moved, abort)
+                self._strike(step, len(indices), last=True, gpu=gpu)
+            except _Aborted:
+                pass
+            except BaseException as e:  # the move's caller raises it: no thread dies noisily
+                errors.append(e)
+                abort.set()
+
+        threads = [threading.Thread(target=copy_gpu, args=(gpu, indices), daemon=True,
+                                    name=f"gpushare-sim-{step}-gpu{gpu}")
+                   for gpu, indices in sorted(groups.items())]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def _copy(self, array: Any, nbytes: int, gpu: int, to_host: bool, moved: list[Any],
+              abort: threading.Event | None = None) -> None:
+        """Move one array (and take ``nbytes`` / ``transfer_rate`` seconds at least, its
+        progress advancing as it goes)."""
+        started = time.monotonic()
+        with self._progress_lock:
+            copy = self._moving[gpu]
+            if copy.start is None:
+                copy.start = started
+            before = copy.moved
+        if to_host:
+            array._commit_host(array._copy_to_host())
+        else:
+            array._commit_device(array._copy_to_device())
+        moved.append(array)  # list.append is atomic: GPUs' threads share this list
+        rate = self.transfer_rate
+        if rate:
+            due = nbytes / rate
+            while True:
+                elapsed = time.monotonic() - started
+                with self._progress_lock:
+                    copy.moved = before + min(nbytes, int(nbytes * elapsed / due))
+                if elapsed >= due:
+                    break
+                if abort is not None and abort.is_set():
+                    raise _Aborted
+                time.sleep(min(PACE_SLICE, due - elapsed))
+        with self._progress_lock:
+            copy.moved = before + nbytes
+            copy.arrays += 1
+            copy.end = time.monotonic()
+
+    def _end_move(self, step: str, ok: bool) -> None:
+        with self._progress_lock:
+            for gpu, copy in sorted(self._moving.items()):
+                if copy.start is not None:
+                    self._transfers.append(Transfer(
+                        step, gpu, copy.moved, copy.arrays, copy.start,
+                        copy.end if copy.end is not None else time.monotonic(), ok))
+            self._moving = {}
+            self._moving_step = None
+
+    def progress(self) -> dict[str, Any]:
+        """The checkpoint or restore moving now, per node GPU (JSON-ready): ``{"step":
+        "restore", "gpus": {"0": [moved, total], ...}}``; step None and no GPUs when none."""
+        with self._progress_lock:
+            return {"step": self._moving_step,
+                    "gpus": {str(g): [c.moved, c.total] for g, c in sorted(self._moving.items())}}
+
+    def transfer_log(self, step: str | None = None) -> list[dict[str, Any]]:
+        """The last per-GPU copies (of ``step`` only, if given), oldest first: when each ran
+        (``time.monotonic()`` of this process), what it moved, whether its move held."""
+        with self._progress_lock:
+            return [t.as_dict() for t in self._transfers if step is None or t.step == step]
 
     def unlock(self) -> None:
         with self._step_lock:
@@ -567,6 +803,71 @@ class SimDevice:
             if self.state == LOCKED:
                 self._unlock()
             return {"from": start, **moved}
+
+    def start_resume(self, gpu_mapping: Mapping[int, int] | None = None) -> dict[str, Any]:
+        """Run :meth:`resume` on a thread of its own, so that its progress can be read while
+        it moves (:meth:`wait_resume`). Returns the plan: bytes per node GPU that come back
+        (none when the device is not checkpointed), and whether they move in parallel. While
+        an earlier one still runs, returns that one's plan (one resume at a time)."""
+        with self._job_lock:
+            job = self._job
+            if job is None or job.done.is_set():
+                moves = self._check_mapping(gpu_mapping)
+                plan: dict[int, int] = {}
+                with self._cond:
+                    if self.state == CHECKPOINTED:
+                        for b in list(self._blocks.values()):
+                            if not b.on_device:
+                                gpu = moves.get(b.gpu, b.gpu)
+                                plan[gpu] = plan.get(gpu, 0) + b.nbytes
+                job = _ResumeJob(plan, self.parallel and len(plan) > 1)
+                self._job = job
+                threading.Thread(target=self._run_job, args=(job, gpu_mapping), daemon=True,
+                                 name="gpushare-sim-resume").start()
+        return {"plan": {str(g): n for g, n in sorted(job.plan.items())},
+                "parallel": job.parallel}
+
+    def _run_job(self, job: _ResumeJob, gpu_mapping: Mapping[int, int] | None) -> None:
+        try:
+            job.result = self.resume(gpu_mapping=gpu_mapping)
+        except BaseException as e:  # handed to wait_resume's caller
+            job.error = e
+        finally:
+            job.ended = time.monotonic()
+            job.done.set()
+
+    def wait_resume(self, wait: float = 0.0) -> dict[str, Any]:
+        """Wait up to ``wait`` seconds (at most 30) for the resume :meth:`start_resume` began.
+
+        ``done`` False: it still runs; ``plan`` is what it brings back per GPU, ``progress``
+        how far each GPU's copy is (``bytes`` 0: nothing is back until all of it is).
+        ``done`` True: what :meth:`resume` returned (``from``, ``bytes``, ``arrays``,
+        ``gpus``), with ``seconds`` it took and ``transfers``, its per-GPU copies (see
+        :meth:`transfer_log`). A resume that failed raises its error here, as :meth:`resume`
+        does (nothing came back)."""
+        if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not wait >= 0:
+            raise ValueError(f"wait must be seconds >= 0, got {wait!r}")
+        job = self._job
+        if job is None:
+            raise SimCheckpointError("no resume was started (start_resume)")
+        if not job.done.wait(min(float(wait), MAX_WAIT)):
+            with self._job_lock:
+                self.progress_reads += 1
+            return {"done": False, "bytes": 0, "arrays": 0, "parallel": job.parallel,
+                    "plan": {str(g): n for g, n in sorted(job.plan.items())},
+                    "progress": self.progress()}
+        if job.error is not None:
+            raise job.error
+        return {**(job.result or {}), "done": True, "parallel": job.parallel,
+                "seconds": (job.ended or job.started) - job.started,
+                "transfers": [t for t in self.transfer_log("restore") if t["start"] >= job.started]}
+
+    def resume_step(self, gpu_mapping: Mapping[int, int] | None = None,
+                    wait: float = 0.5) -> dict[str, Any]:
+        """:meth:`start_resume` (or join the one that runs), then :meth:`wait_resume` for
+        ``wait`` seconds: what the agent's ``sim_resume`` answers, asked until ``done``."""
+        self.start_resume(gpu_mapping)
+        return self.wait_resume(wait)
 
     def _free_quietly(self, gpu: int, nbytes: int) -> None:
         try:
@@ -622,6 +923,7 @@ __all__ = [
     "SimInvalidDeviceError",
     "SimOutOfMemoryError",
     "Stall",
+    "Transfer",
     "format_bytes",
     "get_device",
     "set_backend",
