@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import pwd
+import shutil
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -261,3 +265,21 @@ async def kernel_status(jp_fetch: Any, kernel_id: str) -> dict[str, Any] | None:
         if k["id"] == kernel_id:
             return k
     return None
+
+
+def unix_user(name: str, why: str) -> int:
+    """The uid of a real second Unix user ``name``, created with useradd when missing; the
+    test is skipped (saying ``why`` it needs one) where that cannot be done (not root)."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip(f"needs root: {why}")
+    try:
+        return pwd.getpwnam(name).pw_uid
+    except KeyError:
+        pass
+    if shutil.which("useradd") is None:
+        pytest.skip(f"needs useradd to create a second Unix user ({why})")
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True)
+    return pwd.getpwnam(name).pw_uid

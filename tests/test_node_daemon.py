@@ -26,6 +26,8 @@ from jupyter_gpushare.node.daemon_client import NodeDaemonTurns
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import SharedSimNode
 
+from .helpers import unix_user
+
 MiB = 1 << 20
 PEER_USER = "gpushare-daemon-peer"
 
@@ -239,17 +241,7 @@ print(s.makefile().readline().strip(), flush=True)
 
 @pytest.fixture(scope="module")
 def peer_user() -> int:
-    if os.geteuid() != 0:
-        pytest.skip("needs root: a connection must come from a second Unix user")
-    try:
-        return pwd.getpwnam(PEER_USER).pw_uid
-    except KeyError:
-        pass
-    if shutil.which("useradd") is None:
-        pytest.skip("needs useradd to create a second Unix user")
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", PEER_USER],
-                   check=True, capture_output=True)
-    return pwd.getpwnam(PEER_USER).pw_uid
+    return unix_user(PEER_USER, "a connection must come from a second Unix user")
 
 
 def python_of(uid: int) -> str:

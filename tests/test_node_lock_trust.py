@@ -13,8 +13,6 @@ import asyncio
 import json
 import logging
 import os
-import pwd
-import shutil
 import stat
 import subprocess
 import sys
@@ -29,7 +27,7 @@ from jupyter_gpushare.node.node_locks import NodeLocks
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import SharedSimNode
 
-from .helpers import kernel_status, wait_for
+from .helpers import kernel_status, unix_user, wait_for
 from .scenarios import hold, intact, rest
 
 MiB = 1 << 20
@@ -47,17 +45,7 @@ time.sleep(float(sys.argv[2]))
 @pytest.fixture(scope="module")
 def other_user() -> int:
     """The uid of a real second Unix user (created with useradd when missing)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: a second Unix user must own the squatted directory")
-    try:
-        return pwd.getpwnam(SQUATTER).pw_uid
-    except KeyError:
-        pass
-    if shutil.which("useradd") is None:
-        pytest.skip("needs useradd to create a second Unix user")
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", SQUATTER],
-                   check=True, capture_output=True)
-    return pwd.getpwnam(SQUATTER).pw_uid
+    return unix_user(SQUATTER, "a second Unix user must own the squatted directory")
 
 
 def _squat(path: str, uid: int, mode: int) -> None:
