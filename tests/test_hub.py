@@ -244,6 +244,37 @@ async def test_when_the_push_cannot_reach_the_service_the_poll_makes_room(server
         await hub.stop_server("dave")
 
 
+async def test_a_restore_ahead_of_a_cell_never_takes_room_a_cells_restore_waits_for(servers):
+    """dave works in his notebook again (his kernel restores ahead of his next cell) while
+    alice's cell waits on the same GPU. Releasing bob's idle kernel would give dave room but
+    not alice: the service makes no room for dave's hint while her cell waits."""
+    hub = servers
+    await hub.start_server("dave")
+    alice = await released_kernel(hub, "alice", BIG, "a")
+    dave = await released_kernel(hub, "dave", 150, "d")
+    carol = await holding_kernel(hub, "carol", 250, "c")
+    await hub.gpushare("carol", f"kernels/{carol.id}/pin", "PUT", body={"pinned": True})
+    bob = await holding_kernel(hub, "bob", 200, "b")
+    try:
+        await idle_for(hub, "bob", bob, 2.5)  # 62 MiB free; bob's 200 would be enough for dave
+        cell = alice.send(intact("a"))  # 320 MiB: not even with bob's
+        await until(lambda: admin_view(hub),
+                    lambda v: any(w["kernel"] == alice.id for w in v["waits"]), "alice's wait seen")
+        code, body = await hub.gpushare("dave", f"kernels/{dave.id}/restore", "POST",
+                                        body={"trigger": "activity"}, token=await hub.token_for("dave"))
+        assert code == 202, body
+        await hub.wait_kernel("dave", dave.id, lambda s: bool(s["waiting"]), "dave's ahead restore waits")
+        k = await hub.wait_kernel("dave", dave.id, lambda s: not s["waiting"], "dave's ahead restore ends")
+        assert k["state"] == "released", k  # given up, never failed for a hint
+        assert resident(await hub.kernel_status("bob", bob.id))
+        assert not [r for r in (await admin_view(hub))["recent"] if r["kernel"] == bob.id]
+        alice.send("", msg_type="interrupt_request", channel="control")
+        assert (await alice.wait(cell))["status"] == "error"
+    finally:
+        await shut(alice, dave, carol, bob)
+        await hub.stop_server("dave")
+
+
 CROSS_USER = """
 import json, os, socket, urllib.request
 token = os.environ["JUPYTERHUB_API_TOKEN"]  # this server's own token: kernels inherit it

@@ -41,6 +41,7 @@ from typing import Any
 import psutil
 
 from .. import clock, policy
+from ..core.ahead import AHEAD_TEXT
 from ..policy import crossuser
 from ..policy.fairshare import Share, shares_of
 from ..sim.node import format_bytes
@@ -59,6 +60,11 @@ RECENT = 200  # actions kept for the admin page
 STRIKES_FORGOTTEN = 3600.0  # s without an unused claim before a user's pauses start short again
 MAX_PAUSE = 3600.0  # s: the longest pause of a user's claims
 ANOTHER = "another user's idle kernel"  # all a server is told of whose kernel made its room
+
+
+def _ahead(placed: Placed) -> bool:
+    """Its restore runs ahead of a cell (the person is back in the notebook; no cell waits)."""
+    return (placed.kernel.waiting or "").startswith(AHEAD_TEXT)
 
 
 def now() -> float:
@@ -482,6 +488,17 @@ class Coordinator:
         fresh = self.view.find(user, server, kid)
         if fresh is None or not fresh.need or not fresh.kernel.waiting:
             return [], None  # it got its room meanwhile (or is gone, or is not believed)
+        if _ahead(fresh):  # a restore ahead of a cell ranks below every cell's restore
+            cells = {g for p in self.view.waiting() if p is not fresh and not _ahead(p)
+                     for g in p.need if g in fresh.need}
+            if cells:
+                first = ("a cell's restore waits for room on "
+                       + ", ".join(f"GPU {self.view.gpus[g].index.get(fresh.ref.key, g)}"
+                                   for g in sorted(cells) if g in self.view.gpus)
+                       + " first; a restore ahead of your next cell comes after it")
+                if wait is not None:
+                    wait.why, wait.last_try = first, now()
+                return [], first
         free = {g: self.view.gpus[g].free for g in fresh.need if g in self.view.gpus}
         known = {g: f for g, f in free.items() if f is not None}
         names = {g: f"GPU {self.view.gpus[g].index.get(fresh.ref.key, g)}" for g in fresh.need
