@@ -27,6 +27,7 @@ from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import SharedSimNode
 
 from .helpers import unix_user
+from .test_node_locks import hold_one, post, released_on
 
 MiB = 1 << 20
 PEER_USER = "gpushare-daemon-peer"
@@ -389,26 +390,9 @@ async def test_the_daemon_refuses_a_bad_start(node, tmp_path):
 
 
 # -- (f) two real servers take their turns from the daemon ----------------------------------------
-def _hold(mib: int, name: str) -> str:
-    return (
-        "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
-        f"{name} = simgpu.array(np.arange({mib * MiB // 4}, dtype=np.uint32), copy=False)\n"
-        f"{name}_sum = int(np.asarray({name}.get(), dtype=np.uint64).sum())"
-    )
-
-
 def _same(name: str) -> str:
     return (f"import json\nimport numpy as np\nprint(json.dumps(int(np.asarray({name}.get(), "
             f"dtype=np.uint64).sum()) == {name}_sum))")
-
-
-async def _post(srv: Server, path: str) -> tuple[int, dict]:
-    from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-
-    req = HTTPRequest(srv.base + path, method="POST", body=b"{}", request_timeout=120,
-                      headers={"Authorization": f"token {srv.token}"})
-    r = await AsyncHTTPClient(force_instance=True).fetch(req, raise_error=False)
-    return r.code, json.loads(r.body) if r.body else {}
 
 
 async def _restored(srv: Server, kernel_id: str, timeout: float = 90) -> dict:
@@ -434,17 +418,12 @@ async def test_two_servers_restore_into_one_gpus_room_by_the_daemons_turns(tmp_p
             for srv in (a, b):
                 with open(srv.log_path, errors="replace") as f:
                     assert "restore turns from the node daemon at" in f.read(), srv.log_tail()
-            ka, kb = await a.start_kernel(), await b.start_kernel()
-            await ka.run(_hold(640, "x"))
-            await kb.run(_hold(640, "y"))
-            for srv, k in ((a, ka), (b, kb)):
-                await srv.wait_kernel(k.id, lambda v: v["gpu_memory_bytes"] >= 640 * MiB, "memory seen")
-                await srv.api("POST", f"/api/gpushare/kernels/{k.id}/release")
+            ka, kb = await released_on((a, b), 640)
             node.alloc(os.getpid(), 0, 1 * GiB)  # another user's process: room for one restore
             try:
                 answers = await asyncio.gather(
-                    _post(a, f"/api/gpushare/kernels/{ka.id}/restore"),
-                    _post(b, f"/api/gpushare/kernels/{kb.id}/restore"),
+                    post(a, f"/api/gpushare/kernels/{ka.id}/restore"),
+                    post(b, f"/api/gpushare/kernels/{kb.id}/restore"),
                 )
                 codes = sorted(code for code, _ in answers)
                 assert set(codes) <= {200, 202} and codes != [200, 200], answers
@@ -481,7 +460,7 @@ async def test_an_unreachable_daemon_leaves_restores_unguarded_and_says_why(tmp_
               "pressure_idle_timeout": 3600, "poll_interval": 0.5}
     async with Server("daemon-gone", gpushare=config) as srv:
         k = await srv.start_kernel()
-        await k.run(_hold(256, "x"))
+        await k.run(hold_one(256, "x"))
         await srv.wait_kernel(k.id, lambda v: v["gpu_memory_bytes"] >= 256 * MiB, "memory seen")
         await srv.api("POST", f"/api/gpushare/kernels/{k.id}/release")
         assert await k.value(_same("x")) is True  # restored by the cell, every byte

@@ -20,7 +20,6 @@ import time
 
 import pytest
 from jupyter_core.paths import jupyter_runtime_dir
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from benchmarks._server import Server
 from jupyter_gpushare.node.node_locks import NodeLocks
@@ -29,6 +28,7 @@ from jupyter_gpushare.sim.shared import SharedSimNode
 
 from .helpers import kernel_status, unix_user, wait_for
 from .scenarios import hold, intact, rest
+from .test_node_locks import post, released_on
 
 MiB = 1 << 20
 SQUATTER = "gpushare-squatter"
@@ -186,21 +186,6 @@ async def _waiting(jp_fetch, kernel_id: str) -> str | None:
 
 
 # -- two real servers whose lock files are refused: restores still never collide -----------------
-async def _post(srv: Server, path: str) -> tuple[int, dict]:
-    req = HTTPRequest(srv.base + path, method="POST", body=b"{}", request_timeout=120,
-                      headers={"Authorization": f"token {srv.token}"})
-    r = await AsyncHTTPClient(force_instance=True).fetch(req, raise_error=False)
-    return r.code, json.loads(r.body) if r.body else {}
-
-
-def _hold(mib: int, name: str) -> str:
-    return (
-        "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
-        f"{name} = simgpu.array(np.arange({mib * MiB // 4}, dtype=np.uint32), copy=False)\n"
-        f"{name}_sum = int(np.asarray({name}.get(), dtype=np.uint64).sum())"
-    )
-
-
 async def test_refused_lock_files_never_let_two_servers_restores_collide(tmp_path):
     node_path = str(tmp_path / "node.sqlite")
     SharedSimNode(node_path, (2 * GiB,)).close()
@@ -212,17 +197,12 @@ async def test_refused_lock_files_never_let_two_servers_restores_collide(tmp_pat
     config = {"simulated_node": node_path, "node_lock_dir": str(locks_dir),
               "idle_timeout": 0, "pressure_idle_timeout": 3600, "poll_interval": 0.5}
     async with Server("trust-a", gpushare=config) as a, Server("trust-b", gpushare=config) as b:
-        ka, kb = await a.start_kernel(), await b.start_kernel()
-        await ka.run(_hold(640, "x"))
-        await kb.run(_hold(640, "y"))
-        for srv, k in ((a, ka), (b, kb)):
-            await srv.wait_kernel(k.id, lambda v: v["gpu_memory_bytes"] >= 640 * MiB, "memory seen")
-            await srv.api("POST", f"/api/gpushare/kernels/{k.id}/release")
+        ka, kb = await released_on((a, b), 640)
         node.alloc(os.getpid(), 0, 1 * GiB)  # another user's process: 1 GiB free, room for one
         try:
             answers = await asyncio.gather(
-                _post(a, f"/api/gpushare/kernels/{ka.id}/restore"),
-                _post(b, f"/api/gpushare/kernels/{kb.id}/restore"),
+                post(a, f"/api/gpushare/kernels/{ka.id}/restore"),
+                post(b, f"/api/gpushare/kernels/{kb.id}/restore"),
             )
             assert sorted(code for code, _ in answers) == [202, 202], answers  # neither risks it
             for _, body in answers:

@@ -26,7 +26,8 @@ from jupyter_gpushare.sim.shared import SharedSimNode
 MiB = 1 << 20
 
 
-def _hold(mib: int, name: str) -> str:
+def hold_one(mib: int, name: str) -> str:
+    """A cell that holds one array of ``mib`` MiB named ``name``, with its sum."""
     return (
         "from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
         f"{name} = simgpu.array(np.arange({mib * MiB // 4}, dtype=np.uint32), copy=False)\n"
@@ -34,7 +35,19 @@ def _hold(mib: int, name: str) -> str:
     )
 
 
-async def _post(srv: Server, path: str) -> tuple[int, dict]:
+async def released_on(servers: tuple[Server, ...], mib: int) -> list:
+    """A kernel on each server holding ``mib`` MiB (arrays x, y, ...), released over REST."""
+    kernels = [await srv.start_kernel() for srv in servers]
+    for k, name in zip(kernels, "xyzw", strict=False):
+        await k.run(hold_one(mib, name))
+    for srv, k in zip(servers, kernels, strict=True):
+        await srv.wait_kernel(k.id, lambda v: v["gpu_memory_bytes"] >= mib * MiB, "memory seen")
+        await srv.api("POST", f"/api/gpushare/kernels/{k.id}/release")
+    return kernels
+
+
+async def post(srv: Server, path: str) -> tuple[int, dict]:
+    """(status, JSON body) of a POST to one of the servers, 4xx included."""
     req = HTTPRequest(srv.base + path, method="POST", body=b"{}", request_timeout=120,
                       headers={"Authorization": f"token {srv.token}"})
     r = await AsyncHTTPClient(force_instance=True).fetch(req, raise_error=False)
@@ -47,18 +60,13 @@ async def test_restores_on_two_servers_that_do_not_both_fit_take_turns(tmp_path)
     config = {"simulated_node": node_path, "node_lock_dir": str(tmp_path / "locks"),
               "idle_timeout": 0, "pressure_idle_timeout": 3600, "poll_interval": 0.5}
     async with Server("lock-a", gpushare=config) as a, Server("lock-b", gpushare=config) as b:
-        ka, kb = await a.start_kernel(), await b.start_kernel()
-        await ka.run(_hold(768, "x"))
-        await kb.run(_hold(768, "y"))
-        for srv, k in ((a, ka), (b, kb)):
-            await srv.wait_kernel(k.id, lambda v: v["gpu_memory_bytes"] >= 768 * MiB, "memory seen")
-            await srv.api("POST", f"/api/gpushare/kernels/{k.id}/release")
+        ka, kb = await released_on((a, b), 768)
         neighbour = SharedSimNode(node_path)  # another user's process takes 1 GiB: one state fits
         neighbour.alloc(os.getpid(), 0, 1 * GiB)
         try:
             answers = await asyncio.gather(
-                _post(a, f"/api/gpushare/kernels/{ka.id}/restore"),
-                _post(b, f"/api/gpushare/kernels/{kb.id}/restore"),
+                post(a, f"/api/gpushare/kernels/{ka.id}/restore"),
+                post(b, f"/api/gpushare/kernels/{kb.id}/restore"),
             )
             codes = sorted(code for code, _ in answers)
             assert codes == [200, 202], answers  # one restored, one waits; no 409 out of memory

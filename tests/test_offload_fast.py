@@ -26,6 +26,8 @@ from jupyter_gpushare.kernel.offload.torch_adapter import (  # noqa: E402
     _storage_shared,
 )
 
+from .test_offload_torch import Lockable  # noqa: E402  (a tensor that refuses set_)
+
 pytestmark = pytest.mark.torch
 
 
@@ -228,19 +230,6 @@ def test_no_room_half_way_through_the_reload_keeps_it_offloaded_for_a_retry(gpus
     assert {e for e in gpus.take_log() if e[0] == "sync"}  # the queued copies were waited for
     assert adapter.reload().count == 23
     assert same_bits(before, ns) and all(gpus.on(v) for v in ns.values())
-
-
-class Lockable(torch.Tensor):
-    """A subclass that refuses to be re-pointed while ``locked`` is set."""
-
-    locked = False
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func.overloadpacket is torch.ops.aten.set_ and cls.locked:
-            raise RuntimeError("locked tensors refuse set_")
-        with torch._C._DisableTorchDispatch():
-            return func(*args, **(kwargs or {}))
 
 
 def test_a_tensor_refusing_the_reload_puts_every_tensor_back(gpus, monkeypatch):
