@@ -14,7 +14,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import clock
-from ..policy.room import lacking, move_plan
+from ..policy.room import lacking, move_plan, narrow
 from ..units import format_bytes
 from . import ahead
 from .errors import ControllerError
@@ -169,7 +169,11 @@ class RestoreRoom:
             return None
         room = {g: None if f is None else f - self.c.reservations.reserved(g)
                 - self.releases_may_take_back(g) for g, f in free.items()}
-        self._fold_node_view(room, await self.c.node_room.node_view(every), want)
+        # the node-wide view narrows the targets; none where the person is over their share
+        # (a GPU this server cannot read stays out, whatever the service reads there)
+        unread = {g for g, f in room.items() if f is None}
+        within = narrow(room, await self.c.node_room.node_view(every), keep=want)
+        room.update({g: None for g, ok in within.items() if not ok or g in unread})
         plan = move_plan(want, short, room)
         if plan is None:
             return None
@@ -190,21 +194,6 @@ class RestoreRoom:
         grant.mapping = plan
         st.waiting = None
         return grant
-
-    @staticmethod
-    def _fold_node_view(room: dict[int, int | None],
-                        seen: dict[int, tuple[int | None, bool]] | None, want: dict[int, int]) -> None:
-        """The node-wide view narrows where a restore may move: the smaller room counts (what
-        other people's released kernels will take back is no room), and no GPU where the
-        person is over their share is a target. The kernel's own GPUs are not targets."""
-        for g, (theirs, within) in (seen or {}).items():
-            if g in want or g not in room:
-                continue
-            ours = room[g]
-            if not within:
-                room[g] = None
-            elif theirs is not None and ours is not None:
-                room[g] = min(ours, theirs)
 
     async def take_turn(self, st: Lifecycle, need: dict[int, int], shown: CellProgress) -> Grant:
         """The restore turn of every GPU in ``need``. While another server holds one, the

@@ -31,6 +31,7 @@ from typing import Any
 
 from tornado.web import HTTPError
 
+from ..policy.room import narrow
 from ..telemetry import GPUInfo
 from ..units import format_bytes
 
@@ -219,16 +220,7 @@ class Placer:
             self.log.warning("gpushare: kernel %s: the hub service's view of the GPUs could not "
                              "be read (%s); placed by this server's", kernel_id, e or type(e).__name__)
             seen = None
-        within: dict[int, bool] = {}
-        for uuid, (theirs, ok) in (seen or {}).items():
-            index = by_uuid.get(uuid)
-            if index is None:
-                continue
-            within[index] = ok
-            ours = room.get(index)
-            if theirs is not None:
-                room[index] = theirs if ours is None else min(ours, theirs)
-        return within
+        return narrow(room, {by_uuid[u]: v for u, v in (seen or {}).items() if u in by_uuid})
 
     async def _devices(self) -> list[GPUInfo]:
         gpus = self.devices()

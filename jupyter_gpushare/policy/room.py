@@ -7,6 +7,8 @@ Pure functions on byte counts; nothing here reads a GPU.
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
+
 UNKNOWN_GPU = -1  # a held state's GPU index when the server could not tell which GPU
 
 
@@ -76,3 +78,20 @@ def move_plan(want: dict[int, int], short: dict[int, int], free: dict[int, int |
         plan[g] = best
         taken.add(best)
     return plan
+
+
+def narrow(room: dict[int, int | None], seen: Mapping[int, tuple[int | None, bool]] | None,
+           keep: Container[int] = ()) -> dict[int, bool]:
+    """Fold a node-wide view (the hub service's: {gpu: (room or None, within the person's
+    share)}) into ``room``, in place: where both know a GPU's room, the smaller counts (what
+    another person's released kernel will take back is no room). GPUs in ``keep`` are left as
+    they are. Returns, per GPU the view gave, whether the person is within their share."""
+    within: dict[int, bool] = {}
+    for g, (theirs, ok) in (seen or {}).items():
+        if g in keep or g not in room:
+            continue
+        within[g] = ok
+        ours = room[g]
+        if theirs is not None:
+            room[g] = theirs if ours is None else min(ours, theirs)
+    return within
