@@ -1,0 +1,260 @@
+"""Where a kernel's GPU state goes: one rule for placing a new kernel, choosing a restore's
+GPUs and moving idle kernels off contended GPUs, called unchanged by the server's placer,
+the restore room, the rebalancer, the hub service's node ranking and the simulator.
+
+A GPU's memory decides whether a kernel fits there; its SM load decides where it goes:
+
+1. a GPU qualifies when its room (free memory less what is promised to others) covers the
+   kernel's expected need (:class:`Need`);
+2. qualifying GPUs rank by load: SM busy over a window (a mean, not one reading) plus the
+   expected load of kernels placed there that have not used the GPU yet (``pending``), in
+   steps of :data:`LOAD_STEP` % so that noise does not decide;
+3. then by kernels there, then by room, then by index (a stable answer).
+
+GPUs that do not qualify come after every one that does, most room first (a kernel that
+fits nowhere starts where the most is); GPUs whose room is unknown come last; GPUs where the
+person is over their share rank after those where they are within it. Exact bytes never
+outrank load.
+
+Pure functions: no I/O, no clock of their own; callers build :class:`GpuView` from what they
+measure (the tracker's history, the simulated node, the hub service's view).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+#: % SM: loads closer than this count as equal, and the next keys decide
+LOAD_STEP = 10.0
+#: % SM a kernel placed on a GPU but not yet computing there is expected to add
+PENDING_LOAD = 50.0
+#: % SM (windowed mean) at or above which a GPU shared by two or more computing kernels is
+#: contended: their cells slow each other down
+CONTENDED_LOAD = 90.0
+#: % SM (load + pending) at or below which a GPU is quiet enough to take a kernel moved off a
+#: contended one
+QUIET_LOAD = 25.0
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a kernel is expected to need on each of its GPUs."""
+
+    bytes: int  # memory per GPU
+    load: float = PENDING_LOAD  # % SM it is expected to add while it has not computed yet
+
+
+@dataclass(frozen=True)
+class GpuView:
+    """One GPU as the rule sees it."""
+
+    gpu: Hashable  # the caller's name for it (an index on a node, a UUID across nodes)
+    room: int | None  # bytes a new state may take there (None: unknown)
+    load: float = 0.0  # % SM busy over the window (0-100)
+    pending: float = 0.0  # % SM expected from kernels placed there that have not computed yet
+    kernels: int = 0  # kernels placed or resident there
+    busy: int = 0  # kernels that computed there within the window
+    within_share: bool = True  # the person is within their share there
+
+    @property
+    def expected(self) -> float:
+        """% SM expected there soon: measured load plus what placed kernels will add."""
+        return self.load + self.pending
+
+
+def fits(view: GpuView, need: Need | int) -> bool:
+    n = need.bytes if isinstance(need, Need) else need
+    return view.room is not None and view.room >= n
+
+
+def key(view: GpuView, need: Need | int) -> tuple:
+    """The sort key of ``view`` for a kernel of ``need``: smaller is better."""
+    ok = fits(view, need)
+    room = view.room or 0
+    if not ok:  # nowhere it fits: the most room first, load only to break a tie
+        return (view.room is None, True, not view.within_share, -room, _step(view.expected),
+                view.kernels, _order(view.gpu))
+    return (False, False, not view.within_share, _step(view.expected), view.kernels, -room,
+            _order(view.gpu))
+
+
+def rank(views: Iterable[GpuView], need: Need | int) -> list[GpuView]:
+    """``views`` best first for a kernel of ``need``."""
+    return sorted(views, key=lambda v: key(v, need))
+
+
+def choose(views: Iterable[GpuView], need: Need, count: int = 1) -> list[GpuView]:
+    """The ``count`` GPUs a new kernel of ``need`` starts on, best first (its device 0 first)."""
+    return rank(views, need)[:max(0, count)]
+
+
+def add(view: GpuView, need: Need) -> GpuView:
+    """``view`` once a kernel of ``need`` is placed there (not yet computing)."""
+    room = None if view.room is None else view.room - need.bytes
+    return replace(view, room=room, pending=view.pending + need.load, kernels=view.kernels + 1)
+
+
+def contended(view: GpuView, threshold: float = CONTENDED_LOAD) -> bool:
+    """Two or more kernels computed on ``view`` within the window and its SMs were busy."""
+    return view.busy >= 2 and view.load >= threshold
+
+
+def restore_target(
+    want: Mapping[int, int], views: Mapping[int, GpuView], *, may_move: bool = True,
+    lacking: Iterable[int] = (), threshold: float = CONTENDED_LOAD,
+) -> dict[int, int] | None:
+    """Where a restore of ``want`` (bytes per home GPU) should go: {home GPU: other GPU} for
+    the GPUs that move ({} = all stay home); None when a GPU of ``want`` that cannot stay
+    has nowhere to go (the state comes back whole or not at all).
+
+    A GPU stays home when it has room (not in ``lacking``, and ``views`` says it fits) and
+    its SMs are not contended; otherwise it goes to the best-ranked GPU that is none of
+    ``want``'s, fits its bytes and is expected to be less loaded than home (a busy home with
+    nowhere quieter keeps the kernel). ``may_move`` False (a method whose states cannot
+    change GPU): {} when every GPU can stay, else None. Largest state picks first."""
+    short = set(lacking)
+    moves: dict[int, int] = {}
+    taken = set(want)
+    placed: dict[int, GpuView] = dict(views)
+    for g in sorted(want, key=lambda g: (-want[g], g)):
+        home = placed.get(g)
+        has_room = g not in short and (home is None or home.room is None or fits(home, want[g]))
+        busy = home is not None and contended(home, threshold)
+        if has_room and not busy:
+            continue
+        if not may_move:
+            if has_room:
+                continue
+            return None
+        others = [v for t, v in placed.items() if t not in taken and fits(v, want[g])]
+        if busy and has_room and home is not None:
+            others = [v for v in others if _step(v.expected) < _step(home.expected)]
+        best = rank(others, want[g])
+        if not best:
+            if has_room:
+                continue
+            return None
+        target = best[0].gpu
+        assert isinstance(target, int)
+        moves[g] = target
+        taken.add(target)
+        placed[target] = add(best[0], Need(want[g], 0.0))
+    return moves
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A resident kernel the rebalancer may move: its bytes per GPU, and whether it may move
+    now (its person is away: not executing, idle past the threshold; the method can move it;
+    its moves this hour are within the bound)."""
+
+    kernel: str
+    gpus: Mapping[int, int]
+    movable: bool
+    idle_seconds: float = 0.0
+
+
+def rebalance(
+    residents: Sequence[Resident], views: Mapping[int, GpuView], *,
+    threshold: float = CONTENDED_LOAD, quiet: float = QUIET_LOAD, most: int = 1,
+) -> list[tuple[str, dict[int, int]]]:
+    """Moves that take idle kernels off contended GPUs: [(kernel, {from GPU: to GPU})], at
+    most ``most`` per contended GPU, each kernel's GPUs all or none. A kernel moves only when
+    it is ``movable`` and every GPU it leaves for is quiet (load + pending at most ``quiet``
+    %) and fits its bytes; the one idle longest goes first. Targets are counted as taken once
+    planned, so two kernels do not crowd onto one quiet GPU."""
+    placed: dict[int, GpuView] = dict(views)
+    hot = [g for g, v in placed.items() if contended(v, threshold)]
+    out: list[tuple[str, dict[int, int]]] = []
+    moved: set[str] = set()
+    for g in sorted(hot, key=lambda g: (-placed[g].load, g)):
+        n = 0
+        for r in sorted(residents, key=lambda r: (-r.idle_seconds, r.kernel)):
+            if n >= most:
+                break
+            if not r.movable or r.kernel in moved or g not in r.gpus:
+                continue
+            plan = _move_all(r, placed, quiet)
+            if plan is None:
+                continue
+            for src, dst in plan.items():
+                placed[dst] = add(placed[dst], Need(r.gpus[src], 0.0))
+            out.append((r.kernel, plan))
+            moved.add(r.kernel)
+            n += 1
+    return out
+
+
+def _move_all(r: Resident, placed: dict[int, GpuView], quiet: float) -> dict[int, int] | None:
+    plan: dict[int, int] = {}
+    taken = set(r.gpus)
+    for g in sorted(r.gpus, key=lambda g: (-r.gpus[g], g)):
+        options = [v for t, v in placed.items()
+                   if t not in taken and fits(v, r.gpus[g]) and v.expected <= quiet
+                   and not contended(v)]
+        best = rank(options, r.gpus[g])
+        if not best:
+            return None
+        target = best[0].gpu
+        assert isinstance(target, int)
+        plan[g] = target
+        taken.add(target)
+    return plan
+
+
+def window_mean(samples: Iterable[tuple[float, float | None]], since: float, until: float) -> float:
+    """The time-weighted mean of ``samples`` ((t, value or None), oldest first, each value
+    holding until the next sample) over [since, until]; unknown values count as 0, and a
+    window with no sample in it is 0."""
+    total = 0.0
+    prev_t: float | None = None
+    prev_v = 0.0
+    for t, v in samples:
+        if prev_t is not None:
+            lo, hi = max(prev_t, since), min(t, until)
+            if hi > lo:
+                total += prev_v * (hi - lo)
+        prev_t, prev_v = t, float(v or 0.0)
+    if prev_t is not None:
+        lo = max(prev_t, since)
+        if until > lo:
+            total += prev_v * (until - lo)
+    span = until - since
+    return total / span if span > 0 else prev_v
+
+
+def expected_need(asked: int | None, cap: int | None, recent: Sequence[int], floor: int,
+                  load: float = PENDING_LOAD) -> Need:
+    """What a new kernel is expected to need per GPU: its cap where it has one (it can hold no
+    more), else what its kernelspec says (``asked``), else the largest its person's recent
+    kernels held (``recent``, bytes per GPU), else ``floor``; never less than ``floor``."""
+    if cap is not None and cap > 0:
+        n = cap
+    elif asked is not None and asked > 0:
+        n = asked
+    elif recent:
+        n = max(recent)
+    else:
+        n = floor
+    return Need(max(int(n), int(floor)), load)
+
+
+def rank_groups(groups: Mapping[str, Sequence[GpuView]], need: Need, count: int = 1) -> list[str]:
+    """Groups of GPUs (the nodes of a cluster), best first for a new kernel of ``need`` on
+    ``count`` GPUs: each group by its ``count`` best GPUs' keys (a group with fewer GPUs
+    than ``count`` ranks last), then by name."""
+    def group_key(name: str) -> tuple:
+        best = rank(groups[name], need)[:count]
+        if len(best) < count or not best:
+            return (True, (), name)
+        return (False, tuple(sorted(key(v, need) for v in best)), name)
+    return sorted(groups, key=group_key)
+
+
+def _step(load: float) -> int:
+    return int(max(0.0, load) // LOAD_STEP)
+
+
+def _order(gpu: Hashable) -> tuple:
+    return (0, gpu, "") if isinstance(gpu, int) else (1, 0, str(gpu))

@@ -1,0 +1,167 @@
+"""The one placement rule (policy/placement.py): where a new kernel starts, where a restore
+goes, which idle kernels move off a contended GPU, and which node a new server lands on."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jupyter_gpushare.policy.placement import (
+    GpuView,
+    Need,
+    Resident,
+    add,
+    choose,
+    contended,
+    expected_need,
+    rank,
+    rank_groups,
+    rebalance,
+    restore_target,
+    window_mean,
+)
+
+GiB = 1 << 30
+
+
+def test_load_outranks_exact_bytes_among_gpus_that_fit():
+    busy = GpuView(0, room=10 * GiB + 1, load=100.0)
+    idle = GpuView(1, room=4 * GiB, load=0.0)
+    assert [v.gpu for v in rank([busy, idle], Need(2 * GiB))] == [1, 0]
+
+
+def test_a_gpu_that_fits_beats_one_that_does_not_however_idle():
+    small_idle = GpuView(0, room=1 * GiB, load=0.0)
+    busy_fits = GpuView(1, room=8 * GiB, load=95.0)
+    assert choose([small_idle, busy_fits], Need(2 * GiB))[0].gpu == 1
+
+
+def test_where_nothing_fits_the_most_room_first_and_unknown_last():
+    views = [GpuView(0, room=None), GpuView(1, room=1 * GiB, load=0), GpuView(2, room=2 * GiB, load=99)]
+    assert [v.gpu for v in rank(views, Need(8 * GiB))] == [2, 1, 0]
+
+
+def test_pending_kernels_count_as_load_so_back_to_back_starts_spread():
+    views = {0: GpuView(0, room=16 * GiB), 1: GpuView(1, room=16 * GiB - 1)}
+    need = Need(GiB)
+    first = choose(views.values(), need)[0]
+    views[first.gpu] = add(first, need)
+    second = choose(views.values(), need)[0]
+    assert {first.gpu, second.gpu} == {0, 1}
+
+
+def test_loads_within_one_step_tie_and_fewer_kernels_win():
+    a = GpuView(0, room=8 * GiB, load=3.0, kernels=3)
+    b = GpuView(1, room=4 * GiB, load=7.0, kernels=1)
+    assert choose([a, b], Need(GiB))[0].gpu == 1
+
+
+def test_over_share_gpus_rank_after_those_within():
+    mine = GpuView(0, room=4 * GiB, load=80.0)
+    over = GpuView(1, room=4 * GiB, load=0.0, within_share=False)
+    assert choose([over, mine], Need(GiB))[0].gpu == 0
+
+
+def test_restore_stays_home_when_it_fits_and_is_not_contended():
+    views = {0: GpuView(0, room=8 * GiB, load=50, busy=1), 1: GpuView(1, room=8 * GiB)}
+    assert restore_target({0: 2 * GiB}, views) == {}
+
+
+def test_restore_leaves_a_contended_home_for_an_idle_gpu_with_room():
+    views = {0: GpuView(0, room=8 * GiB, load=100, busy=2), 1: GpuView(1, room=8 * GiB),
+             2: GpuView(2, room=GiB)}
+    assert restore_target({0: 2 * GiB}, views) == {0: 1}
+    assert restore_target({0: 2 * GiB}, views, may_move=False) == {}
+
+
+def test_a_contended_home_with_nowhere_quieter_keeps_the_kernel():
+    views = {0: GpuView(0, room=8 * GiB, load=100, busy=2), 1: GpuView(1, room=8 * GiB, load=100, busy=2)}
+    assert restore_target({0: 2 * GiB}, views) == {}
+
+
+def test_restore_without_room_at_home_moves_all_or_nothing():
+    views = {0: GpuView(0, room=0), 1: GpuView(1, room=0), 2: GpuView(2, room=4 * GiB),
+             3: GpuView(3, room=GiB)}
+    assert restore_target({0: 3 * GiB, 1: 3 * GiB}, views) is None
+    assert restore_target({0: 3 * GiB, 1: GiB}, views) == {0: 2, 1: 3}
+    assert restore_target({0: 3 * GiB}, views, may_move=False) is None
+
+
+def test_rebalance_moves_the_longest_idle_kernel_off_a_contended_gpu_to_a_quiet_one():
+    views = {0: GpuView(0, room=4 * GiB, load=100, busy=2, kernels=3),
+             1: GpuView(1, room=8 * GiB, load=5), 2: GpuView(2, room=8 * GiB, load=60)}
+    residents = [Resident("training", {0: 2 * GiB}, movable=False),
+                 Resident("away-short", {0: GiB}, movable=True, idle_seconds=100),
+                 Resident("away-long", {0: GiB}, movable=True, idle_seconds=900)]
+    assert rebalance(residents, views) == [("away-long", {0: 1})]
+    assert rebalance(residents, views, most=2) == [("away-long", {0: 1}), ("away-short", {0: 1})]
+
+
+def test_rebalance_does_nothing_without_contention_or_a_quiet_target():
+    residents = [Resident("k", {0: GiB}, movable=True, idle_seconds=900)]
+    calm = {0: GpuView(0, room=GiB, load=100, busy=1), 1: GpuView(1, room=8 * GiB)}
+    assert rebalance(residents, calm) == []
+    crowded = {0: GpuView(0, room=GiB, load=100, busy=2), 1: GpuView(1, room=8 * GiB, load=30)}
+    assert rebalance(residents, crowded) == []
+    full = {0: GpuView(0, room=GiB, load=100, busy=2), 1: GpuView(1, room=GiB // 2)}
+    assert rebalance(residents, full) == []
+
+
+def test_window_mean_weights_samples_by_how_long_they_held():
+    samples = [(0.0, 0.0), (10.0, 100.0), (15.0, None), (20.0, 50.0)]
+    assert window_mean(samples, 0.0, 20.0) == 25.0
+    assert window_mean(samples, 10.0, 30.0) == (5 * 100 + 5 * 0 + 10 * 50) / 20
+    assert window_mean([], 0, 10) == 0.0
+
+
+def test_expected_need_cap_then_asked_then_history_then_floor():
+    assert expected_need(None, 8 * GiB, [GiB], GiB // 2).bytes == 8 * GiB
+    assert expected_need(3 * GiB, None, [GiB], GiB // 2).bytes == 3 * GiB
+    assert expected_need(None, None, [GiB, 2 * GiB], GiB // 2).bytes == 2 * GiB
+    assert expected_need(None, None, [], GiB // 2).bytes == GiB // 2
+    assert expected_need(None, None, [1], GiB // 2).bytes == GiB // 2
+
+
+def test_nodes_rank_by_their_best_gpus():
+    need = Need(GiB)
+    groups = {"a": [GpuView("a0", room=8 * GiB, load=100, busy=2)],
+              "b": [GpuView("b0", room=2 * GiB, load=0)],
+              "c": [GpuView("c0", room=GiB // 2, load=0)]}
+    assert rank_groups(groups, need) == ["b", "a", "c"]
+    assert rank_groups({"one": [GpuView("x", room=8 * GiB)], "two": [GpuView("y", room=8 * GiB),
+                        GpuView("z", room=8 * GiB)]}, need, count=2) == ["two", "one"]
+
+
+views_st = st.dictionaries(
+    st.integers(0, 7),
+    st.tuples(st.one_of(st.none(), st.integers(0, 16)), st.floats(0, 100), st.integers(0, 3)),
+    min_size=1, max_size=8)
+
+
+@given(views_st, st.integers(1, 8))
+def test_the_chosen_gpu_is_never_beaten_by_a_fitting_gpu_with_a_lower_load_step(raw, need_gib):
+    views = [GpuView(g, room=None if r is None else r * GiB, load=load, busy=b)
+             for g, (r, load, b) in raw.items()]
+    need = Need(need_gib * GiB)
+    best = choose(views, need)[0]
+    for v in views:
+        if v.room is not None and v.room >= need.bytes and best.within_share == v.within_share:
+            assert best.room is not None and best.room >= need.bytes
+            assert int(best.expected // 10) <= int(v.expected // 10)
+
+
+@given(views_st, st.dictionaries(st.integers(0, 7), st.integers(1, 8), min_size=1, max_size=3))
+def test_a_restore_plan_is_all_or_nothing_and_lands_where_it_fits(raw, want_gib):
+    views = {g: GpuView(g, room=None if r is None else r * GiB, load=load, busy=b)
+             for g, (r, load, b) in raw.items()}
+    want = {g: n * GiB for g, n in want_gib.items()}
+    plan = restore_target(want, views)
+    if plan is None:
+        return
+    targets = list(plan.values())
+    assert len(set(targets)) == len(targets) and not set(targets) & set(want)
+    for src, dst in plan.items():
+        assert views[dst].room is not None and views[dst].room >= want[src]
+    for g in want:
+        if g not in plan and g in views and not contended(views[g]):
+            assert views[g].room is None or views[g].room >= want[g]
