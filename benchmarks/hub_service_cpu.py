@@ -1,78 +1,103 @@
-"""CPU of the gpushare hub service with 50 user servers and 200 kernels.
+"""CPU and poll time of the gpushare hub service with N user servers (4 kernels each).
 
 The real service (``python -m jupyter_gpushare.hub``, a separate process, measured with
-psutil) polls an emulated Hub: one local tornado process answers the Hub's paginated
-``/hub/api/users`` (50 users, one ready server each) and each server's
-``/user/NAME/api/gpushare/status`` through the "proxy" (4 kernels per server on 2 shared
-GPUs, as a real server's status: every body is checked against the REST contract first).
-Two servers always have a restore waiting that nobody can serve (everyone else is busy), so
-every poll also runs the cross-user make-room. Spinning 50 real Jupyter servers and 200
-kernels would need ~15 GiB here, and measure them, not the service.
+psutil) polls an emulated Hub: one local tornado process (this script with ``--emulate``)
+answers the Hub's paginated ``/hub/api/users`` (one ready server per user) and each server's
+``/user/NAME/api/gpushare/status`` through the "proxy". The servers sit on nodes of 50, each
+node two shared GPUs; each server has 4 kernels there. Every status body is built from the
+REST contract (``jupyter_gpushare.server.contract_bodies``: what a body does not name gets
+the schema's neutral value, so a field the contract makes required later does not break
+this) and validated against it. On each node two servers always have a restore waiting that
+nobody can serve (everyone else is busy), so every poll also runs the cross-user make-room.
+Spinning real Jupyter servers and kernels would need ~15 GiB per 50 servers here, and
+measure them, not the service.
 
 Rows: the service at poll_interval 10 s (its default) and 2 s, over the same window, and the
 emulator's own CPU (the baseline: what answering the same requests costs).
 
-    python benchmarks/hub_service_cpu.py [--quick]
+    python benchmarks/hub_service_cpu.py [--servers 50] [--quick] [--smoke]
+
+``--smoke``: 3 servers, a 1 s window: the whole path, no figures worth reading.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from typing import Any
 
 import psutil
 
-SERVERS, KERNELS_EACH = 50, 4
+KERNELS_EACH, NODE_SERVERS = 4, 50
 GiB = 1 << 30
 
-EMULATOR = r'''
-import json, sys
-from tornado import ioloop, web
-from jupyter_gpushare.server import contract
-N, K = int(sys.argv[2]), int(sys.argv[3])
-GPUS = [{"index": i, "uuid": f"GPU-bench-{i}", "name": "Emulated", "memory_total": 80 << 30,
-         "memory_used": 79 << 30, "utilization": 40.0, "released_bytes": 1 << 30, "mig": False}
-        for i in range(2)]
-def kernel(user, j):
-    waiting = user < 2 and j == 0
-    k = {"id": f"k-{user}-{j}", "name": "python3", "path": f"nb{j}.ipynb", "pids": [1000 + j],
-         "state": "released" if waiting else "active", "pinned": False,
-         "gpu_memory_bytes": 0 if waiting else 2 << 30, "released_bytes": (4 << 30) if waiting else 0,
-         "gpus": [j % 2], "gpu_bytes": {} if waiting else {str(j % 2): 2 << 30},
-         "sm_utilization": 50.0, "gpu_utilization": {} if waiting else {str(j % 2): 50.0},
-         "idle_seconds": 0.0, "release_in_seconds": None,
-         "idle_timeout": 600.0, "method": "simulated", "releases": 1, "restores": 1,
-         "last_restore_seconds": 0.5, "last_release_seconds": 0.4, "error": None,
-         "waiting": "waiting for memory: needs 4.0 GiB on GPU 0 (1.0 GiB free)" if waiting else None,
-         "execution_state": "idle" if waiting else "busy", "release_blocked": None, "release_detail": None,
-         "host_room_bytes": 1 << 34, "restore_need": {"0": 4 << 30} if waiting else {}}
-    return k
-BODIES = {}
-for u in range(N):
-    body = {"backend": "simulated", "method": "simulated", "available": True, "reason": "",
-            "idle_timeout": 600.0, "restore_mode": "eager", "gpus": GPUS,
-            "kernels": [kernel(u, j) for j in range(K)], "hub": None}
-    contract.validate_response("/status", "GET", 200, body)
-    BODIES[f"u{u:02d}"] = json.dumps(body).encode()
-USERS = [{"name": f"u{u:02d}", "groups": [], "servers": {"": {"ready": True, "url": f"/user/u{u:02d}/"}}}
-         for u in range(N)]
-class Users(web.RequestHandler):
-    def get(self):
-        self.finish({"items": USERS, "_pagination": {"offset": 0, "limit": 200, "total": N, "next": None}})
-class Status(web.RequestHandler):
-    def get(self, user):
-        self.set_header("Content-Type", "application/json")
-        self.finish(BODIES[user])
-web.Application([(r"/hub/api/users", Users),
-                 (r"/user/(u\d+)/api/gpushare/status", Status)]).listen(int(sys.argv[1]), "127.0.0.1")
-print("ready", flush=True)
-ioloop.IOLoop.current().start()
-'''
+
+def bodies(servers: int, kernels_each: int = KERNELS_EACH) -> dict[str, dict[str, Any]]:
+    """User name -> the status body its server answers (contract-valid, built from it)."""
+    from jupyter_gpushare.server import contract_bodies as cb
+
+    out = {}
+    for u in range(servers):
+        node, rank = divmod(u, NODE_SERVERS)
+        gpus = [cb.gpu(index=i, uuid=f"GPU-bench-n{node}-{i}", name="Emulated",
+                       memory_total=80 * GiB, memory_used=79 * GiB, utilization=40.0,
+                       released_bytes=GiB) for i in range(2)]
+        kernels = []
+        for j in range(kernels_each):
+            waiting = rank < 2 and j == 0  # two restores per node that nobody can serve
+            g = str(j % 2)
+            kernels.append(cb.kernel(
+                id=f"k-{u}-{j}", name="python3", path=f"nb{j}.ipynb", pids=[1000 + j],
+                state="released" if waiting else "active",
+                gpu_memory_bytes=0 if waiting else 2 * GiB, released_bytes=4 * GiB if waiting else 0,
+                gpus=[j % 2], gpu_bytes={} if waiting else {g: 2 * GiB}, sm_utilization=50.0,
+                gpu_utilization={} if waiting else {g: 50.0}, idle_seconds=0.0,
+                idle_timeout=600.0, method="simulated", releases=1, restores=1,
+                last_restore_seconds=0.5, last_release_seconds=0.4,
+                waiting="waiting for memory: needs 4.0 GiB on GPU 0 (1.0 GiB free)" if waiting else None,
+                execution_state="idle" if waiting else "busy", host_room_bytes=1 << 34,
+                restore_need={"0": 4 * GiB} if waiting else {}))
+        out[f"u{u:04d}"] = cb.status(backend="simulated", method="simulated", available=True,
+                                     idle_timeout=600.0, restore_mode="eager", gpus=gpus,
+                                     kernels=kernels)
+    return out
+
+
+def emulate(port: int, servers: int) -> None:
+    """The emulated Hub and its users' servers, on 127.0.0.1:port, until terminated."""
+    from tornado import ioloop, web
+
+    raw = {user: json.dumps(body).encode() for user, body in bodies(servers).items()}
+    users = [{"name": name, "groups": [], "servers": {"": {"ready": True, "url": f"/user/{name}/"}}}
+             for name in raw]
+
+    class Users(web.RequestHandler):
+        def get(self) -> None:  # paginated as JupyterHub's
+            offset = int(self.get_argument("offset", "0"))
+            limit = int(self.get_argument("limit", "200"))
+            end = min(offset + limit, len(users))
+            nxt = None if end >= len(users) else {
+                "offset": end, "limit": limit,
+                "url": f"http://127.0.0.1:{port}/hub/api/users?offset={end}&limit={limit}"}
+            self.finish({"items": users[offset:end],
+                         "_pagination": {"offset": offset, "limit": limit, "total": len(users),
+                                         "next": nxt}})
+
+    class Status(web.RequestHandler):
+        def get(self, user: str) -> None:
+            self.set_header("Content-Type", "application/json")
+            self.finish(raw[user])
+
+    web.Application([(r"/hub/api/users", Users),
+                     (r"/user/(u\d+)/api/gpushare/status", Status)]).listen(port, "127.0.0.1")
+    print("ready", flush=True)
+    ioloop.IOLoop.current().start()
 
 
 def free_port() -> int:
@@ -88,15 +113,24 @@ def metric(port: int, name: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", type=int, default=50, help="user servers (default 50)")
     parser.add_argument("--quick", action="store_true", help="20 s windows instead of 60 s")
-    window = 20.0 if parser.parse_args().quick else 60.0
+    parser.add_argument("--smoke", action="store_true", help="3 servers, 1 s: the path only")
+    parser.add_argument("--emulate", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.emulate:
+        return emulate(args.emulate, args.servers)
+    servers = 3 if args.smoke else args.servers
+    window = 1.0 if args.smoke else 20.0 if args.quick else 60.0
+    nodes = -(-servers // NODE_SERVERS)
     emu_port = free_port()
     env = {**os.environ, "JUPYTERHUB_CLIENT_ID": "service-gpushare", "PYTHONUNBUFFERED": "1"}
-    emulator = subprocess.Popen([sys.executable, "-c", EMULATOR, str(emu_port), str(SERVERS), str(KERNELS_EACH)],
-                                stdout=subprocess.PIPE, text=True, env=env)
+    emulator = subprocess.Popen([sys.executable, __file__, "--emulate", str(emu_port),
+                                 "--servers", str(servers)], stdout=subprocess.PIPE, text=True, env=env)
     services = []
     try:
-        assert emulator.stdout is not None and emulator.stdout.readline().strip() == "ready"
+        assert emulator.stdout is not None and emulator.stdout.readline().strip() == "ready", \
+            "the emulator did not start"
         for poll in (10.0, 2.0):
             port = free_port()
             services.append((poll, port, subprocess.Popen(
@@ -107,13 +141,18 @@ def main() -> None:
                  "--GPUShareHub.config_file=", "--log-level=WARN"],
                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
         for _, port, proc in services:  # up, and through its first poll
-            for _ in range(300):
+            deadline = time.monotonic() + 120
+            while True:
                 try:
                     if metric(port, "gpushare_hub_poll_seconds_count") >= 1:
                         break
                 except OSError:
                     assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                assert time.monotonic() < deadline, "the service did not finish a poll in 120 s"
                 time.sleep(0.1)
+            # it read every server's status (none refused as off-contract): their waits show
+            waits = metric(port, "gpushare_hub_waiting_restores")
+            assert waits == 2 * nodes, f"the service sees {waits:g} waiting restores, not {2 * nodes}"
         procs = [psutil.Process(p.pid) for _, _, p in services] + [psutil.Process(emulator.pid)]
         before = [p.cpu_times() for p in procs]
         polls_before = [metric(port, "gpushare_hub_poll_seconds_count") for _, port, _ in services]
@@ -136,14 +175,15 @@ def main() -> None:
         return 100 * used / window
 
     base = cpu(2)
-    print(f"hub service CPU, {SERVERS} servers x {KERNELS_EACH} kernels = {SERVERS * KERNELS_EACH} kernels, "
-          f"{window:.0f} s window")
-    print(f"{'row':<34}{'CPU % of a core':>16}{'vs emulator':>12}{'polls':>7}{'mean poll':>11}{'RSS':>9}")
+    print(f"hub service CPU, {servers} servers x {KERNELS_EACH} kernels = {servers * KERNELS_EACH} kernels "
+          f"on {nodes} node(s) of 2 GPUs, {window:.0f} s window" + ("  (--smoke: no figures)" if args.smoke else ""))
+    print(f"{'row':<38}{'CPU % of a core':>16}{'vs emulator':>12}{'polls':>7}{'mean poll':>11}{'RSS':>9}")
     for i, (poll, _, _) in enumerate(services):
         mean = sums[i] / polls[i] * 1000 if polls[i] else float("nan")
-        print(f"{f'service, poll_interval {poll:g} s':<34}{cpu(i):>16.2f}{cpu(i) / base if base else 0:>11.1f}x"
+        print(f"{f'service, poll_interval {poll:g} s':<38}{cpu(i):>16.2f}{cpu(i) / base if base else 0:>11.1f}x"
               f"{polls[i]:>7.0f}{mean:>9.0f} ms{rss[i] / 2**20:>6.0f} MiB")
-    print(f"{'emulated Hub + 50 servers (baseline)':<34}{base:>16.2f}{'1.0':>11}x{'':>7}{'':>11}{rss[2] / 2**20:>6.0f} MiB")
+    print(f"{f'emulated Hub + {servers} servers (baseline)':<38}{base:>16.2f}{'1.0':>11}x{'':>7}{'':>11}"
+          f"{rss[2] / 2**20:>6.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlparse
 
+from jupyter_gpushare.server import contract_bodies
+
 MiB = 1 << 20
 BALLAST = b"\x01" * (int(os.environ.get("GPUSHARE_FAKE_BALLAST_MIB", "0")) * MiB)
 
@@ -36,27 +38,26 @@ def config() -> dict[str, Any]:
 
 def kernel(kid: str, pids: list[Any], state: str = "released", gpu_bytes: int = 0,
            need: int = 0, released: int = 0, waiting: str | None = None, idle: float = 600.0) -> dict[str, Any]:
-    """One kernel as GET /api/gpushare/status shows it (openapi.yaml)."""
+    """One kernel as GET /api/gpushare/status shows it (built from openapi.yaml: what this
+    does not name is the schema's neutral value)."""
     on = {"0": gpu_bytes} if gpu_bytes else {}
-    return {"id": kid, "name": "python3", "path": "x.ipynb",
-            "pids": [os.getpid() if p == "self" else p for p in pids], "state": state,
-            "pinned": False, "gpu_memory_bytes": gpu_bytes, "released_bytes": released,
-            "gpus": [0], "gpu_bytes": on, "sm_utilization": 0.0,
-            "gpu_utilization": {k: 0.0 for k in on}, "idle_seconds": idle,
-            "release_in_seconds": None, "idle_timeout": 3600.0, "method": "simulated",
-            "releases": 1 if released else 0, "restores": 0, "last_restore_seconds": None,
-            "last_release_seconds": 0.1 if released else None, "restored_onto": None, "error": None, "waiting": waiting,
-            "execution_state": "idle", "release_blocked": None, "release_detail": None, "host_room_bytes": None,
-            "restore_need": {"0": need} if need and waiting else {}}
+    return contract_bodies.kernel(
+        id=kid, name="python3", path="x.ipynb", pids=[os.getpid() if p == "self" else p for p in pids],
+        state=state, gpu_memory_bytes=gpu_bytes, released_bytes=released, gpus=[0], gpu_bytes=on,
+        sm_utilization=0.0, gpu_utilization={k: 0.0 for k in on}, idle_seconds=idle,
+        idle_timeout=3600.0, method="simulated", releases=1 if released else 0,
+        last_release_seconds=0.1 if released else None, waiting=waiting, execution_state="idle",
+        restore_need={"0": need} if need and waiting else {})
 
 
 def status(cfg: dict[str, Any]) -> dict[str, Any]:
-    gpus = [{"index": 0, "uuid": cfg.get("uuid", "SIM-none"), "name": "Simulated GPU 0",
-             "memory_total": cfg.get("total", 512 * MiB), "memory_used": cfg.get("used"),
-             "utilization": 0.0, "released_bytes": 0, "mig": False}] if cfg.get("uuid") else []
-    return {"backend": "simulated", "method": "simulated", "available": True, "reason": "",
-            "idle_timeout": 3600.0, "restore_mode": "eager", "gpus": gpus,
-            "kernels": [kernel(**k) for k in cfg.get("kernels", [])], "hub": None}
+    gpus = [contract_bodies.gpu(
+        index=0, uuid=cfg.get("uuid", "SIM-none"), name="Simulated GPU 0",
+        memory_total=cfg.get("total", 512 * MiB), memory_used=cfg.get("used"), utilization=0.0,
+    )] if cfg.get("uuid") else []
+    return contract_bodies.status(
+        backend="simulated", method="simulated", available=True, idle_timeout=3600.0,
+        restore_mode="eager", gpus=gpus, kernels=[kernel(**k) for k in cfg.get("kernels", [])])
 
 
 class Fake(BaseHTTPRequestHandler):

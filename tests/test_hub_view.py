@@ -12,38 +12,32 @@ import pytest
 from jupyter_gpushare.hub.snapshot import parse_status
 from jupyter_gpushare.hub.view import GpuIds, NodeView, ServerRef
 from jupyter_gpushare.policy.fairshare import parse_table
-from jupyter_gpushare.server import contract
+from jupyter_gpushare.server import contract_bodies
 
 MiB = 1 << 20
 GiB = 1 << 30
 
 
 def gpu(index, uuid, used=0, released=0):
-    return {"index": index, "uuid": uuid, "name": f"GPU {index}", "memory_total": 16 * GiB,
-            "memory_used": used, "utilization": 0.0, "released_bytes": released, "mig": False}
+    return contract_bodies.gpu(index=index, uuid=uuid, name=f"GPU {index}", memory_total=16 * GiB,
+                               memory_used=used, utilization=0.0, released_bytes=released)
 
 
 def kernel(kid, state="idle", gpu_bytes=None, idle=100.0, need=None, waiting=None, **kw):
-    k = {"id": kid, "name": "python3", "path": "", "pids": [1], "state": state, "pinned": False,
-         "gpu_memory_bytes": sum((gpu_bytes or {}).values()), "released_bytes": 0,
-         "gpus": [int(g) for g in (gpu_bytes or {})],
-         "gpu_bytes": {str(g): n for g, n in (gpu_bytes or {}).items()},
-         "sm_utilization": 0.0, "gpu_utilization": {str(g): 0.0 for g in (gpu_bytes or {})},
-         "idle_seconds": idle, "release_in_seconds": None,
-         "idle_timeout": 600.0, "method": "simulated", "releases": 0, "restores": 0,
-         "last_restore_seconds": None, "last_release_seconds": None, "restored_onto": None, "error": None,
-         "waiting": waiting, "execution_state": "idle", "release_blocked": None, "release_detail": None,
-         "host_room_bytes": None, "restore_need": {str(g): n for g, n in (need or {}).items()}}
-    k.update(kw)
-    return k
+    on = {str(g): n for g, n in (gpu_bytes or {}).items()}
+    fields = dict(id=kid, name="python3", pids=[1], state=state,
+                  gpu_memory_bytes=sum(on.values()), gpus=[int(g) for g in on], gpu_bytes=on,
+                  sm_utilization=0.0, gpu_utilization={g: 0.0 for g in on}, idle_seconds=idle,
+                  idle_timeout=600.0, method="simulated", waiting=waiting, execution_state="idle",
+                  restore_need={str(g): n for g, n in (need or {}).items()})
+    return contract_bodies.kernel(**(fields | kw))
 
 
 def status(gpus, kernels):
-    body = {"backend": "simulated", "method": "simulated", "available": True, "reason": "",
-            "idle_timeout": 600.0, "restore_mode": "eager", "gpus": gpus, "kernels": kernels,
-            "hub": None}
-    contract.validate_response("/status", "GET", 200, body)  # what a real server sends
-    return json.dumps(body).encode()
+    # what a real server sends (built from the contract, and validated there)
+    return json.dumps(contract_bodies.status(
+        backend="simulated", method="simulated", available=True, idle_timeout=600.0,
+        restore_mode="eager", gpus=gpus, kernels=kernels)).encode()
 
 
 def test_servers_on_one_machine_are_one_node_keyed_by_uuid():
