@@ -1,122 +1,211 @@
-"""The GPU proof (benchmarks/gpu/prove.sh, issue 24) rehearsed here, with no GPU.
+"""The GPU proof (benchmarks/gpu/prove.sh) rehearsed here, with no GPU.
 
-``prove.sh --simulated`` runs every part that makes sense on the simulated backend through
-real servers and kernels and writes the report the GPU run writes; ``prove.sh`` on a machine
-without a GPU says so and exits 0. Both must keep working, or the proof breaks on the day a
-GPU machine is lent and there is no time to fix it.
+A GPU machine is lent for 15 minutes now and then; the first command on it runs stage 1. So
+both stages must run through on the simulated backend (real servers, real kernels) and write
+the report the GPU run writes (JSON lines, the Markdown summary's sections), a step cut off
+must still leave its line, and without a GPU the script must say so and exit 0 at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-PROVE_SH = REPO / "benchmarks" / "gpu" / "prove.sh"
-sys.path.insert(0, str(REPO / "benchmarks" / "gpu"))
+GPU = REPO / "benchmarks" / "gpu"
+PROVE_SH = GPU / "prove.sh"
+sys.path.insert(0, str(GPU))
 
-import prove  # noqa: E402  (benchmarks/gpu/prove.py: no third-party import at module level)
+import prove  # noqa: E402  (benchmarks/gpu: the standard library only at import)
+import report  # noqa: E402
+import runner  # noqa: E402
+
+#: the steps that mean nothing on the simulated node, skipped there with a reason
+SIM_SKIPS = {("torch", "framework_round_trip"), ("bandwidth", "cold_start"), ("auto", "start"),
+             ("auto", "torch_pick"), ("auto", "jax_pool_pick"), ("migrate", "another_gpu")}
 
 
-def run_prove(tmp_path: Path, *args: str, timeout: float = 150) -> tuple[subprocess.CompletedProcess, dict]:
-    out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
-    env.pop("OUT", None)
-    r = subprocess.run(["bash", str(PROVE_SH), "--out", str(out), *args], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    report = json.loads((out / "gpu-proof.json").read_text()) if (out / "gpu-proof.json").exists() else {}
-    assert (out / "gpu-proof.md").exists() or not report
-    return r, report
+def env() -> dict[str, str]:
+    e = {**os.environ, "PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+    e.pop("OUT", None)
+    return e
+
+
+def records_of(out: Path, stage: str) -> list[dict]:
+    return report.read(out / f"stage{stage}.jsonl")
 
 
 def nvml_sees_a_gpu() -> bool:
-    from jupyter_gpushare.telemetry.nvml import probe
-
-    p = probe()
-    return bool(p.ok and p.gpus)
+    return prove.find_gpu()[0] > 0
 
 
-@pytest.mark.timeout(170)
-def test_the_rehearsal_runs_every_part_or_says_why_not(tmp_path):
-    r, report = run_prove(tmp_path, "--simulated", "--jobs", "3")
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log
-    assert prove.validate(report) == [], report.get("shape_errors")
-    assert report["mode"] == "simulated" and list(report["parts"]) == prove.PARTS
-    for name, part in report["parts"].items():
-        if name in prove.NOT_SIMULATED:
-            assert part["status"] == "skipped" and part["reason"] == prove.NOT_SIMULATED[name]
-            continue
-        assert part["status"] == "ran", (name, part.get("reason"), part.get("figures"))
-        assert part["checks"] and not [c for c in part["checks"] if c["ok"] is False], name
-    parts = report["parts"]
-    # what each part is there to show, shown by the simulated node
-    assert any("within two polls" in c["name"] and c["ok"] for c in parts["nvml"]["checks"])
-    assert any("waits" in c["name"] and c["ok"] for c in parts["driver"]["checks"])
-    busy = parts["driver"]["figures"]["busy_release_message"]
-    assert "busy on the GPU" in busy, busy
-    rows = parts["bandwidth"]["figures"]["rows"]
-    assert len(rows) == 3 and all(r["intact"] for r in rows)
-    assert set(parts["bandwidth"]["figures"]["fits"]) == {"simulated", "copy in kernel"}
-    assert [c["ok"] for c in parts["lazy"]["checks"]] == [True, True, True]
-    assert report["summary"] == {"ran": 5, "failed": 0, "skipped": 2, "timeout": 0,
-                                 "checks_failed": 0}
-    md = (tmp_path / "out" / "gpu-proof.md").read_text()
-    assert md.startswith("# GPU proof (simulated)") and "| bandwidth | **ran** |" in md
-    assert "## Bandwidth" in md and "jupyter-gpushare doctor" in md
+@pytest.mark.timeout(240)
+def test_both_stages_run_through_on_the_simulated_backend_and_report_their_shape(tmp_path):
+    # the two stages side by side: the rehearsal stays about a minute on two cores
+    procs = {s: subprocess.Popen(["bash", str(PROVE_SH), "--stage", s, "--simulated", "--jobs", "3",
+                                  "--out", str(tmp_path / s)], cwd=REPO, env=env(),
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for s in ("1", "2")}
+    logs = {s: p.communicate(timeout=230)[0] for s, p in procs.items()}
+    for stage, p in procs.items():
+        out = tmp_path / stage
+        records = records_of(out, stage)
+        assert p.returncode == 0, logs[stage]
+        assert report.validate(records) == [], logs[stage]
+        run, plan, end = records[0], records[1], records[-1]
+        assert run["mode"] == "simulated" and run["stage"] == stage and plan["kind"] == "plan"
+        assert end["kind"] == "end" and end["summary"]["not_run"] == 0
+        planned = [(p["scene"], p["step"]) for p in plan["steps"]]
+        assert planned == [(s["scene"], s["step"]) for s in prove.plan_of(stage, prove.STAGES[stage])]
+        steps = {(r["scene"], r["step"]): r for r in report.steps_of(records)}
+        assert sorted(steps) == sorted(planned)
+        for key, r in steps.items():
+            if key in SIM_SKIPS:
+                assert r["status"] == "skipped" and r["reason"], (key, r)
+            else:
+                assert r["status"] == "passed", (key, r["reason"], r["checks"], logs[stage][-3000:])
+        md = (out / f"stage{stage}.md").read_text()
+        assert md.startswith(f"# GPU proof, stage {stage} (simulated)")
+        heads = [ln[3:] for ln in md.splitlines() if ln.startswith("## ")]
+        assert heads == list(report.SECTIONS), heads
+        assert "| env.versions | **passed** |" in md and "jupyter-gpushare doctor" in md
+
+    one = {(r["scene"], r["step"]): r for r in report.steps_of(records_of(tmp_path / "1", "1"))}
+    two = {(r["scene"], r["step"]): r for r in report.steps_of(records_of(tmp_path / "2", "2"))}
+    # what each step is there to show, shown by the simulated node
+    assert any("within two polls" in c["name"] and c["ok"] for c in one["torch", "attribution"]["checks"])
+    assert all(c["ok"] for c in one["torch", "driver_round_trip"]["checks"])
+    assert [c["ok"] for c in one["torch", "shutdown_restored"]["checks"]] == [True]
+    assert len(one["bandwidth", "sizes"]["figures"]["bandwidth_rows"]) == 3
+    assert any("waits instead of calling the driver" in c["name"] and c["ok"]
+               for c in two["frameworks", "jax_room_wait"]["checks"])
+    assert [c["ok"] for c in two["lazy", "cpu_cell_then_gpu_cell"]["checks"]] == [True, True, True]
+    assert len(two["bandwidth_large", "sizes"]["figures"]["bandwidth_rows"]) == 2
+    machine = one["env", "versions"]["figures"]["machine"]
+    assert set(report.VERSIONS) <= set(machine["versions"]) and machine["versions"]["python"]
+    md1 = (tmp_path / "1" / "stage1.md").read_text()
+    assert "| simulated | 4 MiB |" in md1 and "Fits (seconds = fixed overhead" in md1
+
+    # one summary of both stages, as the GPU session writes it for the note
+    assert prove.main(["--summary", str(tmp_path / "1" / "stage1.jsonl"),
+                       str(tmp_path / "2" / "stage2.jsonl"), "--out", str(tmp_path / "all")]) == 0
+    both = (tmp_path / "all" / "gpu-proof.md").read_text()
+    assert both.startswith("# GPU proof, stage 1, 2 (simulated)")
+    assert "torch.attribution" in both and "frameworks.jax_room_wait" in both
 
 
-@pytest.mark.timeout(90)
-def test_without_a_gpu_it_says_so_and_exits_0(tmp_path):
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_without_a_gpu_it_says_so_and_exits_0_at_once(tmp_path, stage):
     if nvml_sees_a_gpu():
         pytest.skip("this machine has a GPU")
-    r, report = run_prove(tmp_path, "--part", "1", timeout=80)
+    r = subprocess.run(["bash", str(PROVE_SH), "--stage", stage, "--out", str(tmp_path)], cwd=REPO,
+                       env=env(), capture_output=True, text=True, timeout=50)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "no GPU here" in r.stdout
-    assert prove.validate(report) == [] and report["mode"] == "no-gpu"
-    assert report["parts"]["env"]["status"] == "ran"
-    assert list(report["parts"]) == prove.GROUPS["1"]
-    for name in prove.GROUPS["1"][1:]:
-        part = report["parts"][name]
-        assert part["status"] == "skipped" and part["reason"].startswith("no GPU here"), name
+    assert "no GPU found" in r.stdout and "wheelhouse" not in r.stdout + r.stderr
+    records = records_of(tmp_path, stage)
+    assert report.validate(records) == [] and [x["kind"] for x in records] == ["run", "plan", "end"]
+    assert records[0]["mode"] == "no-gpu"
+    md = (tmp_path / f"stage{stage}.md").read_text()
+    assert "(no-gpu)" in md and "## Not run" in md and f"- {prove.STAGES[stage][1]}.start" in md
+    assert records[-1]["summary"]["not_run"] == len(records[1]["steps"]) > 0
+
+
+def test_a_step_past_its_timeout_is_recorded_and_the_scene_goes_on(tmp_path):
+    out = tmp_path / "stage9.jsonl"
+    plan = {"slow": ("sleeps past its timeout", 0.3), "after": ("runs anyway", 5.0),
+            "needs_slow": ("needs the slow one", 5.0), "broken": ("raises", 5.0)}
+    report.append(out, {"kind": "run", "schema": report.SCHEMA, "stage": "9", "mode": "simulated",
+                        "started": "t", "why": "test", "deadline_s": 10, "host": "h"})
+    report.append(out, {"kind": "plan", "steps": [
+        {"scene": "s", "step": k, "title": t, "timeout_s": s} for k, (t, s) in plan.items()]})
+    sc = runner.Scene("s", "simulated", out, tmp_path / "state.json", 30, plan)
+
+    async def slow(st: runner.Step) -> None:
+        st.check("started", True)
+        await asyncio.sleep(10)
+
+    async def after(st: runner.Step) -> None:
+        st.figure("x", 1)
+        st.check("ran", True)
+
+    async def broken(st: runner.Step) -> None:
+        raise KeyError("step_equal")
+
+    async def body() -> None:
+        assert not await sc.step("slow", slow)
+        assert await sc.step("after", after)
+        assert not await sc.step("needs_slow", after, needs=("slow",))
+        assert not await sc.step("broken", broken)
+
+    asyncio.run(body())
+    steps = {r["step"]: r for r in report.steps_of(report.read(out))}
+    assert steps["slow"]["status"] == "timeout" and steps["slow"]["checks"][0]["ok"] is True
+    assert steps["after"]["status"] == "passed" and steps["after"]["figures"] == {"x": 1}
+    assert steps["needs_slow"]["status"] == "skipped"
+    assert steps["needs_slow"]["reason"].startswith("needs slow: timeout")
+    assert steps["broken"]["status"] == "failed" and "KeyError" in steps["broken"]["reason"]
+    assert "KeyError" in steps["broken"]["figures"]["traceback"]
+    assert report.validate(report.read(out)) == []
+    md = out.with_suffix(".md").read_text()
+    assert "### s.slow: timeout" in md and "### s.broken: failed" in md
+
+
+SIGTERMED = """
+import asyncio, sys
+sys.path.insert(0, {gpu!r})
+import runner
+sc = runner.Scene("s", "simulated", __import__("pathlib").Path({out!r}),
+                  __import__("pathlib").Path({state!r}), 60, {{"hang": ("hangs", 60.0)}})
+async def hang(st):
+    await asyncio.sleep(60)
+async def body(sc):
+    await sc.step("hang", hang)
+runner.run_scene(sc, body)
+"""
+
+
+def test_a_scene_stopped_by_its_time_box_records_the_step_it_was_in(tmp_path):
+    out, state = tmp_path / "stage9.jsonl", tmp_path / "state.json"
+    code = SIGTERMED.format(gpu=str(GPU), out=str(out), state=str(state))
+    p = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + 30
+        while not (state.exists() and json.loads(state.read_text() or "{}").get("current")):
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 143
+    finally:
+        p.kill()
+    (rec,) = report.steps_of(report.read(out))
+    assert rec["status"] == "timeout" and rec["reason"].startswith("stopped when the scene's time box")
+    assert any("hang" in s for s in rec["figures"]["stuck_at"])
 
 
 def test_the_fit_finds_the_overhead_and_the_bandwidth():
-    gib = prove.GiB
-    f = prove.fit([(n * gib, 0.04 + n * gib / 20e9) for n in (1, 4, 16, 40)])
+    gib = report.GiB
+    f = report.fit([(n * gib, 0.04 + n * gib / 20e9) for n in (1, 4, 16, 40)])
     assert f["overhead_s"] == pytest.approx(0.04) and f["GBps"] == pytest.approx(20)
-    assert prove.fit([(gib, 1.0)]) == {"overhead_s": None, "GBps": None}
+    assert report.fit([(gib, 1.0)]) == {"overhead_s": None, "GBps": None}
 
 
-def test_a_report_without_reasons_or_with_unknown_parts_is_refused():
-    part = {"status": "skipped", "reason": "", "checks": [], "figures": {}, "seconds": 0,
-            "budget_s": 1, "what": ""}
-    report = {"schema": prove.SCHEMA, "mode": "gpu", "started": "", "seconds": 0, "machine": {},
-              "parts": {"nvml": part, "other": {**part, "reason": "x"}}, "summary": {}, "goals": []}
-    errs = prove.validate(report)
-    assert "nvml: skipped without a reason" in errs and "unknown part other" in errs
-
-
-def test_two_part_runs_merge_into_one_report(tmp_path):
-    def one(parts: dict) -> Path:
-        rep = {"schema": prove.SCHEMA, "mode": "gpu", "started": "t", "seconds": 10,
-               "machine": {"gpus": "H100", "driver": "580", "cpus": 16, "python": "3.12",
-                           "host": "h"}, "parts": parts}
-        prove.summarize(rep)
-        path = tmp_path / f"{len(list(tmp_path.iterdir()))}.json"
-        path.write_text(json.dumps(rep))
-        return path
-
-    ran = {"status": "ran", "reason": None, "checks": [{"name": "c", "ok": True, "detail": ""}],
-           "figures": {}, "seconds": 1, "budget_s": 5, "what": "w"}
-    a = one({"env": ran, "nvml": ran})
-    b = one({"env": ran, "bandwidth": {**ran, "status": "failed"}})
-    assert prove.merge([str(a), str(b)], tmp_path / "merged") == 0
-    merged = json.loads((tmp_path / "merged" / "gpu-proof.json").read_text())
-    assert list(merged["parts"]) == ["env", "nvml", "bandwidth"] and merged["seconds"] == 20
-    assert merged["summary"]["failed"] == 1 and prove.validate(merged) == []
+def test_a_record_without_reasons_or_fields_is_refused():
+    bad = [{"kind": "run", "schema": report.SCHEMA, "stage": "1", "mode": "gpu", "started": "",
+            "why": "", "deadline_s": 1, "host": ""},
+           {"kind": "step", "scene": "torch", "step": "start", "title": "", "status": "skipped",
+            "reason": "", "seconds": 0, "timeout_s": 1, "at": "", "checks": [], "figures": {}},
+           {"kind": "step", "scene": "torch", "step": "x", "status": "done"},
+           {"kind": "other"}]
+    errs = report.validate(bad)
+    assert "torch.start: skipped without a reason" in errs
+    assert "torch.x: status 'done'" in errs and "line 4: kind 'other'" in errs
+    assert any(e.startswith("torch.x: missing title") for e in errs)

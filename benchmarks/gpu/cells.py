@@ -1,8 +1,9 @@
 """The code the proof runs inside kernels, per kind of kernel.
 
 Each kind ("torch", "jax", "cupy" on a real GPU; "sim" on the simulated node) defines
-``STATE`` (formatted with ``n`` = bytes): build a state of about ``n`` bytes on GPU 0 and
-print its checksum as JSON, with a ``checksum()`` function left in the namespace; ``ALLOC``
+``STATE`` (formatted with ``n`` = bytes): build a state of about ``n`` bytes on GPU 0 (PyTorch:
+a model with its gradients and Adam's state) and print ``{checksum, bytes, info}`` as JSON,
+with a ``checksum()`` function left in the namespace (``CHECKSUM`` prints it again); ``ALLOC``
 (``n``): hold ``n`` more bytes in ``hold``; ``FREE``: drop ``hold`` and give it back to the
 driver; ``SPIN`` (``s``): keep the GPU busy for ``s`` seconds and return; ``SPIN_BACKGROUND``
 (``s``): start one long GPU kernel (or GPU work in a thread) and return at once.
@@ -12,7 +13,7 @@ Checksums are computed on the GPU, so they touch every byte without copying it o
 from __future__ import annotations
 
 TORCH_STATE = """
-import json, torch
+import json, math, torch
 torch.manual_seed(0)
 def _ck(t):
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -24,25 +25,29 @@ def _ck(t):
         s = (s + int((c ^ (c >> 17)).sum())) % (1 << 64)
     tail = int(b[n:].to(torch.int64).sum()) if n < b.numel() else 0
     return f"{{s:016x}}.{{tail}}"
-model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
-                            torch.nn.Linear(2048, 512)).cuda()
+# four square layers: parameters, gradients and Adam's two moments are 16 bytes a weight,
+# so a width of sqrt(n / 64) makes about n bytes of state
+_w = max(256, int(math.sqrt({n} / 64)) // 256 * 256)
+model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(_w, _w), torch.nn.ReLU())]).cuda()
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-data = torch.randn(256, 2048, device="cuda")
+data = torch.randn(256, _w, device="cuda")
 def step():
-    opt.zero_grad()
+    opt.zero_grad(set_to_none=False)
     model(data).square().mean().backward()
     opt.step()
 step()
-blob = torch.randint(-2**62, 2**62, (max({n} // 8, 1),), dtype=torch.int64, device="cuda")
 def tensors():
-    out = [*model.state_dict().values(), blob, data]
+    out = [*model.state_dict().values(), *(p.grad for p in model.parameters()), data]
     for st in opt.state.values():
         out += [v for v in st.values() if torch.is_tensor(v)]
     return out
 def checksum():
     torch.cuda.synchronize()
     return ":".join(_ck(t) for t in tensors())
-print(json.dumps(checksum()))
+torch.cuda.empty_cache()
+print(json.dumps({{"checksum": checksum(), "bytes": sum(t.numel() * t.element_size() for t in tensors()),
+                  "info": {{"torch": torch.__version__, "torch_cuda": torch.version.cuda,
+                           "device": torch.cuda.get_device_name(0)}}}}))
 """
 
 JAX_STATE = """
@@ -51,7 +56,8 @@ x = jax.random.normal(jax.random.PRNGKey(0), (max({n} // 4, 1),), dtype=jnp.floa
 def checksum():
     b = jax.lax.bitcast_convert_type(x, jnp.uint32)
     return f"{{int(jnp.sum(b ^ (b >> 7), dtype=jnp.uint32))}}:{{int(jnp.sum(b[::4099], dtype=jnp.uint32))}}"
-print(json.dumps(checksum()))
+print(json.dumps({{"checksum": checksum(), "bytes": x.nbytes,
+                  "info": {{"jax": jax.__version__, "device": str(jax.devices()[0])}}}}))
 """
 
 CUPY_STATE = """
@@ -60,7 +66,7 @@ cupy.random.seed(0)
 x = cupy.random.randint(0, 2**31 - 1, size=max({n} // 8, 1), dtype=cupy.int64)
 def checksum():
     return f"{{int((x ^ (x >> 17)).sum())}}:{{int(x[::4099].sum())}}"
-print(json.dumps(checksum()))
+print(json.dumps({{"checksum": checksum(), "bytes": x.nbytes, "info": {{"cupy": cupy.__version__}}}}))
 """
 
 SIM_STATE = """
@@ -70,7 +76,23 @@ x = simgpu.array(np.random.default_rng(0).integers(0, 2**32, max({n} // 4, 1), d
                  device=0, copy=False)
 def checksum():
     return x.checksum()
-print(json.dumps(checksum()))
+print(json.dumps({{"checksum": checksum(), "bytes": x.nbytes, "info": {{"simulated": True}}}}))
+"""
+
+CHECKSUM = "print(json.dumps(checksum()))"
+
+# GPU memory no framework counts (cuMemAlloc through cuda-bindings, in the context PyTorch made
+# current): release_method "auto" must pick the driver method while the kernel holds it
+RAW_ALLOC = """
+from cuda.bindings import driver as _cu
+_err, _raw = _cu.cuMemAlloc({n})
+assert int(_err) == 0, _err
+_cu.cuMemsetD8(_raw, 7, {n})
+_cu.cuCtxSynchronize()
+"""
+RAW_FREE = """
+_cu.cuMemFree(_raw)
+del _raw
 """
 
 TORCH_ALLOC = """
@@ -136,22 +158,22 @@ import copy, json
 _ref_model = copy.deepcopy(model)
 _ref_opt = torch.optim.Adam(_ref_model.parameters(), lr=1e-3)
 _ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # step tensors too
-_ref_opt.zero_grad()
+_ref_opt.zero_grad(set_to_none=False)
 _ref_model(data).square().mean().backward()
 _ref_opt.step()
 ref_after_step = {{k: v.detach().cpu().clone() for k, v in _ref_model.state_dict().items()}}
 del _ref_model, _ref_opt
 torch.cuda.empty_cache()
-ids_before = [id(model), id(opt), id(blob), *[id(p) for p in model.parameters()]]
+ids_before = [id(model), id(opt), id(data), *[id(p) for p in model.parameters()]]
 print(json.dumps(len(ref_after_step)))
 """
 TORCH_AFTER_ROUND_TRIP = """
 import json
-_ids = [id(model), id(opt), id(blob), *[id(p) for p in model.parameters()]]
+_ids = [id(model), id(opt), id(data), *[id(p) for p in model.parameters()]]
 _ck_now = checksum()
 step()
 _same = all(torch.equal(v.detach().cpu(), ref_after_step[k]) for k, v in model.state_dict().items())
-_on_cuda = all(p.is_cuda for p in model.parameters()) and blob.is_cuda
+_on_cuda = all(p.is_cuda for p in model.parameters()) and data.is_cuda
 print(json.dumps({{"checksum": _ck_now, "ids_kept": _ids == ids_before, "step_equal": _same,
                   "on_cuda": _on_cuda}}))
 """

@@ -1,0 +1,283 @@
+"""The bandwidth scenes: release and restore of a process holding n bytes by each method,
+against pinned host<->device copies of the same bytes measured in the same run.
+
+- driver: ``DriverMethod`` in this process (initialised once, as the server holds it), on a
+  child that holds n bytes of random int64 on GPU 0; the in-process API pays no start-up per
+  call, unlike the cuda-checkpoint binary (``cold_start`` measures what that start-up is);
+- framework: ``TorchAdapter`` offload/reload inside a child holding the same tensor (the first
+  cycle pins the buffers, later ones reuse them: both are recorded).
+
+Each size's row: seconds (median), GB/s, the fraction of the pinned copy, whether the child's
+data came back intact. The report fits seconds = fixed overhead + bytes / bandwidth per method.
+On the simulated node the rows come from the simulated GPU's own checkpoint in this process,
+so the rehearsal checks the same shape without a server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import select
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from report import GiB, MiB, fmt_bytes
+from runner import Scene, Skip, Step
+
+SMALL = [64 * MiB, GiB, 8 * GiB]  # stage 1 (64 MiB: the fixed overhead, nearly alone)
+LARGE = [16 * GiB, 40 * GiB]  # stage 2
+SIM_SMALL = [4 * MiB, 16 * MiB, 32 * MiB]
+SIM_LARGE = [48 * MiB, 96 * MiB]
+CHUNK = GiB  # pinned host memory is taken in chunks (PyTorch rounds one block up to 2^k)
+
+BANDWIDTH_STEPS = {
+    "cold_start": ("a fresh process's import + cuInit: what each run of the cuda-checkpoint "
+                   "binary pays and the in-process API does not", 30.0),
+    "sizes": ("release/restore by each method at 64 MiB, 1 and 8 GiB against pinned copies: "
+              "GB/s, fraction of pinned, fixed overhead", 170.0),
+}
+BANDWIDTH_LARGE_STEPS = {
+    "sizes": ("release/restore by each method at 16 and 40 GiB against pinned copies", 240.0),
+}
+
+
+async def bandwidth_scene(sc: Scene) -> None:
+    await sc.step("cold_start", cold_start)
+    await sc.step("sizes", lambda st: sizes(st, SMALL if st.real else SIM_SMALL))
+
+
+async def bandwidth_large_scene(sc: Scene) -> None:
+    await sc.step("sizes", lambda st: sizes(st, LARGE if st.real else SIM_LARGE))
+
+
+async def cold_start(st: Step) -> None:
+    if not st.real:
+        raise Skip("no CUDA here (simulated)")
+    code = ("import time; t = time.perf_counter(); from cuda.bindings import driver as cu; "
+            "cu.cuInit(0); print(time.perf_counter() - t)")
+    r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code], capture_output=True,
+                                text=True, timeout=25)
+    cold = float(r.stdout.strip()) if r.returncode == 0 and r.stdout.strip() else None
+    st.figure("fresh_process_cuInit_s", cold)
+    st.check("import cuda.bindings + cuInit in a fresh process", None if cold is not None else False,
+             f"{cold:.3f} s" if cold is not None else r.stderr[-300:])
+
+
+async def sizes(st: Step, sizes: list[int]) -> None:
+    rows: list[dict[str, Any]] = []
+    st.figure("bandwidth_rows", rows)  # filled in place: a step stopped by its timeout keeps them
+    await asyncio.to_thread(_measure_real if st.real else _measure_sim, st, sizes, rows)
+    for r in rows:
+        st.check(f"{r['method']} {fmt_bytes(r['bytes'])}: state intact", r["intact"],
+                 f"release {r['release_s']:.3f} s ({r['release_frac']:.0%} of pinned D2H), "
+                 f"restore {r['restore_s']:.3f} s ({r['restore_frac']:.0%} of pinned H2D)")
+
+
+def _row(method: str, n: int, rel: list[float], rst: list[float], base: dict[str, float],
+         intact: bool) -> dict[str, Any]:
+    r, s = statistics.median(rel), statistics.median(rst)
+    return {"method": method, "bytes": n, "release_s": r, "restore_s": s,
+            "release_first_s": rel[0], "restore_first_s": rst[0], "repeat": len(rel),
+            "d2h_pinned_s": base["d2h_pinned"], "h2d_pinned_s": base["h2d_pinned"],
+            "d2h_pageable_s": base.get("d2h_pageable"), "h2d_pageable_s": base.get("h2d_pageable"),
+            "release_GBps": n / r / 1e9, "restore_GBps": n / s / 1e9,
+            "pinned_d2h_GBps": n / base["d2h_pinned"] / 1e9,
+            "pinned_h2d_GBps": n / base["h2d_pinned"] / 1e9,
+            "release_frac": base["d2h_pinned"] / r, "restore_frac": base["h2d_pinned"] / s,
+            "intact": intact}
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+def copy_baseline(torch: Any, n: int, repeat: int, pageable: bool) -> dict[str, float]:
+    """Best-of-``repeat`` seconds for device->host and host->device copies of ``n`` bytes
+    through pinned host chunks (and pageable memory, for the smaller sizes)."""
+    dev = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+    out: dict[str, float] = {}
+    kinds = [("pinned", True)] + ([("pageable", False)] if pageable else [])
+    for kind, pinned in kinds:
+        chunks = [torch.empty(min(CHUNK, n - i), dtype=torch.uint8, pin_memory=pinned)
+                  for i in range(0, n, CHUNK)]
+        for c in chunks:
+            c.fill_(1)  # touch the pages so the first copy does not pay for faulting them in
+        for direction in ("h2d", "d2h"):
+            times = []
+            for _ in range(repeat):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for i, c in enumerate(chunks):
+                    part = dev[i * CHUNK:i * CHUNK + c.numel()]
+                    if direction == "h2d":
+                        part.copy_(c, non_blocking=pinned)
+                    else:
+                        c.copy_(part, non_blocking=pinned)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            out[f"{direction}_{kind}"] = min(times)
+        del chunks
+    del dev
+    torch.cuda.empty_cache()
+    return out
+
+
+#: The children's state: ``n`` bytes of random int64 on GPU 0 and a checksum read by chunks
+#: (``before``), so a round trip is judged bit for bit without a temporary of size n.
+TENSOR_AND_CHECKSUM = """x = torch.randint(-2**62, 2**62, (n // 8,), dtype=torch.int64, device="cuda:0")
+def ck():
+    s = 0
+    for i in range(0, x.numel(), 1 << 25):
+        c = x[i:i + (1 << 25)]
+        s += int((c ^ (c >> 17)).sum())
+    return s
+before = ck()
+"""
+
+FRAMEWORK_CHILD = """
+import json, sys, torch
+from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter
+n, repeat = int(sys.argv[1]), int(sys.argv[2])
+""" + TENSOR_AND_CHECKSUM + """ns = {"x": x}
+adapter = TorchAdapter()
+out, rel, rst = [], [], []
+for _ in range(repeat):
+    off = adapter.offload(ns)
+    back = adapter.reload()
+    rel.append(off.seconds)
+    rst.append(back.seconds)
+    out.append(ck() == before)
+print(json.dumps({"release": rel, "restore": rst, "intact": all(out), "bytes": off.bytes}))
+"""
+
+DRIVER_CHILD = """
+import sys, torch
+n = int(sys.argv[1])
+""" + TENSOR_AND_CHECKSUM + """torch.cuda.empty_cache()  # the checksum's temporaries: not part of the state
+print("ready", flush=True)
+for line in sys.stdin:
+    print("intact" if ck() == before else "CHANGED", flush=True)
+    torch.cuda.empty_cache()
+"""
+
+
+def _measure_real(st: Step, sizes: list[int], rows: list[dict[str, Any]]) -> None:
+    import psutil
+    import torch
+
+    from jupyter_gpushare.reclaim.base import KernelTarget
+    from jupyter_gpushare.reclaim.driver import DriverMethod, driver_support
+    from jupyter_gpushare.telemetry.nvml import NVMLTelemetry
+
+    methods = ["driver", "framework"]
+    s = driver_support()
+    if not s.ok:
+        methods.remove("driver")
+        st.check("driver method", None, f"unsupported here: {s.reason}")
+    torch.zeros(1, device="cuda")  # this process's context: cuInit for the driver's restore
+    nvml = NVMLTelemetry()
+    nvml.open()
+    driver = DriverMethod(nvml.free_bytes)
+    per_byte = {m: 1 / 2e9 for m in methods}  # seconds a byte, both ways: a cautious first guess
+    try:
+        for n in sizes:
+            free, avail = nvml.free_bytes(0) or 0, psutil.virtual_memory().available
+            if n > free * 0.85 or 1.3 * n > avail:
+                st.check(f"{fmt_bytes(n)}", None, f"skipped: GPU 0 has {fmt_bytes(free)} free, the "
+                         f"host {fmt_bytes(avail)} available")
+                continue
+            repeat = 3 if n <= GiB else 2 if n <= 8 * GiB else 1
+            if st.left() < 15 + n * 1.5e-10 * repeat:
+                st.check(f"{fmt_bytes(n)}", None, f"skipped: {st.left():.0f} s left in the step")
+                continue
+            base = copy_baseline(torch, n, repeat, pageable=n <= 8 * GiB)
+            for method in methods:
+                est = 10 + repeat * n * per_byte[method]
+                if st.left() < est:
+                    st.check(f"{method} {fmt_bytes(n)}", None,
+                             f"skipped: about {est:.0f} s needed, {st.left():.0f} s left")
+                    continue
+                t0 = time.monotonic()
+                if method == "driver":
+                    rel, rst, intact = _driver_round_trips(n, repeat, nvml, driver, KernelTarget)
+                else:
+                    out = subprocess.run([sys.executable, "-c", FRAMEWORK_CHILD, str(n), str(repeat)],
+                                         capture_output=True, text=True, timeout=max(st.left(), 20))
+                    if out.returncode != 0:
+                        st.check(f"framework {fmt_bytes(n)}", False, out.stderr[-400:])
+                        continue
+                    fr = json.loads(out.stdout.strip().splitlines()[-1])
+                    rel, rst, intact = fr["release"], fr["restore"], fr["intact"]
+                rows.append(_row(method, n, rel, rst, base, intact))
+                per_byte[method] = max(time.monotonic() - t0 - 5, 1) / (repeat * n)
+    finally:
+        nvml.close()
+
+
+def _driver_round_trips(n: int, repeat: int, nvml: Any, method: Any,
+                        target_cls: Any) -> tuple[list[float], list[float], bool]:
+    """Release and restore seconds of a child holding ``n`` bytes, each of ``repeat`` times,
+    and whether its data came back intact every time."""
+    free0 = nvml.free_bytes(0)
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER_CHILD, str(n)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, bufsize=1)
+    assert proc.stdin is not None and proc.stdout is not None
+    out = proc.stdout
+
+    def line(timeout: float = 300) -> str:
+        ready, _, _ = select.select([out], [], [], timeout)
+        if not ready:
+            raise TimeoutError("the child did not answer")
+        return out.readline().strip()
+
+    try:
+        if line() != "ready":
+            raise RuntimeError(f"the child holding {fmt_bytes(n)} did not start")
+        held = free0 - nvml.free_bytes(0)
+        target = target_cls("proof", pids=[proc.pid], gpu_bytes={0: held})
+        rel, rst, intact = [], [], True
+        for _ in range(repeat):
+            rel.append(asyncio.run(method.release(target)).seconds)
+            rst.append(asyncio.run(method.restore(target)).seconds)
+            proc.stdin.write("check\n")
+            intact = intact and line() == "intact"
+        return rel, rst, intact
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# -- on the simulated node --------------------------------------------------------------------
+def _measure_sim(st: Step, sizes: list[int], rows: list[dict[str, Any]]) -> None:
+    """The simulated GPU's own lock/checkpoint/restore/unlock in this process (a private
+    simulated node), against its arrays' plain copies: the rows' shape, not figures."""
+    import numpy as np
+
+    from jupyter_gpushare.sim import device, simgpu
+
+    dev = device.get_device()
+    for n in sizes:
+        x = simgpu.array(np.random.default_rng(0).integers(0, 2**32, n // 4, dtype=np.uint32),
+                         device=0)
+        before = x.checksum()
+        t0 = time.perf_counter()
+        y = x.get()
+        d2h = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        z = simgpu.array(y, device=0)
+        h2d = time.perf_counter() - t0
+        del y, z
+        t0 = time.perf_counter()
+        dev.lock()
+        dev.checkpoint()
+        rel = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        dev.restore()
+        dev.unlock()
+        rst = time.perf_counter() - t0
+        rows.append(_row("simulated", n, [rel], [rst], {"d2h_pinned": d2h, "h2d_pinned": h2d},
+                         x.checksum() == before))
+        del x

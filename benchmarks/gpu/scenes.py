@@ -1,0 +1,776 @@
+"""The proof's scenes that go through a real server and real kernels (bandwidth.py has the
+bandwidth scenes). Each scene is a list of steps (``STEPS``: name, title, timeout in seconds)
+and a body that runs them in order through ``Scene.step``; a step that needs an earlier one
+is skipped when that one did not pass.
+
+On the simulated backend (the CI rehearsal) every scene runs the same steps against the
+simulated node, with small sizes; a step that means nothing there is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cells import CHECKSUM, KINDS, RAW_ALLOC, RAW_FREE
+from report import VERSIONS, GiB, MiB, fmt_bytes
+from runner import Scene, Skip, Step
+
+if TYPE_CHECKING:
+    from _server import Kernel, Server
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+WHEELHOUSE = REPO / ".gpu-wheels"
+NOT_SIMULATED = "the simulated node has only the simulated method"
+
+
+# -- servers and kernels ----------------------------------------------------------------------
+def server_config(real: bool, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {"poll_interval": 0.5, "idle_timeout": 0, "min_release_bytes": 0,
+                           "pressure_free_fraction": 0.0, "lock_timeout": 2.0,
+                           # no kernel is released to make room for another's restore here
+                           "pressure_idle_timeout": 3600}
+    if real:
+        cfg.update(backend="nvml")
+    else:  # a small node, polled faster: the rehearsal must stay quick
+        cfg.update(backend="simulated", simulated_gpus=[512 * MiB, 512 * MiB], poll_interval=0.25,
+                   lock_timeout=1.0)
+        extra.pop("release_method", None)
+    cfg.update(extra)
+    return cfg
+
+
+@contextlib.asynccontextmanager
+async def server(sc: Scene, name: str, **extra: Any) -> AsyncIterator[Server]:
+    from _server import Server
+
+    srv = Server(name, gpushare=server_config(sc.real, **extra))
+    sc.shared["server_log"] = lambda: srv.log_tail(30)
+    try:
+        await srv.start()
+        sc.note_pids([srv.pid])
+        yield srv
+    finally:
+        await srv.stop()
+
+
+async def start_kernels(sc: Scene, srv: Server, n: int) -> list[Kernel]:
+    kernels = await asyncio.gather(*(srv.start_kernel() for _ in range(n)))
+    sc.note_pids([p.pid for p in srv.kernel_processes()])
+    return list(kernels)
+
+
+def cell(kind: str, what: str, **kw: Any) -> str:
+    return KINDS[kind][what].format(**kw)
+
+
+async def view(srv: Server, kid: str) -> dict[str, Any]:
+    return await srv.kernel_status(kid)
+
+
+async def post(srv: Server, path: str) -> tuple[int, dict[str, Any]]:
+    """POST to the gpushare API; (HTTP code, JSON body) also for 4xx/5xx answers."""
+    from tornado.httpclient import HTTPClientError
+
+    try:
+        return 200, await srv.api("POST", f"/api/gpushare/{path}")
+    except HTTPClientError as e:
+        body = e.response.body if e.response is not None else b""
+        try:
+            return e.code, json.loads(body or b"{}")
+        except ValueError:
+            return e.code, {"message": body.decode(errors="replace")}
+
+
+async def wait_polls(srv: Server, n: int = 2) -> None:
+    await asyncio.sleep(srv.gpushare["poll_interval"] * n + 0.1)
+
+
+def nvml_free() -> Callable[[int], int | None]:
+    """Free bytes on a GPU as NVML sees them."""
+    from jupyter_gpushare.telemetry.nvml import NVMLTelemetry
+
+    tel = NVMLTelemetry()
+    tel.open()
+    return tel.free_bytes
+
+
+def installed(mod: str) -> bool:
+    """Whether ``mod`` can be found (not imported: jax and cupy take seconds to import)."""
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def pick_reason(srv: Server, kid: str) -> str:
+    """Why release_method "auto" picked its method for the kernel (the server's log line)."""
+    lines = [ln for ln in srv.log_tail(400).splitlines() if kid in ln and "release method" in ln]
+    return lines[-1].split("release method", 1)[1].strip() if lines else "(no log line)"
+
+
+async def wait_pick(st: Step, srv: Server, kid: str, want: str) -> bool:
+    """Wait (a few polls: the agent's report of its frameworks' memory comes each poll) until
+    the kernel's method is ``want``; check it."""
+    try:
+        v = await srv.wait_kernel(kid, lambda v: v.get("method") == want, f"method {want}",
+                                  timeout=8 * srv.gpushare["poll_interval"] + 2)
+    except TimeoutError:
+        v = await view(srv, kid)
+    return bool(st.check(f"auto picks the {want} method", v.get("method") == want,
+                         f"method {v.get('method')}: {pick_reason(srv, kid)}"))
+
+
+async def make_state(st: Step, srv: Server, k: Kernel, kind: str, n: int) -> dict[str, Any]:
+    """Build the kernel's state; wait until status shows it; {checksum, bytes, info}."""
+    out = await k.value(cell(kind, "STATE", n=n), timeout=240)
+    await srv.wait_kernel(k.id, lambda v: (v.get("gpu_memory_bytes") or 0) >= out["bytes"] * 0.9,
+                          f"the {kind} kernel to show its memory", timeout=30)
+    st.figure(f"{kind}_state", {"bytes": out["bytes"], **out["info"]})
+    return out
+
+
+async def round_trip(st: Step, srv: Server, k: Kernel, label: str, ck: str,
+                     free: Callable[[int], int | None] | None, method: str | None = None,
+                     state_bytes: int | None = None) -> dict[str, Any]:
+    """Release over REST, check the memory is free (NVML on a GPU), restore by the next cell
+    (through the gate), compare the checksum. ``state_bytes``: what must come free at least
+    (default: all the kernel holds; the framework method leaves the CUDA context)."""
+    held = (await view(srv, k.id)).get("gpu_memory_bytes") or 0
+    free0 = free(0) if free else None
+    code, v = await post(srv, f"kernels/{k.id}/release")
+    ok = code == 200 and v.get("state") == "released"
+    st.check(f"{label}: release over REST", ok,
+             f"HTTP {code}, {v.get('state')}, method {v.get('method')}, "
+             f"{fmt_bytes(v.get('released_bytes'))} in {v.get('last_release_seconds')} s"
+             + (f"; {v.get('error') or v.get('message')}" if v.get("error") or v.get("message") else ""))
+    if method is not None:
+        st.check(f"{label}: released by the {method} method", v.get("method") == method,
+                 f"method {v.get('method')}")
+    if not ok:
+        return {"kernel": label, "released": False, "error": v.get("error") or v.get("message")}
+    await wait_polls(srv)
+    after = await view(srv, k.id)
+    freed = (free(0) or 0) - free0 if free and free0 is not None else None
+    need = (state_bytes if state_bytes is not None else held) * 0.9
+    st.check(f"{label}: memory free" + (" (NVML)" if free else ""),
+             (freed is None and (after.get("gpu_memory_bytes") or 0) == 0)
+             or (freed is not None and freed >= need),
+             f"kernel shows {fmt_bytes(after.get('gpu_memory_bytes'))}; held {fmt_bytes(held)}"
+             + (f"; GPU 0 free +{fmt_bytes(freed)} (needs >= {fmt_bytes(need)})" if free else ""))
+    t0 = time.monotonic()
+    ck2 = await k.value(CHECKSUM, timeout=240)
+    cell_s = time.monotonic() - t0
+    back = await view(srv, k.id)
+    st.check(f"{label}: the next cell restores through the gate, checksum equal",
+             ck2 == ck and back.get("state") == "active",
+             f"{back.get('state')}, restore {back.get('last_restore_seconds')} s, cell {cell_s:.2f} s"
+             + ("" if ck2 == ck else "; CHECKSUM DIFFERS"))
+    row = {"kernel": label, "method": v.get("method"), "held_bytes": held, "freed_bytes": freed,
+           "release_s": v.get("last_release_seconds"), "restore_s": back.get("last_restore_seconds"),
+           "cell_s": round(cell_s, 3), "checksum_equal": ck2 == ck}
+    st.figure("round_trip", row)
+    return row
+
+
+# -- env: what machine, what versions ---------------------------------------------------------
+ENV_STEPS = {"versions": ("machine, driver, CUDA, versions, wheelhouse, doctor", 45.0)}
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    if dist == "python":
+        return platform.python_version()
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+async def env_scene(sc: Scene) -> None:
+    await sc.step("versions", env_versions)
+
+
+async def env_versions(st: Step) -> None:
+    versions = {d: _version(d) for d in VERSIONS}
+    torch_v = versions.get("torch") or ""
+    m = re.search(r"\+cu(\d+)(\d)$", torch_v)
+    torch_cuda = f"{m.group(1)}.{m.group(2)}" if m else None
+    needed = ("jupyter_server", "ipykernel", "jupyter_client", "tornado", "psutil")
+    missing = [mod for mod in needed if not installed(mod)]
+    st.check("Jupyter packages importable", not missing,
+             "missing: " + ", ".join(missing) + " (carry the wheelhouse: wheelhouse.sh)" if missing
+             else f"jupyter_server {versions.get('jupyter_server')}, ipykernel {versions.get('ipykernel')}")
+
+    wheels = sorted(WHEELHOUSE.rglob("*.whl")) if WHEELHOUSE.is_dir() else []
+    info: dict[str, Any] = {"path": str(WHEELHOUSE), "wheels": len(wheels),
+                            "bytes": sum(w.stat().st_size for w in wheels)}
+    manifest = WHEELHOUSE / "MANIFEST.json"
+    if manifest.exists():
+        with contextlib.suppress(ValueError):
+            info.update(json.loads(manifest.read_text()))
+    st.figure("wheelhouse", info)
+    if wheels:
+        from prove import source_hash
+
+        same = info.get("source_hash") == source_hash()
+        st.check("wheelhouse", True if same else None,
+                 f"{len(wheels)} wheels, {fmt_bytes(info['bytes'])}; " + (
+                     "built from these sources" if same else "built from other sources: the "
+                     "repository's code runs (it comes first on PYTHONPATH)"))
+    else:
+        st.check("wheelhouse", None if not missing else False, f"no wheels in {WHEELHOUSE}")
+
+    from jupyter_gpushare.telemetry.nvml import probe
+
+    p = probe()
+    gpus: list[dict[str, Any]] = [{"index": g.index, "name": g.name, "uuid": g.uuid,
+                                   "memory_total": g.memory_total, "mig": g.mig} for g in p.gpus]
+    cv = p.cuda_driver_version
+    st.figure("nvml", {"ok": p.ok, "reason": p.reason, "gpus": gpus})
+    if st.real:
+        st.check("NVML sees a GPU", bool(p.ok and gpus), f"driver {p.driver_version}: " + "; ".join(
+            f"{g['index']}: {g['name']} {fmt_bytes(g['memory_total'])}" for g in gpus))
+        from jupyter_gpushare.reclaim.driver import driver_support
+
+        s = driver_support()
+        st.check("the driver checkpoint API is usable", s.ok, s.reason)
+    else:
+        st.check("NVML", None, p.reason or f"driver {p.driver_version} (not used: simulated)")
+    host = f"{platform.node()}: {os.cpu_count()} CPUs"
+    with contextlib.suppress(ImportError):
+        import psutil
+
+        host += (f", {fmt_bytes(psutil.virtual_memory().total)} RAM "
+                 f"({fmt_bytes(psutil.virtual_memory().available)} available)")
+    host += f", Linux {platform.release()}"
+    st.figure("machine", {
+        "gpus": "; ".join(f"{g['name']} {fmt_bytes(g['memory_total'])}" for g in gpus)
+                or ("simulated" if not st.real else "none"),
+        "gpu_count": len(gpus), "driver": p.driver_version,
+        "cuda_driver": f"{cv // 1000}.{cv % 1000 // 10}" if cv else None,
+        "torch_cuda": torch_cuda, "host": host, "versions": versions})
+    try:
+        r = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "jupyter_gpushare.doctor", "--backend",
+                             "nvml" if st.real else "simulated"],
+            capture_output=True, text=True, timeout=40)
+        st.figure("doctor", (r.stdout + r.stderr).strip())
+        st.check("jupyter gpushare doctor", r.returncode == 0, f"exit {r.returncode}")
+    except subprocess.TimeoutExpired:
+        st.check("jupyter gpushare doctor", False, "did not answer in 40 s")
+
+
+# -- stage 1: one PyTorch kernel, both methods, shutdown --------------------------------------
+TORCH_STEPS = {
+    "start": ("a server (backend=nvml, release_method=auto) and a PyTorch kernel with its CUDA "
+              "context", 60.0),
+    "attribution": ("a model with Adam state (about 4 GiB): NVML attributes it within two polls",
+                    60.0),
+    "driver_round_trip": ("driver method through the server: released, NVML shows it freed, the "
+                          "next cell restores through the gate, checksums equal", 90.0),
+    "framework_round_trip": ("framework method, the same kernel: bitwise equal, id()s kept, an "
+                             "optimizer step after the round trip equals one without", 90.0),
+    "shutdown_restored": ("shutting down the restored kernel returns, and a fresh CUDA process "
+                          "works after it", 60.0),
+}
+
+
+async def torch_scene(sc: Scene) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(st: Step) -> None:
+            srv = await stack.enter_async_context(server(sc, "torch", release_method="auto"))
+            (k,) = await start_kernels(sc, srv, 1)
+            base = 0
+            if st.real:  # the CUDA context first, so the state is what shows up next
+                await k.run("import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()",
+                            timeout=120)
+                await wait_polls(srv, 2)
+                base = (await view(srv, k.id)).get("gpu_memory_bytes") or 0
+                st.check("the CUDA context shows in status", base > 0, fmt_bytes(base))
+            st.figure("context_bytes", base)
+            sc.shared.update(srv=srv, k=k, base=base, free=nvml_free() if st.real else None)
+
+        await sc.step("start", start)
+        await sc.step("attribution", torch_attribution, needs=("start",))
+        await sc.step("driver_round_trip", torch_driver, needs=("attribution",))
+        await sc.step("framework_round_trip", torch_framework, needs=("attribution",))
+        await sc.step("shutdown_restored", shutdown_restored, needs=("start",))
+
+
+async def torch_attribution(st: Step) -> None:
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["k"]
+    base = sc.shared["base"]
+    kind, n = ("torch", 4 * GiB) if st.real else ("sim", 48 * MiB)
+    poll = srv.gpushare["poll_interval"]
+    out = await k.value(cell(kind, "STATE", n=n), timeout=240)
+    st.figure("state", {"bytes": out["bytes"], **out["info"]})
+    t0 = time.monotonic()
+    try:
+        v = await srv.wait_kernel(k.id, lambda v: (v.get("gpu_memory_bytes") or 0)
+                                  >= base + out["bytes"] * 0.99, "the state", timeout=10 * poll + 5)
+        seen: float | None = time.monotonic() - t0
+    except TimeoutError:
+        v, seen = await view(srv, k.id), None
+    # a loaded CI machine (the rehearsal) gets more slack than the GPU run
+    st.check("the kernel's state shows in status within two polls",
+             seen is not None and seen <= 2 * poll + (0.3 if st.real else 1.0),
+             f"{fmt_bytes(v.get('gpu_memory_bytes'))} after "
+             f"{'never' if seen is None else f'{seen:.2f} s'} (poll {poll} s)")
+    got = (v.get("gpu_memory_bytes") or 0) - base
+    st.check("attributed to this kernel: its state, its pids", out["bytes"] * 0.99 <= got
+             <= out["bytes"] + (GiB if st.real else MiB) and bool(v.get("pids")),
+             f"{fmt_bytes(got)} above the context for a state of {fmt_bytes(out['bytes'])}; "
+             f"pids {v.get('pids')}, GPUs {v.get('gpus')}")
+    st.figure("attribution", {"state_bytes": out["bytes"], "status_bytes": v.get("gpu_memory_bytes"),
+                              "context_bytes": base, "seconds_to_show": seen, "poll_s": poll})
+    sc.shared.update(ck=out["checksum"], state_bytes=out["bytes"])
+
+
+async def torch_driver(st: Step) -> None:
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["k"]
+    free = sc.shared["free"]
+    if st.real:
+        if not installed("cuda.bindings"):
+            raise Skip("cuda-bindings is not installed: no raw allocation to steer auto's pick")
+        # memory no framework counts: auto must pick the driver method for this kernel now
+        await k.run(RAW_ALLOC.format(n=GiB), timeout=60)
+        await wait_pick(st, srv, k.id, "driver")
+    await round_trip(st, srv, k, "driver" if st.real else "simulated", sc.shared["ck"], free,
+                     method="driver" if st.real else "simulated")
+    if st.real:
+        await k.run(RAW_FREE, timeout=60)
+
+
+async def torch_framework(st: Step) -> None:
+    if not st.real:
+        raise Skip(NOT_SIMULATED)
+    from cells import TORCH_AFTER_ROUND_TRIP, TORCH_REFERENCE_STEP
+
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["k"]
+    free = sc.shared["free"]
+    ck = sc.shared["ck"]
+    await k.value(TORCH_REFERENCE_STEP.format(), timeout=240)
+    if not await wait_pick(st, srv, k.id, "framework"):
+        return
+    held = (await view(srv, k.id)).get("gpu_memory_bytes") or 0
+    free0 = free(0) or 0
+    code, v = await post(srv, f"kernels/{k.id}/release")
+    st.check("release over REST", code == 200 and v.get("state") == "released",
+             f"HTTP {code}, method {v.get('method')}, {fmt_bytes(v.get('released_bytes'))} in "
+             f"{v.get('last_release_seconds')} s; {v.get('error') or v.get('message') or ''}")
+    st.check("released by the framework method", v.get("method") == "framework",
+             f"method {v.get('method')}")
+    await wait_polls(srv)
+    freed = (free(0) or 0) - free0
+    st.check("the state's bytes freed as NVML sees them", freed >= sc.shared["state_bytes"] * 0.9,
+             f"GPU 0 free +{fmt_bytes(freed)} of {fmt_bytes(held)} held; the kernel still shows "
+             f"{fmt_bytes((await view(srv, k.id)).get('gpu_memory_bytes'))} (its CUDA context)")
+    res = await k.value(TORCH_AFTER_ROUND_TRIP.format(), timeout=240)
+    back = await view(srv, k.id)
+    st.check("bitwise equal after the round trip", res["checksum"] == ck,
+             f"restore {back.get('last_restore_seconds')} s, state {back.get('state')}")
+    st.check("id()s kept (model, optimizer, data, parameters)", res["ids_kept"], "")
+    st.check("an optimizer step after the round trip equals one without",
+             res["step_equal"] and res["on_cuda"], f"parameters on CUDA: {res['on_cuda']}")
+    st.figure("round_trip", {"held_bytes": held, "freed_bytes": freed,
+                             "release_s": v.get("last_release_seconds"),
+                             "restore_s": back.get("last_restore_seconds")})
+
+
+async def shutdown_restored(st: Step) -> None:
+    """A published driver bug hung a host when a just-restored process was killed: DELETE the
+    restored kernel with a bound, then check a fresh CUDA process still works."""
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["k"]
+    v = await view(srv, k.id)
+    st.figure("before", {"state": v.get("state"), "restores": v.get("restores"),
+                         "pids": v.get("pids")})
+    t0 = time.monotonic()
+    try:
+        await srv.api("DELETE", f"/api/kernels/{k.id}", timeout=30)
+        srv.kernel_ids.remove(k.id)
+        ok, why = True, ""
+    except Exception as e:
+        ok, why = False, f": {e.__class__.__name__}: {e}"
+    gone = time.monotonic() - t0
+    st.check("DELETE of a kernel restored earlier returns", ok, f"in {gone:.2f} s{why}")
+    if st.real:
+        code = "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize(); print('ok')"
+        t0 = time.monotonic()
+        try:
+            r = await asyncio.to_thread(subprocess.run, [sys.executable, "-c", code],
+                                        capture_output=True, text=True, timeout=40)
+            st.check("a fresh CUDA process works after it", r.returncode == 0,
+                     f"exit {r.returncode} in {time.monotonic() - t0:.1f} s {r.stderr[-200:]}")
+        except subprocess.TimeoutExpired:
+            st.check("a fresh CUDA process works after it", False, "did not end in 40 s")
+
+
+# -- stage 2: JAX and CuPy through the driver, a restore without room waits -------------------
+FRAMEWORKS_STEPS = {
+    "start": ("a server (release_method=driver), a CuPy and a JAX kernel", 60.0),
+    "cupy_round_trip": ("CuPy (1 GiB) through the driver method: freed, restored, checksum equal",
+                        60.0),
+    "jax_room_wait": ("JAX that preallocated 75 %: released; with the GPU filled the next cell's "
+                      "restore waits (no driver call); room made, restored, checksum equal", 180.0),
+}
+
+
+def _jax_env(real: bool) -> dict[str, str]:
+    """JAX preallocates 75 % of the GPU; a checkpoint copies that into host memory, so where the
+    host could not hold it (an H200 beside 128 GiB of RAM) take what it can."""
+    if not real:
+        return {}
+    import psutil
+
+    from jupyter_gpushare.telemetry.nvml import probe
+
+    p = probe()
+    total = p.gpus[0].memory_total if p.ok and p.gpus else 0
+    avail = psutil.virtual_memory().available
+    if total and 0.75 * total > 0.6 * avail:
+        return {"XLA_PYTHON_CLIENT_MEM_FRACTION": f"{0.6 * avail / total:.2f}"}
+    return {}
+
+
+async def frameworks_scene(sc: Scene) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(st: Step) -> None:
+            if st.real and not (installed("cupy") and installed("jax")):
+                raise Skip(f"needs CuPy and JAX (cupy: {installed('cupy')}, jax: {installed('jax')})")
+            if st.real:
+                from jupyter_gpushare.reclaim.driver import driver_support
+
+                s = driver_support()
+                if not s.ok:
+                    raise Skip(f"the driver method is unsupported here: {s.reason}")
+            env = _jax_env(st.real)
+            st.figure("kernel_env", env)
+            srv = await stack.enter_async_context(
+                server(sc, "frameworks", release_method="driver", kernel_env=env))
+            filler, big = await start_kernels(sc, srv, 2)
+            sc.shared.update(srv=srv, filler=filler, big=big, jax_env=env,
+                             free=nvml_free() if st.real else None)
+
+        await sc.step("start", start)
+        await sc.step("cupy_round_trip", cupy_round_trip, needs=("start",))
+        await sc.step("jax_room_wait", jax_room_wait, needs=("start",))
+
+
+async def cupy_round_trip(st: Step) -> None:
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["filler"]
+    free = sc.shared["free"]
+    kind, n = ("cupy", GiB) if st.real else ("sim", 32 * MiB)
+    out = await make_state(st, srv, k, kind, n)
+    await round_trip(st, srv, k, kind, out["checksum"], free,
+                     method="driver" if st.real else "simulated")
+
+
+def _pid_state(pids: list[int]) -> str | None:
+    """The driver's checkpoint state of the first pid, read with cuda-core (None: unreadable)."""
+    try:
+        from cuda.bindings import driver as cu
+        from cuda.core.checkpoint import Process
+
+        cu.cuInit(0)
+        return str(Process(pids[0]).state) if pids else None
+    except Exception:
+        return None
+
+
+async def jax_room_wait(st: Step) -> None:
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["big"]
+    filler: Kernel = sc.shared["filler"]
+    free = sc.shared["free"]
+    kind, n, fkind = ("jax", GiB, "cupy") if st.real else ("sim", 64 * MiB, "sim")
+    out = await make_state(st, srv, k, kind, n)
+    held = (await view(srv, k.id)).get("gpu_memory_bytes") or 0
+    if st.real:
+        total = (await srv.api("GET", "/api/gpushare/status"))["gpus"][0]["memory_total"]
+        share = float(sc.shared["jax_env"].get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
+        st.check("JAX preallocated its share of the GPU", held >= 0.9 * share * total,
+                 f"the kernel holds {fmt_bytes(held)} of {fmt_bytes(total)} (share {share})")
+    free0 = free(0) if free else None
+    code, v = await post(srv, f"kernels/{k.id}/release")
+    st.check(f"{kind}: release over REST", code == 200 and v.get("state") == "released",
+             f"HTTP {code}, method {v.get('method')}, {fmt_bytes(v.get('released_bytes'))} in "
+             f"{v.get('last_release_seconds')} s; {v.get('error') or v.get('message') or ''}")
+    if code != 200:
+        return
+    await wait_polls(srv)
+    if free is not None and free0 is not None:
+        freed = (free(0) or 0) - free0
+        st.check(f"{kind}: memory free (NVML)", freed >= held * 0.9,
+                 f"GPU 0 free +{fmt_bytes(freed)} of {fmt_bytes(held)} held")
+        room = free(0) or 0
+    else:
+        g0 = (await srv.api("GET", "/api/gpushare/status"))["gpus"][0]
+        room = g0["memory_total"] - g0["memory_used"]
+    fill = int(room - held // 2)
+    if fill <= 0:
+        st.check("a restore without room waits", None, f"no room to fill ({fmt_bytes(room)} free)")
+        return
+    await filler.run(cell(fkind, "ALLOC", n=fill), timeout=240)
+    await wait_polls(srv)
+    t0 = time.monotonic()
+    pending = asyncio.ensure_future(k.value(CHECKSUM, timeout=240))
+    try:
+        w = await srv.wait_kernel(k.id, lambda v: bool(v.get("waiting")), "waiting", timeout=30)
+        waiting = w.get("waiting")
+    except TimeoutError:
+        waiting = None
+    await asyncio.sleep(2 if st.real else 0.5)  # and still waiting a while later
+    mid = await view(srv, k.id)
+    driver_state = _pid_state(mid.get("pids") or []) if st.real else None
+    still_held = driver_state is None or driver_state.lower().endswith("checkpointed")
+    st.check("a restore without room waits instead of calling the driver",
+             bool(waiting) and mid.get("restores") == 0 and not pending.done() and still_held,
+             f"waiting: {waiting!r}; state {mid.get('state')}; restores {mid.get('restores')}; "
+             f"driver state {driver_state or 'not read'}")
+    await filler.run(cell(fkind, "FREE"), timeout=120)
+    try:
+        ck2 = await asyncio.wait_for(pending, 150)
+    except Exception as e:
+        ck2 = f"no answer: {e}"
+    st.figure("room_wait_s", round(time.monotonic() - t0, 2))
+    back = await view(srv, k.id)
+    st.check(f"{kind}: restored once room was made, checksum equal",
+             ck2 == out["checksum"] and back.get("state") == "active",
+             f"after {time.monotonic() - t0:.1f} s; restore {back.get('last_restore_seconds')} s")
+
+
+# -- stage 2: lazy mode -----------------------------------------------------------------------
+LAZY_STEPS = {
+    "cpu_cell_then_gpu_cell": ("restore_mode=lazy: a CPU-only cell on a released kernel runs "
+                               "without a restore; a GPU cell restores, checksum equal", 90.0),
+}
+
+
+async def lazy_scene(sc: Scene) -> None:
+    await sc.step("cpu_cell_then_gpu_cell", lazy_cells)
+
+
+async def lazy_cells(st: Step) -> None:
+    sc = st.scene
+    if st.real:
+        from jupyter_gpushare.reclaim.driver import driver_support
+
+        s = driver_support()
+        if not s.ok:
+            raise Skip(f"lazy mode needs the driver method here: {s.reason}")
+    kind, n = ("torch", GiB) if st.real else ("sim", 16 * MiB)
+    async with server(sc, "lazy", restore_mode="lazy", release_method="driver") as srv:
+        (k,) = await start_kernels(sc, srv, 1)
+        out = await make_state(st, srv, k, kind, n)
+        code, v = await post(srv, f"kernels/{k.id}/release")
+        st.check("release", code == 200 and v.get("state") == "released",
+                 f"HTTP {code}, method {v.get('method')}")
+        t0 = time.monotonic()
+        answer = await k.value("print(json.dumps(sum(range(10))))", timeout=120)
+        cpu_s = time.monotonic() - t0
+        v = await view(srv, k.id)
+        st.check("a CPU-only cell runs without a restore",
+                 answer == 45 and v.get("state") == "released" and v.get("restores") == 0,
+                 f"answer {answer}, state {v.get('state')}, restores {v.get('restores')}, "
+                 f"cell {cpu_s:.2f} s")
+        t0 = time.monotonic()
+        ck2 = await k.value(CHECKSUM, timeout=240)
+        gpu_s = time.monotonic() - t0
+        v = await view(srv, k.id)
+        st.check("a GPU cell restores first, checksum equal",
+                 ck2 == out["checksum"] and v.get("state") == "active" and v.get("restores") == 1,
+                 f"state {v.get('state')}, restores {v.get('restores')}, cell {gpu_s:.2f} s")
+        st.figure("cells", {"cpu_cell_s": round(cpu_s, 3), "gpu_cell_s": round(gpu_s, 3),
+                            "restore_s": v.get("last_restore_seconds")})
+
+
+# -- stage 2: auto's pick per kernel ----------------------------------------------------------
+AUTO_STEPS = {
+    "start": ("a server (release_method=auto), a PyTorch and a JAX kernel", 60.0),
+    "torch_pick": ("a PyTorch-only kernel: auto picks the framework method; it frees the state; "
+                   "restored, checksum equal", 60.0),
+    "jax_pool_pick": ("a JAX kernel with a preallocated pool (20 %): the method auto picks frees "
+                      "what the kernel holds; restored, checksum equal", 90.0),
+}
+JAX_POOL = "import os\nos.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'] = '.20'\n"
+
+
+async def auto_scene(sc: Scene) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(st: Step) -> None:
+            if not st.real:
+                raise Skip(NOT_SIMULATED)
+            if not installed("torch"):
+                raise Skip("needs PyTorch")
+            srv = await stack.enter_async_context(server(sc, "auto", release_method="auto"))
+            tk, jk = await start_kernels(sc, srv, 2)
+            sc.shared.update(srv=srv, tk=tk, jk=jk, free=nvml_free())
+
+        await sc.step("start", start)
+        await sc.step("torch_pick", auto_torch, needs=("start",))
+        await sc.step("jax_pool_pick", auto_jax, needs=("start",))
+
+
+async def auto_torch(st: Step) -> None:
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["tk"]
+    free = sc.shared["free"]
+    out = await make_state(st, srv, k, "torch", GiB)
+    await wait_pick(st, srv, k.id, "framework")
+    await round_trip(st, srv, k, "torch", out["checksum"], free, method="framework",
+                     state_bytes=out["bytes"])
+
+
+async def auto_jax(st: Step) -> None:
+    if not installed("jax"):
+        raise Skip("needs JAX")
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["jk"]
+    free = sc.shared["free"]
+    out = await k.value(JAX_POOL + cell("jax", "STATE", n=256 * MiB), timeout=240)
+    await wait_polls(srv, 4)  # the agent's report of the pool, then the pick
+    v = await view(srv, k.id)
+    st.figure("pick", {"method": v.get("method"), "why": pick_reason(srv, k.id),
+                       "held_bytes": v.get("gpu_memory_bytes")})
+    st.check("auto's pick", None, f"{v.get('method')}: {pick_reason(srv, k.id)}")
+    # the pool is the kernel's memory: the method picked must free it (the framework method
+    # moves arrays, not JAX's pool)
+    await round_trip(st, srv, k, f"jax ({v.get('method')})", out["checksum"], free)
+
+
+# -- stage 2: restore onto another GPU --------------------------------------------------------
+MIGRATE_STEPS = {
+    "another_gpu": ("restore onto another GPU (cuda-core gpu_mapping, driver >= 580): needs two "
+                    "GPUs", 60.0),
+}
+
+MIGRATE_CHILD = """
+import sys, torch
+x = torch.randint(-2**62, 2**62, ((256 << 20) // 8,), dtype=torch.int64, device="cuda:0")
+def ck():
+    return f"{int((x ^ (x >> 17)).sum())}:{x.device}:{torch.cuda.current_device()}"
+print("ready", ck(), flush=True)
+for line in sys.stdin:
+    print(ck(), flush=True)
+"""
+
+
+async def migrate_scene(sc: Scene) -> None:
+    await sc.step("another_gpu", migrate)
+
+
+async def migrate(st: Step) -> None:
+    if not st.real:
+        raise Skip("cuda-core's gpu_mapping needs real GPUs")
+    from jupyter_gpushare.telemetry.nvml import probe
+
+    p = probe()
+    if len(p.gpus) < 2:
+        raise Skip(f"{len(p.gpus)} GPU here: restoring onto another GPU needs two (the step "
+                   "stays in the plan for a machine that has them)")
+    ok, detail = await asyncio.to_thread(_migrate_check)
+    st.check("restored onto GPU 1, checksum equal", ok, detail)
+
+
+def _migrate_check() -> tuple[bool | None, str]:
+    """cuda-core's restore with gpu_mapping (GPU 0 <-> GPU 1) on a child holding 256 MiB."""
+    from cuda.bindings import driver as cu
+    from cuda.core.checkpoint import Process
+
+    from jupyter_gpushare.reclaim.driver import MIN_DRIVER_MIGRATE
+    from jupyter_gpushare.telemetry.nvml import NVMLTelemetry, driver_major
+
+    tel = NVMLTelemetry()
+    tel.open()
+    try:
+        if (driver_major(tel.driver_version()) or 0) < MIN_DRIVER_MIGRATE:
+            return None, f"driver {tel.driver_version()} < {MIN_DRIVER_MIGRATE}: no GPU mapping"
+        uu = [g.uuid.removeprefix("GPU-") for g in tel.devices()]
+        cu.cuInit(0)
+        proc = subprocess.Popen([sys.executable, "-c", MIGRATE_CHILD], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, bufsize=1)
+        try:
+            assert proc.stdin and proc.stdout
+            _word, before = proc.stdout.readline().split()
+            p = Process(proc.pid)
+            p.lock(10_000)
+            p.checkpoint()
+            p.restore(gpu_mapping={uu[0]: uu[1], uu[1]: uu[0], **{u: u for u in uu[2:]}})
+            p.unlock()  # a restore leaves the process locked
+            on1 = [u for u in tel.processes() if u.pid == proc.pid and u.gpu == 1]
+            proc.stdin.write("check\n")
+            after = proc.stdout.readline().strip()
+            same = after.split(":")[0] == before.split(":")[0]
+            return same, f"checksum {'equal' if same else 'DIFFERS'}; on GPU 1 per NVML: {bool(on1)}"
+        except Exception as e:
+            return False, f"{e.__class__.__name__}: {e}"
+        finally:
+            if proc.stdin:
+                proc.stdin.close()
+            proc.kill()
+            proc.wait(30)
+    finally:
+        tel.close()
+
+
+# -- stage 3 (when device time is left): the gpu-marked tests ---------------------------------
+PYTEST_STEPS = {
+    "gpu_tests": ("pytest -m gpu tests/gpu: NVML, the driver method on a child, CUDA offload, "
+                  "a real server with backend=nvml", 240.0),
+}
+
+
+async def pytest_scene(sc: Scene) -> None:
+    await sc.step("gpu_tests", gpu_tests)
+
+
+async def gpu_tests(st: Step) -> None:
+    if not st.real:
+        raise Skip("the gpu-marked tests need a real GPU (NVML, CUDA)")
+    if not installed("pytest_jupyter"):
+        raise Skip("pytest-jupyter is not installed (the wheelhouse carries it)")
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
+           "-o", "addopts=", "-q", "-rs", "--timeout", "120"]
+    try:
+        r = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, capture_output=True, text=True,
+                                    timeout=max(st.left() - 5, 10))
+        text, code = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or b""
+        text, code = (out.decode(errors="replace") if isinstance(out, bytes) else out), -1
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    summary = next((ln for ln in reversed(lines) if " in " in ln and any(
+        w in ln for w in ("passed", "failed", "skipped", "error"))), lines[-1] if lines else "")
+    st.figure("summary", summary.strip("= "))
+    st.figure("failures", [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:40])
+    st.figure("skips", [ln for ln in lines if ln.startswith("SKIPPED")][:40])
+    st.figure("log_tail", "\n".join(lines[-60:]))
+    st.check("pytest -m gpu tests/gpu", code == 0 if code != 5 else None,
+             f"exit {code}: {summary.strip('= ')}" if code != -1 else "timed out")
