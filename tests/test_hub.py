@@ -12,6 +12,7 @@ import asyncio
 import glob
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -412,12 +413,22 @@ def test_the_admin_page_renders_for_admins_only_and_its_release_button_works(hub
             page = login("admin")
             page.wait_for_selector("body[data-loaded='true']", timeout=60_000)
             gpu = page.locator(".gpu").first
-            assert "SIM-" in gpu.locator(".uuid").inner_text()
+            # named as people name GPUs (node, index, model), the UUID on hover
+            name = gpu.locator(".name")
+            assert re.fullmatch(r".+ · GPU 0 · Simulated GPU.*", name.inner_text()), name.inner_text()
+            assert "UUID SIM-" in name.get_attribute("title")
             assert "held by kernels" in gpu.inner_text() and gpu.locator("svg.chart").count() == 1
             for user in ("alice", "bob", "carol"):
                 assert page.locator(f".user[data-user='{user}']").count() == 1
             row = page.locator(f"tr[data-kernel='{bob.id}']")
             row.wait_for(timeout=30_000)
+            on = row.locator(".on")  # bob's memory: on which GPU, by name, its UUID on hover
+            assert re.fullmatch(r"64\.0 MiB on .+ · GPU 0", on.inner_text()), on.inner_text()
+            assert on.get_attribute("title").startswith("UUID SIM-")
+            # bob has no share (shares are on: carol's): a note, no alarm; carol has hers
+            bobs = page.locator(".user[data-user='bob'] .share")
+            assert bobs.inner_text().endswith("; no share") and "over" not in bobs.get_attribute("class")
+            assert "share 256.0 MiB per gpu" in page.locator(".user[data-user='carol'] .share").inner_text()
             page.screenshot(path=str(shots / "hub-admin-page.png"), full_page=True)
             row.get_by_role("button", name="Release").click()  # cookie + XSRF token
 

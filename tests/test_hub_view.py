@@ -66,6 +66,20 @@ def test_servers_on_one_machine_are_one_node_keyed_by_uuid():
     assert ledger.over("bob", a) and ledger.node_used("bob", view.gpus[a].node) == 4 * GiB
 
 
+def test_a_gpu_is_named_by_the_index_most_of_its_servers_give_it():
+    # the admin page names GPUs as people do ("GPU 1"): two servers of three see GPU-b as 1
+    views = [[gpu(0, "GPU-a"), gpu(1, "GPU-b")], [gpu(0, "GPU-a"), gpu(1, "GPU-b")],
+             [gpu(0, "GPU-b")]]  # CUDA_VISIBLE_DEVICES=1
+    refs = [ServerRef(u, "", f"/user/{u}/") for u in ("alice", "bob", "carol")]
+    ids = GpuIds()
+    view = NodeView([(r, parse_status(status(g, []), 1.0)) for r, g in zip(refs, views, strict=True)],
+                    ids, now=2.0)
+    assert view.gpus[ids("GPU-b")].local_index == 1 and view.gpus[ids("GPU-a")].local_index == 0
+    tie = NodeView([(refs[0], parse_status(status([gpu(3, "GPU-c")], []), 1.0)),
+                    (refs[1], parse_status(status([gpu(2, "GPU-c")], []), 1.0))], ids, now=2.0)
+    assert tie.gpus[ids("GPU-c")].local_index == 2  # of a tie, the lowest
+
+
 @pytest.mark.parametrize("raw, why", [
     (b"\x00{not json", "not JSON"),
     (b"[1, 2]", "not a JSON object"),

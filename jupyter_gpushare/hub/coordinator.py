@@ -612,10 +612,12 @@ class Coordinator:
         t = now()
         ledger = self.view.ledger(self.settings.shares, self.groups)
         nodes: dict[str, list[dict[str, Any]]] = {}
-        for gpu in sorted(self.view.gpus.values(), key=lambda g: (g.node, g.uuid)):
+        # by node, then as people number them: GPU 0, GPU 1, ...
+        for gpu in sorted(self.view.gpus.values(),
+                          key=lambda g: (g.node, -1 if g.local_index is None else g.local_index, g.uuid)):
             hist = list(self.history.get(gpu.uuid, ()))
             nodes.setdefault(gpu.node, []).append({
-                "uuid": gpu.uuid, "name": gpu.name, "memory_total": gpu.total,
+                "uuid": gpu.uuid, "index": gpu.local_index, "name": gpu.name, "memory_total": gpu.total,
                 "memory_used": gpu.used, "held": gpu.held, "utilization": gpu.utilization,
                 "released_bytes": gpu.released_bytes, "by_user": dict(sorted(gpu.by_user.items())),
                 "reclaimed_gpu_hours": round(self.reclaimed_hours.get(gpu.uuid, 0.0), 4),

@@ -89,6 +89,13 @@ class GPUState:
         return sum(self.by_user.values())
 
     @property
+    def local_index(self) -> int | None:
+        """The index its servers give it (nvidia-smi's, as people name GPUs): the one most of
+        them use (of a tie, the lowest); None before any server reported it."""
+        seen = list(self.index.values())
+        return min(seen, key=lambda i: (-seen.count(i), i)) if seen else None
+
+    @property
     def free(self) -> int | None:
         if self.total is None or self.used is None:
             return None

@@ -38,26 +38,73 @@
     for (const c of children) if (c !== null && c !== undefined) node.append(c.nodeType ? c : String(c));
     return node;
   }
+  // GPUs as people name them: "node1 · GPU 0 · H100 80GB", the UUID on hover. A node is
+  // named as its servers name their machine; one the service could only name after a GPU's
+  // UUID ("node-GPU-5d2c...") is numbered in the page's order instead ("node 2").
+  function nodeLabel(node, i) {
+    return /^node-(GPU|MIG|SIM)-/.test(node.name) ? `node ${i + 1}` : node.name;
+  }
+  let gpuNames = {};  // filled by render() before the cards and rows are drawn
+  function nameGpus(nodes) {
+    gpuNames = {};
+    nodes.forEach((node, i) => {
+      for (const gpu of node.gpus) {
+        const where = `${nodeLabel(node, i)} · GPU ${gpu.index === null ? '?' : gpu.index}`;
+        gpuNames[gpu.uuid] = { where, full: `${where} · ${gpu.name}`,
+                               hover: `UUID ${gpu.uuid}\nnode ${node.name}` };
+      }
+    });
+  }
+  function gpuName(uuid) {
+    return gpuNames[uuid] || { where: uuid, full: uuid, hover: `UUID ${uuid}` };
+  }
+  function ago(s) {  // an axis label: "now", "-30 s", "-5 min", "-2 h"
+    if (s < 1) return 'now';
+    if (s < 90) return `-${Math.round(s)} s`;
+    if (s < 5400) return `-${Math.round(s / 60)} min`;
+    return `-${+(s / 3600).toFixed(1)} h`;
+  }
+  // Each sample's value replaced by the highest of its slot (`slot` seconds, from the epoch):
+  // drawn as steps, a burst of a few seconds keeps a visible width in an hours-long chart.
+  function slotPeaks(t, values, slot) {
+    const peak = {};
+    t.forEach((x, i) => {
+      const k = Math.floor(x / slot), v = values[i];
+      if (v !== null && v !== undefined) peak[k] = Math.max(k in peak ? peak[k] : -Infinity, v);
+    });
+    return t.map((x) => { const k = Math.floor(x / slot); return k in peak ? peak[k] : null; });
+  }
   function svgEl(tag, attrs) {
     const node = document.createElementNS('http://www.w3.org/2000/svg', tag);
     for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
     return node;
   }
+  // Memory held (left, 0 to the GPU's total) and SM busy (steps, 0-100 %) over the
+  // service's history, ending now; the time axis under it reads as ages ("-1 h", "now").
   function chart(gpu) {
+    const box = el('div', { class: 'chartbox' });
     const svg = svgEl('svg', { class: 'chart', viewBox: '0 0 300 80', preserveAspectRatio: 'none',
                                role: 'img', 'aria-label': 'memory held and SM busy over time' });
+    box.append(svg);
     const h = gpu.history, n = h.t.length, total = gpu.memory_total || 1;
-    if (n < 2) return svg;
-    const t0 = h.t[0], span = (h.t[n - 1] - t0) || 1;
-    const x = (i) => ((h.t[i] - t0) / span * 300).toFixed(1);
-    const line = (values, scale, stroke) => {
-      const pts = [];
-      values.forEach((v, i) => { if (v !== null) pts.push(x(i) + ',' + (78 - Math.min(1, v / scale) * 76).toFixed(1)); });
-      svg.append(svgEl('polyline', { points: pts.join(' '), fill: 'none', stroke, 'stroke-width': 1.5 }));
-    };
-    line(h.held, total, 'var(--held)');
-    line(h.utilization, 100, 'var(--util)');
-    return svg;
+    if (n < 2) return box;
+    const span = Math.max(-h.t[0], 1);  // t: seconds relative to now (<= 0)
+    const x = (t) => ((t + span) / span * 300).toFixed(1);
+    const y = (v, scale) => (78 - Math.min(1, v / scale) * 76).toFixed(1);
+    const pts = [];
+    h.held.forEach((v, i) => { if (v !== null) pts.push(x(h.t[i]) + ',' + y(v, total)); });
+    svg.append(svgEl('polyline', { points: pts.join(' '), fill: 'none', stroke: 'var(--held)', 'stroke-width': 1.5 }));
+    const util = slotPeaks(h.t, h.utilization, span / 75);  // slots of 4 of the 300 units
+    const steps = [];
+    util.forEach((v, i) => {
+      if (v === null) return;
+      const end = i + 1 < n ? h.t[i + 1] : 0;
+      steps.push(x(h.t[i]) + ',' + y(v, 100), x(end) + ',' + y(v, 100));
+    });
+    svg.append(svgEl('polyline', { points: steps.join(' '), fill: 'none', stroke: 'var(--util)', 'stroke-width': 1.5 }));
+    box.append(el('div', { class: 'axis', 'aria-hidden': 'true' },
+      el('span', {}, ago(span)), el('span', {}, ago(span / 2)), el('span', {}, 'now')));
+    return box;
   }
   function gpuCard(gpu) {
     const total = gpu.memory_total || 0;
@@ -75,17 +122,14 @@
     for (const [user, n] of Object.entries(gpu.by_user)) {
       legend.append(el('span', {}, el('i', { class: 'swatch', style: `background:${color(user)}` }), `${user} ${bytes(n)}`));
     }
-    return el('div', { class: 'gpu', 'data-uuid': gpu.uuid },
-      el('div', { class: 'name' }, gpu.name),
-      el('div', { class: 'uuid' }, gpu.uuid),
+    const name = gpuName(gpu.uuid);
+    return el('div', { class: 'gpu', 'data-uuid': gpu.uuid, 'data-index': gpu.index },
+      el('div', { class: 'name', title: name.hover }, name.full),
       bar, legend,
       el('div', {}, `used ${bytes(gpu.memory_used)} of ${bytes(total)} · held by kernels ${bytes(gpu.held)} · ` +
                     `SM busy ${gpu.utilization === null ? '-' : gpu.utilization.toFixed(0) + ' %'}`),
       el('div', {}, `released (in host memory) ${bytes(gpu.released_bytes)} · reclaimed ${gpu.reclaimed_gpu_hours.toFixed(3)} GPU-h`),
-      chart(gpu),
-      el('div', { class: 'legend muted' },
-        el('span', {}, el('i', { class: 'swatch', style: 'background:var(--held)' }), 'held'),
-        el('span', {}, el('i', { class: 'swatch', style: 'background:var(--util)' }), 'SM busy')));
+      chart(gpu));
   }
   async function act(user, server, kernel, action) {
     const r = await fetch('api/actions', {
@@ -97,13 +141,14 @@
     refresh();
   }
   function kernelRow(user, k) {
-    const gpus = k.gpus.map((g) => `${bytes(g.bytes)} on ${g.uuid.slice(0, 12)}`).join(', ') || '-';
+    const gpus = k.gpus.length ? k.gpus.map((g, i) => el('span', { class: 'on', title: gpuName(g.uuid).hover },
+      (i ? ', ' : '') + `${bytes(g.bytes)} on ${gpuName(g.uuid).where}`)) : ['-'];
     const held = ['released', 'failed', 'releasing', 'restoring'].includes(k.state);
     return el('tr', { 'data-kernel': k.id },
       el('td', {}, k.server || '(default)'),
       el('td', { title: k.id }, k.path || k.id.slice(0, 8)),
       el('td', { class: 'state-' + k.state }, k.state + (k.pinned ? ' (pinned)' : '') + (k.busy ? ', busy' : '')),
-      el('td', {}, held ? `${bytes(k.released_bytes)} in host memory` : gpus),
+      el('td', {}, ...(held ? [`${bytes(k.released_bytes)} in host memory`] : gpus)),
       el('td', {}, seconds(k.idle_seconds)),
       el('td', {}, k.utilization.toFixed(0) + ' %'),
       el('td', {}, k.claim_refused ? 'claimed wait not believed: ' + k.claim_refused : (k.waiting || k.error || '')),
@@ -111,6 +156,18 @@
         el('button', { onclick: () => act(user, k.server, k.id, 'release'), disabled: held ? '' : null }, 'Release'),
         ' ',
         el('button', { onclick: () => act(user, k.server, k.id, k.pinned ? 'unpin' : 'pin') }, k.pinned ? 'Unpin' : 'Pin')));
+  }
+  // A person's memory and share. Without shares, or without a share of their own, nothing is
+  // over anything worth an alarm: red only for a person over the share they have.
+  function shareLine(u, sharesOn) {
+    const held = `${bytes(u.usage_bytes)} on GPUs`;
+    if (!sharesOn) return el('span', { class: 'muted share' }, held);
+    if (!u.share) {
+      return el('span', { class: 'muted share', title: 'No share applies to this person: when ' +
+        "someone else's restore needs room, their idle kernels are released first." }, `${held}; no share`);
+    }
+    return el('span', { class: u.over_share ? 'over share' : 'muted share' },
+      `${held}; share ${u.share}${u.over_share ? ' (over it)' : ''}`);
   }
   function render(data) {
     const totals = document.getElementById('totals');
@@ -122,8 +179,11 @@
     const error = document.getElementById('error');
     error.hidden = !data.discovery_error;
     error.textContent = data.discovery_error ? 'Cannot list servers: ' + data.discovery_error : '';
-    document.getElementById('nodes').replaceChildren(...data.nodes.map((node) =>
-      el('div', { class: 'node' }, el('h3', {}, node.name), el('div', { class: 'gpus' }, ...node.gpus.map(gpuCard)))));
+    nameGpus(data.nodes);
+    document.getElementById('nodes').replaceChildren(...data.nodes.map((node, i) =>
+      el('div', { class: 'node', 'data-node': node.name },
+        el('h3', { title: `node ${node.name}` }, nodeLabel(node, i)),
+        el('div', { class: 'gpus' }, ...node.gpus.map(gpuCard)))));
     const waits = document.getElementById('waits');
     waits.replaceChildren(data.waits.length ? el('table', {},
       el('tr', {}, ...['person', 'kernel', 'waiting for', 'why'].map((h) => el('th', {}, h))),
@@ -131,8 +191,7 @@
         el('td', {}, seconds(w.seconds)), el('td', {}, w.why || 'making room')))) : el('p', { class: 'muted' }, 'None.'));
     document.getElementById('users').replaceChildren(...data.users.map((u) => el('div', { class: 'user', 'data-user': u.name },
       el('h3', {}, el('i', { class: 'swatch', style: `background:${color(u.name)}` }), u.name, ' ',
-        el('span', { class: u.over_share ? 'over' : 'muted' },
-          `${bytes(u.usage_bytes)} on GPUs; share ${u.share || 'none'}${u.over_share ? ' (over share)' : ''}`)),
+        shareLine(u, data.shares)),
       ...u.servers.filter((s) => s.error).map((s) => el('p', { class: 'error' }, `server ${s.name || '(default)'}: ${s.error}`)),
       ...(u.claims_paused_seconds ? [el('p', { class: 'error' }, `room made for this person was not used: no room is made for them from others for ${seconds(u.claims_paused_seconds)}`)] : []),
       u.kernels.length ? el('table', {},
