@@ -83,8 +83,9 @@ async def test_status_shows_state_memory_and_release_time_as_html_and_text(
     assert html.startswith("<table class='gpushare-status'>")
     assert "<th style='text-align:left'>GPU memory</th><td style='text-align:left'>256.0 MiB on GPU 0" in html
     # code is code in HTML, plain in text: never a literal backtick
-    assert "restore mode            eager: before the next cell runs, whatever it does (even 1 + 1)" in text
-    assert "whatever it does (even <code>1 + 1</code>)" in html
+    assert ("restore mode            eager: before the next cell runs, whatever it does (even 1 + 1), "
+            "except a cell made only of %gpushare magics") in text
+    assert "whatever it does (even <code>1 + 1</code>), except a cell made only of <code>%gpushare</code>" in html
     assert "`" not in text and "`" not in html
 
 
@@ -100,10 +101,24 @@ async def test_pin_unpin_idle_timeout_change_what_rest_reports(jp_fetch, kernels
     assert info["pinned"] is True and info["release_in_seconds"] is None
     assert "(pinned)" in (await k.run("%gpushare")).text
 
+    ex = await k.run("%gpushare pin")  # again: says so, and nothing changes
+    clean(ex)
+    assert ex.stdout.strip() == ("gpushare: already pinned: this kernel is never released "
+                                 "automatically (%gpushare unpin undoes it)")
+    ex = await k.run("%gpushare idle-timeout 120")  # the pin wins, and the magic says so
+    clean(ex)
+    assert ex.stdout.strip() == ("gpushare: idle timeout 120 s; this kernel is pinned, and the pin "
+                                 "wins: it is not released automatically until %gpushare unpin")
+    info = await kernel_status(jp_fetch, k.id)
+    assert (info["pinned"], info["idle_timeout"], info["release_in_seconds"]) == (True, 120, None)
+    await k.run("%gpushare idle-timeout default")
+
     ex = await k.run("%gpushare unpin")
     assert "unpinned" in ex.stdout
     info = await kernel_status(jp_fetch, k.id)
     assert info["pinned"] is False and info["release_in_seconds"] is not None
+    ex = await k.run("%gpushare unpin")
+    assert ex.stdout.strip() == "gpushare: not pinned: this kernel is released automatically already"
     assert [e["action"] for e in events if e["kernel_id"] == k.id] == ["pinned", "unpinned"]
 
     ex = await k.run("%gpushare idle-timeout 120")
@@ -133,8 +148,10 @@ async def test_release_then_status_then_restore_in_one_cell(jp_fetch, kernels, g
                      "import json, urllib.request\n%gpushare restore")
     clean(ex)
     assert "gpushare: released 256.0 MiB to host memory in" in ex.stdout
-    # eager, the default: any next cell restores, and the magic says so
-    assert "; it comes back before the next cell runs, whatever it does" in ex.stdout
+    # eager, the default: any next cell restores, and the magic says so (with the exception
+    # this very cell is: a cell of %gpushare magics runs on the released kernel)
+    assert ("; it comes back before the next cell runs, whatever it does (even 1 + 1), except a "
+            "cell made only of %gpushare magics\n") in ex.stdout
     shown = ex.text
     assert "state                   released" in shown
     assert "host memory (released)  256.0 MiB" in shown

@@ -7,13 +7,15 @@ Usage::
     %gpushare release              release this kernel's GPU memory now (state kept on host)
     %gpushare restore              bring it back now, without running a cell
     %gpushare pin | unpin          never / again release this kernel automatically
-    %gpushare idle-timeout SECONDS this kernel's idle timeout (0 = never; "default" = server's)
+    %gpushare idle-timeout SECONDS this kernel's idle timeout (0 = never; "default" = server's;
+                                   a pin wins over it)
     %gpushare allow-background [off]  release automatically even though threads other than
                                    the cells use the GPU (they wait while it is released)
     %%gpushare release-after       run the cell, then release at once
 
 When a released kernel comes back depends on the server's ``restore_mode``: ``eager`` (the
-default) restores before the next cell runs, whatever the cell (see :data:`RESTORE_MODES`).
+default) restores before the next cell runs, whatever the cell, except a cell made only of
+``%gpushare`` magics, which runs on the released kernel (see :data:`RESTORE_MODES`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from . import agent as agent_module
 #: what brings a released kernel back, per restore_mode, as the magics say it (`code` shows
 #: as code in HTML and plainly in text)
 RESTORE_MODES = {
-    "eager": "before the next cell runs, whatever it does (even `1 + 1`)",
+    "eager": "before the next cell runs, whatever it does (even `1 + 1`), except a cell made "
+             "only of `%gpushare` magics",
     "lazy": "before the next cell that may use the GPU (others run at once)",
 }
 
@@ -197,7 +200,8 @@ class GPUShareMagics(Magics):
         %gpushare pin                  never release this kernel automatically
         %gpushare unpin                release it again when idle
         %gpushare idle-timeout SECONDS release this kernel after SECONDS idle (0 = never
-                                       automatically; "default" = the server's idle_timeout)
+                                       automatically; "default" = the server's idle_timeout);
+                                       on a pinned kernel the pin wins until unpin
         %gpushare allow-background     release this kernel automatically even though threads
                                        other than the cells use the GPU (they wait while it
                                        is released); `allow-background off` undoes it
@@ -335,6 +339,14 @@ class GPUShareMagics(Magics):
             print(f"gpushare: restored {moved} in {time.monotonic() - started:.2f} s")
 
     def _pin(self, pinned: bool) -> None:
+        before = self._ask("status")
+        if before is None:
+            return
+        if bool(before["kernel"].get("pinned")) == pinned:  # nothing changes: say so
+            print("gpushare: already pinned: this kernel is never released automatically "
+                  "(%gpushare unpin undoes it)" if pinned else
+                  "gpushare: not pinned: this kernel is released automatically already")
+            return
         if self._ask("pin", pinned=pinned) is not None:
             print("gpushare: pinned: this kernel is never released automatically" if pinned
                   else "gpushare: unpinned: this kernel is released again when idle")
@@ -355,9 +367,13 @@ class GPUShareMagics(Magics):
                 print("gpushare: idle-timeout takes seconds (a number >= 0; 0 = never release "
                       f"automatically) or 'default', not {args[0]!r}")
                 return
-        if self._ask("idle_timeout", seconds=seconds) is not None:
+        reply = self._ask("idle_timeout", seconds=seconds)
+        if reply is not None:
+            pinned = reply["kernel"].get("pinned")
             print("gpushare: idle timeout " + ("back to the server's default" if seconds is None
-                  else "off (never released automatically)" if seconds == 0 else f"{seconds:g} s"))
+                  else "off (never released automatically)" if seconds == 0 else f"{seconds:g} s")
+                  + ("; this kernel is pinned, and the pin wins: it is not released automatically "
+                     "until %gpushare unpin" if pinned else ""))
 
     def _allow_background(self, args: list[str]) -> None:
         if args not in ([], ["on"], ["off"]):
