@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import deque
 from typing import Any
 
 import numpy as np
 import pytest
 from tornado.httpclient import HTTPClientError
 
-from jupyter_gpushare.node.placement import PlacementError, Placer, allowed
+from jupyter_gpushare.core.tracker import GPURecord, KernelRecord, Tracker
+from jupyter_gpushare.node.placement import PlacementError, Placer, allowed, requested_memory
 from jupyter_gpushare.sim import device as device_module
 from jupyter_gpushare.sim import simgpu
 from jupyter_gpushare.sim.device import LocalBackend, SimDevice, visible_gpus
@@ -157,6 +159,68 @@ async def test_the_hub_services_view_narrows_the_room_and_shares_come_first():
 
     got = await placer(two, service_room=broken).place("k", Spec(), {})
     assert got is not None and got.value == "0"  # placed by the server's own view
+
+
+async def test_placed_kernels_count_before_they_allocate_and_exact_bytes_never_outrank_load():
+    two = [gpu(0, used=16 * MiB), gpu(1)]  # GPU 1 has a few bytes more room
+    p = placer(two)
+    first = await p.place("a", Spec(), {})
+    second = await p.place("b", Spec(), {})  # a has not allocated yet: it is expected there
+    assert first is not None and second is not None
+    assert (first.gpus, second.gpus) == ([1], [0])
+    assert p.placed["a"].gpus == [1] and p.placed["a"].need.bytes == 512 * MiB  # min_room
+    busy = [gpu(0, util=100.0), gpu(1, used=GiB)]  # more room, but its SMs are busy
+    assert (await placer(busy).place("k", Spec(), {})).gpus == [1]  # type: ignore[union-attr]
+
+
+class MemSpec(Spec):
+    def __init__(self, memory: Any, name: str = "big"):
+        super().__init__()
+        self.name = name
+        self.metadata = {"gpushare": {"memory": memory}}
+
+
+async def test_the_expected_need_is_the_kernelspecs_else_its_recent_kernels_peak():
+    two = [gpu(0, used=GiB, util=0.0), gpu(1, used=256 * MiB, util=60.0)]
+    # 1.5 GiB fits on GPU 1 only, busy or not
+    got = await placer(two).place("k", MemSpec("1.5GiB"), {})
+    assert got is not None and got.gpus == [1]
+    assert requested_memory(MemSpec(3 << 30)) == 3 << 30
+    assert requested_memory(MemSpec("512 MiB")) == 512 * MiB and requested_memory(Spec()) is None
+    for bad in ("lots", "25%", -1, 1.5, True, None, "1GiB per node"):
+        with pytest.raises(PlacementError, match=r"metadata\.gpushare\.memory must be bytes per GPU"):
+            requested_memory(MemSpec(bad))
+    # no kernelspec figure: what its recent kernels held at most on one GPU
+    recent = {"python3": [256 * MiB, 1536 * MiB]}
+    spec = Spec()
+    spec.name = "python3"  # type: ignore[attr-defined]
+    got = await placer(two, recent=lambda name: recent.get(name, [])).place("k", spec, {})
+    assert got is not None and got.gpus == [1] and got.note == ""
+    assert (await placer(two).place("k", spec, {})).gpus == [0]  # type: ignore[union-attr]
+
+
+def test_a_gpus_load_is_its_mean_over_the_window_and_peaks_outlive_their_kernels():
+    rec = GPURecord(gpu(0), deque([(0.0, 0, 0.0), (2.0, 0, 100.0), (4.0, 0, 100.0), (6.0, 0, 0.0)]))
+    assert rec.load(0.0, 6.0) == pytest.approx(200 / 3)  # each sample covers the 2 s before it
+    assert rec.load(2.0, 6.0) == pytest.approx(50.0)
+    assert rec.load(-100.0, 6.0) == pytest.approx(200 / 3)  # shrinks to the samples there are
+    assert rec.load(6.0, 6.0) == 0.0  # a window of 0 s: the last sample
+    rec.history.append((8.0, 0, 100.0))
+    assert rec.load(8.0, 8.0) == 100.0 and rec.load(4.0, 8.0) == pytest.approx(50.0)
+    assert GPURecord(gpu(0)).load(0.0, 10.0) == 0.0
+
+    class KM:
+        def list_kernel_ids(self) -> list[str]:
+            return []
+
+    tracker = Tracker(KM(), None, 60, 1)  # type: ignore[arg-type]
+    for i, peak in enumerate([GiB, 2 * GiB] + [MiB] * 8):
+        rec_k = KernelRecord(f"k{i}", name="python3", peak_gpu_bytes={0: peak, -1: 5 * GiB})
+        tracker._remember_peak(rec_k)
+    assert list(tracker.recent_peaks["python3"]) == [MiB] * 8  # the last 8 only
+    tracker.kernels["live"] = KernelRecord("live", name="python3", peak_gpu_bytes={1: 3 * GiB})
+    assert max(tracker.recent_peaks_of("python3")) == 3 * GiB and tracker.recent_peaks_of("R") == []
+    tracker.close()
 
 
 # -- end to end: a real server and real kernels ----------------------------------------------

@@ -6,8 +6,11 @@ before the cell is run. Such a restore is a hint, never owed to anyone:
 
 - it takes room only as make-room does (no kernel of a person working is released for it);
 - it yields to restores for cells: while one waits for a GPU it needs, it takes no turn and
-  no room, and a cell of its own kernel that arrives while it waits for room or a turn
-  restores by itself (with its progress line) instead of waiting behind it;
+  no room, it never moves onto a GPU one waits for, and a cell of its own kernel that
+  arrives while it waits for room or a turn restores by itself (with its progress line)
+  instead of waiting behind it;
+- like any restore, it goes home unless home's SMs are contended and a quieter GPU has room
+  (where the method can move it);
 - the server stops it when it finds no room within ``room_wait`` seconds;
 - one that fails or is stopped leaves the kernel ``released`` (never ``failed``), the
   reason in ``error``;
@@ -48,16 +51,23 @@ def _gpus(controller: Controller, st: Lifecycle) -> set[int]:
     return set(controller.need(st.held)) if st.held is not None else set()
 
 
-def cells_waiting(controller: Controller, st: Lifecycle, gpus: set[int]) -> bool:
-    """Another kernel's restore for a cell (any trigger but ``activity``) waits for one of
-    ``gpus``: an ahead restore lets it go first."""
+def cells_wait_for(controller: Controller, st: Lifecycle) -> set[int]:
+    """The GPUs other kernels' restores for cells (any trigger but ``activity``) wait for:
+    an ahead restore lets them go first, and does not move onto them."""
+    out: set[int] = set()
     for other in controller.lifecycles():
         op = other.op
         if other is st or op is None or op.kind != "restore" or op.trigger == AHEAD:
             continue
-        if op.phase == "waiting" and _gpus(controller, other) & gpus:
-            return True
-    return False
+        if op.phase == "waiting":
+            out |= _gpus(controller, other)
+    return out
+
+
+def cells_waiting(controller: Controller, st: Lifecycle, gpus: set[int]) -> bool:
+    """Another kernel's restore for a cell waits for one of ``gpus``: an ahead restore lets
+    it go first."""
+    return bool(cells_wait_for(controller, st) & gpus)
 
 
 def yields(controller: Controller, st: Lifecycle, op: Operation, need: dict[int, int]) -> bool:
@@ -205,6 +215,7 @@ __all__ = [
     "AHEAD_TEXT",
     "ROOM_WAIT",
     "AheadRestores",
+    "cells_wait_for",
     "cells_waiting",
     "failed_restore_error",
     "superseded",

@@ -60,13 +60,15 @@ from .tracker import KernelRecord, Tracker
 log = logging.getLogger(__name__)
 
 
-def onto(mapping: dict[int, int]) -> str | None:
-    """Where a restore that moves puts the state, for a person (None: it stays)."""
+def onto(mapping: dict[int, int], why: str | None = None) -> str | None:
+    """Where a restore that moves puts the state, for a person (None: it stays). ``why``:
+    the reason it moved (default: its GPUs had no room); for one that stays, why it stays
+    on a busy GPU ("" or None: nothing to say)."""
     if not mapping:
-        return None
+        return why or None
     to = ", ".join(str(mapping[g]) for g in sorted(mapping))
     came = ", ".join(str(g) for g in sorted(mapping))
-    return f"onto GPU {to}: GPU {came} had no room"
+    return f"onto GPU {to}: {why or f'GPU {came} had no room'}"
 
 IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
 #: restores that precede the code of the cell they show progress in (its only output so far)
@@ -628,7 +630,7 @@ class Controller:
         kid = st.kernel_id
         method = self.methods[held.method]
         expected = st.last_restore_seconds
-        moved_to = onto(grant.mapping)
+        moved_to = onto(grant.mapping, grant.why)
         gpus = ", ".join(str(grant.mapping.get(g, g)) for g in sorted(held.gpus) if g >= 0) or "-"
         await shown(f"gpushare: restoring {format_bytes(held.bytes)} to GPU {gpus}"
                     + (f" ({moved_to})" if moved_to else "")

@@ -33,6 +33,9 @@ class Grant:
         self.reserved: dict[int, int] = {}
         #: GPU released from -> GPU restored onto, for a restore that moves (empty: stays)
         self.mapping: dict[int, int] = {}
+        #: why the restore goes onto ``mapping`` ("GPU 0 busy ..."), or why it stays on a busy
+        #: GPU ("" = nothing to say: a restore without room moves, one with room stays)
+        self.why = ""
         self._released = False
         self._node = node
 

@@ -3,6 +3,13 @@ restores take no turn with ours), idle kernels released by policy to make it, or
 that says why. Never restore without room: a restore without room wedges a real process for
 good.
 
+Where a restore goes (the placement rule's :func:`..policy.placement.restore_target`): home
+when it has room and its SMs are not contended. A contended home with a quieter GPU that has
+room: onto that GPU at once. A home without room: after ``move_after`` seconds of waiting
+(making room at home may be better than moving), onto the allowed GPU(s) with room and the
+least load. Only where the method can restore onto other GPUs; else it stays home and the
+cell and status say why.
+
 The controller owns the restore; :meth:`RestoreRoom.find` is its waiting phase (the only
 phase that can be stopped).
 """
@@ -14,7 +21,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from .. import clock
-from ..policy.room import lacking, move_plan, narrow
+from ..node.gpu_load import GpuLoad
+from ..policy.placement import GpuView, contended, restore_target
+from ..policy.room import UNKNOWN_GPU, lacking, narrow
 from ..units import format_bytes
 from . import ahead
 from .errors import ControllerError
@@ -31,11 +40,17 @@ log = logging.getLogger(__name__)
 WAIT_BACKOFF = (0.25, 5.0)  # s between make-room rounds: first, and the most
 STRICT_SETTLE = 0.5  # s between the two readings of a restore without a turn across servers
 MEMORY_WAIT = "waiting for memory"
+LOAD_WINDOW = 120.0  # s, where the server's options do not say (``load_window``)
 
 
 class RestoreRoom:
     def __init__(self, controller: Controller):
         self.c = controller
+        tracker = controller.tracker
+        #: each GPU's load and this server's placements: one for the placer, the restores
+        #: and the rebalancer (the server's ``load_window`` option)
+        self.load = GpuLoad(lambda: tracker.gpus, lambda: tracker.kernels,
+                            float(getattr(controller.config, "load_window", LOAD_WINDOW)))
 
     async def find(
         self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int], shown: CellProgress,
@@ -46,6 +61,8 @@ class RestoreRoom:
         announced = False
         delay = WAIT_BACKOFF[0]
         short_since: float | None = None  # when the kernel's own GPUs were first seen full
+        weighed = False  # whether a contended home was weighed against quieter GPUs
+        stays = ""  # why it stays on a contended home (said in the cell and status)
         while True:
             # Python 3.11's wait_for can swallow a cancel that lands as what it waits for
             # completes (a release ending as the server shuts down): look at the flag too
@@ -59,6 +76,11 @@ class RestoreRoom:
                 except asyncio.TimeoutError:
                     pass
                 continue
+            if not weighed:
+                weighed = True
+                moved, stays = await self.off_busy_home(st, op, held, need, shown)
+                if moved is not None:
+                    return moved
             # a turn behind another restore of this server on the same GPU is not `waiting`
             # (the other one moves its bytes and gives the GPU back); a turn another server
             # holds is (it may keep it): the cell and status say so
@@ -81,6 +103,7 @@ class RestoreRoom:
                 raise asyncio.CancelledError
             if not short and st.held is held:
                 grant.reserve(want)
+                grant.why = stays
                 st.waiting = None
                 return grant
             grant.release()
@@ -154,13 +177,55 @@ class RestoreRoom:
         after = self.c.move_after
         if after <= 0 or clock.now() - short_since < after or want != need:
             return None
-        method = self.c.methods.get(held.method)
-        refusal = (method.move_refusal() if method is not None
-                   else f"the {held.method} method is not available")
+        refusal = self.refusal(held)
         if refusal:
             if st.waiting and "not moved" not in st.waiting:
                 st.waiting += f"; not moved onto another GPU: {refusal}"
             return None
+        views = await self.views(st, op, want)
+        if views is None:
+            return None
+        plan = restore_target(want, views, lacking=short)
+        if not plan:
+            return None
+        return await self.onto(st, op, held, want, plan, _why(plan, short, views), shown)
+
+    async def off_busy_home(self, st: Lifecycle, op: Operation, held: Held,
+                            need: dict[int, int], shown: CellProgress) -> tuple[Grant | None, str]:
+        """A home GPU whose SMs are contended (two kernels or more computing there, busy):
+        a grant onto a quieter GPU with room, at once; or None and why the kernel stays there
+        ("" when home is not contended, or nowhere is quieter)."""
+        if self.c.move_after <= 0 or UNKNOWN_GPU in need or not need:
+            return None, ""
+        home = self.load.views({g: None for g in need}, exclude=st.kernel_id)
+        busy = sorted(g for g, v in home.items() if contended(v))
+        if not busy:
+            return None, ""
+        refusal = self.refusal(held)
+        if refusal:
+            return None, f"on {_gpus(busy)}, which {'is' if len(busy) == 1 else 'are'} busy; " \
+                         f"not moved: {refusal}"
+        views = await self.views(st, op, need)
+        if views is None:
+            return None, ""
+        plan = restore_target(need, views)
+        if not plan:
+            return None, ""
+        return await self.onto(st, op, held, need, plan, _why(plan, {}, views), shown), ""
+
+    def refusal(self, held: Held) -> str | None:
+        """Why the held state's method cannot restore onto other GPUs (None: it can)."""
+        method = self.c.methods.get(held.method)
+        return method.move_refusal() if method is not None \
+            else f"the {held.method} method is not available"
+
+    async def views(self, st: Lifecycle, op: Operation, want: dict[int, int]
+                    ) -> dict[int, GpuView] | None:
+        """Every GPU as the placement rule judges it for a restore of ``want``: room = free
+        memory read now less restores' reservations and what releases in flight may take
+        back, narrowed by the hub service's view (none where the person is over their share,
+        or where this server cannot read it); the home GPUs' room is the check's to judge.
+        An ahead restore leaves out GPUs a cell's restore waits for. None: unreadable."""
         every = sorted(self.c.node_room.total_bytes())
         try:
             free = await self.c.node_room.read_free(every)
@@ -174,9 +239,15 @@ class RestoreRoom:
         unread = {g for g, f in room.items() if f is None}
         within = narrow(room, await self.c.node_room.node_view(every), keep=want)
         room.update({g: None for g, ok in within.items() if not ok or g in unread})
-        plan = move_plan(want, short, room)
-        if plan is None:
-            return None
+        if op.trigger == ahead.AHEAD:
+            room.update({g: None for g in ahead.cells_wait_for(self.c, st) - set(want)})
+        room.update({g: None for g in want})
+        return self.load.views(room, exclude=st.kernel_id)
+
+    async def onto(self, st: Lifecycle, op: Operation, held: Held, want: dict[int, int],
+                   plan: dict[int, int], why: str, shown: CellProgress) -> Grant | None:
+        """The turns and room of ``plan``'s GPUs for ``want`` (a grant with the mapping and
+        why), or None when they are taken meanwhile."""
         moved_want = {plan.get(g, g): n for g, n in want.items()}
         grant = await self.take_turn(st, moved_want, shown)
         try:
@@ -192,6 +263,8 @@ class RestoreRoom:
             return None
         grant.reserve(moved_want)
         grant.mapping = plan
+        grant.why = why
+        self.load.moved(st.kernel_id, plan)
         st.waiting = None
         return grant
 
@@ -278,3 +351,20 @@ class RestoreRoom:
                 log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
             made = made or outcome.ok
         return made
+
+
+def _gpus(gpus: list[int]) -> str:
+    return ("GPU " if len(gpus) == 1 else "GPUs ") + ", ".join(map(str, gpus))
+
+
+def _why(plan: dict[int, int], short: dict[int, int], views: dict[int, GpuView]) -> str:
+    """Why a restore goes onto ``plan``'s GPUs, for a person: "GPU 0 busy (2 kernels
+    computing, 97 % SM)", "GPU 0 had no room"."""
+    out = []
+    for g in sorted(plan):
+        v = views.get(g)
+        if g in short or v is None:
+            out.append(f"GPU {g} had no room")
+        else:
+            out.append(f"GPU {g} busy ({v.busy} kernels computing, {v.load:.0f} % SM)")
+    return "; ".join(out)

@@ -28,10 +28,13 @@ import psutil
 
 from .. import clock
 from ..policy import ReleaseSettings
+from ..policy.placement import window_mean
 from ..telemetry import GPUInfo, ProcessUsage, Telemetry
 from .hostmem import HostMemory, HostRoom
 
 T = TypeVar("T")
+RECENT_PEAKS = 8  # peaks kept per kernelspec name, of its kernels that ended
+RECENT_SPECS = 64  # kernelspec names whose peaks are kept (the least recent goes first)
 SAMPLE_TIMEOUT = 30.0  # s a telemetry sample may take before the poll gives up on it
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,10 @@ class KernelRecord:
     gpu_work_while_idle: bool = False  # the last sample saw GPU work while no cell ran
     background_threads: list[str] = field(default_factory=list)  # agent: threads using the GPU
     history: deque[KernelSample] = field(default_factory=deque)  # one per poll
+    peak_gpu_bytes: dict[int, int] = field(default_factory=dict)  # GPU index -> most bytes seen
+    # GPU index -> epoch seconds of the last sample in which its processes computed there
+    # (SM above idle_utilization): which kernels share a GPU's SMs
+    computed: dict[int, float] = field(default_factory=dict)
     # the samples of history that no later sample's SM % reaches, oldest first, as
     # (serial, t, SM %): SM % falls along it, so the first one at or after a time is the
     # highest SM % since then. Serials count every sample folded in.
@@ -132,6 +139,29 @@ class KernelRecord:
 class GPURecord:
     info: GPUInfo
     history: deque[tuple[float, int | None, float | None]] = field(default_factory=deque)
+
+    def load(self, since: float, until: float) -> float:
+        """Mean SM % busy over [since, until], from this GPU's samples: each sample's
+        utilization is the busy fraction since the sample before it, so it counts over that
+        interval. The window shrinks to the samples there are; a window with none in it (0 s)
+        is the last sample's; 0 with no sample. Reads only the window's samples, newest
+        first, not the whole ring."""
+        history = self.history
+        if not history:
+            return 0.0
+        last_t, _, last_u = history[-1]
+        until = min(until, last_t)
+        rows = []
+        for row in reversed(history):
+            rows.append(row)
+            if row[0] <= since:
+                break
+        rows.reverse()
+        start = max(since, rows[0][0])
+        if len(rows) < 2 or until <= start:
+            return float(last_u or 0.0)
+        samples = [(rows[i - 1][0], rows[i][2]) for i in range(1, len(rows))]
+        return window_mean(samples, start, until)
 
 
 def _children_by_parent() -> dict[int, list[int]]:
@@ -272,6 +302,10 @@ class Tracker:
         self.agent_reports = agent_reports  # callable kernel_id -> agent report dict, or None
         self.last_poll_seconds = 0.0
         self.hostmem = HostMemory()
+        #: kernelspec name -> the most bytes per GPU its last kernels held (newest last):
+        #: what a new kernel of that spec is expected to need (bounded: RECENT_PEAKS each,
+        #: RECENT_SPECS names)
+        self.recent_peaks: dict[str, deque[int]] = {}
         # one thread for every hardware read: NVML calls stay ordered, and a stalled one
         # cannot take the event loop's default pool with it
         self._executor = SamplingThread("gpushare-sample")
@@ -353,7 +387,7 @@ class Tracker:
                 log.exception("gpushare: kernel %s: could not update its record", kid)
 
         for kid in set(self.kernels) - set(kernel_ids):
-            del self.kernels[kid]  # shut down or culled: no history kept for the dead
+            self._remember_peak(self.kernels.pop(kid))  # shut down or culled: no history kept
 
         for info in sample.devices:
             rec_gpu = self.gpus.get(info.index)
@@ -440,6 +474,12 @@ class Tracker:
         # a GPU it holds memory on without a utilization sample (none since the last poll,
         # MIG, the agent's own count) shows 0, as the kernel's overall figure always has
         rec.gpu_utilization = {g: gpu_util.get(g, 0.0) for g in sorted(gpu_bytes)}
+        for g, nbytes in gpu_bytes.items():
+            if nbytes > rec.peak_gpu_bytes.get(g, 0):
+                rec.peak_gpu_bytes[g] = nbytes
+        for g, sm in gpu_util.items():
+            if sm > self.idle_utilization:
+                rec.computed[g] = now
         rec.sm_utilization = max(rec.gpu_utilization.values()) if gpu_bytes else None
         gpu_working = bool(rec.sm_utilization and rec.sm_utilization > self.idle_utilization)
         # the whole sample interval was quiet for the server (no message since the previous
@@ -476,6 +516,25 @@ class Tracker:
             kernel = s.get("kernel") or {}
             if kernel.get("id"):
                 out[kernel["id"]] = s.get("path") or s.get("name") or ""
+        return out
+
+    def _remember_peak(self, rec: KernelRecord) -> None:
+        peak = max((n for g, n in rec.peak_gpu_bytes.items() if g >= 0), default=0)
+        if not rec.name or peak <= 0:
+            return
+        peaks = self.recent_peaks.pop(rec.name, None) or deque(maxlen=RECENT_PEAKS)
+        peaks.append(peak)
+        self.recent_peaks[rec.name] = peaks  # the newest name last
+        while len(self.recent_peaks) > RECENT_SPECS:
+            del self.recent_peaks[next(iter(self.recent_peaks))]
+
+    def recent_peaks_of(self, name: str) -> list[int]:
+        """The most bytes per GPU recent kernels of kernelspec ``name`` held: those that
+        ended, and those running now."""
+        out = list(self.recent_peaks.get(name, ()))
+        out += [max(v for g, v in rec.peak_gpu_bytes.items() if g >= 0)
+                for rec in self.kernels.values()
+                if rec.name == name and any(g >= 0 for g in rec.peak_gpu_bytes)]
         return out
 
     def touch(self, kernel_id: str) -> None:

@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from jupyter_core.paths import jupyter_runtime_dir
-from traitlets import Enum, Int, Unicode, default, validate
+from traitlets import Enum, Float, Int, Unicode, default, validate
 from traitlets.config import Configurable
 
 from ..policy.options import non_negative
@@ -63,18 +63,35 @@ class NodeOptions(Configurable):
         ["room", "off"],
         default_value="room",
         help="""How a kernel the server starts gets its GPU(s). "room": the gpushare kernel
-        provisioner sets the kernel's CUDA_VISIBLE_DEVICES to the GPU(s) with the most room
-        (free memory read at launch, less the bytes this server's released kernels will take
-        back and its restores have reserved), then the least SM utilization, then the fewest
-        kernels this server placed there; its device 0 is the one with the most room. An
-        existing CUDA_VISIBLE_DEVICES in the kernel's or the server's environment is the set
-        it chooses within. How many GPUs: the kernelspec's metadata.gpushare.gpus, else
-        placement_gpus. A GPU has room when that is at least context_bytes; a kernel placed
-        where no GPU has room starts anyway and its first cell says so (IPython kernels with
-        the agent; the server log for all). "off": the environment decides, as without
+        provisioner sets the kernel's CUDA_VISIBLE_DEVICES to the GPU(s) chosen by the
+        placement rule: a GPU qualifies when its room (free memory read at launch, less the
+        bytes this server's released kernels will take back and its restores have reserved)
+        covers what the kernel is expected to need (its kernelspec's
+        metadata.gpushare.memory, bytes or "8GiB"; else the most its kernelspec's recent
+        kernels held on one GPU; else context_bytes); qualifying GPUs rank by SM load over
+        load_window plus the expected load of kernels this server placed there that have
+        not used the GPU yet, then by kernels there, then by room; its device 0 is the
+        best. An existing CUDA_VISIBLE_DEVICES in the kernel's or the server's environment
+        is the set it chooses within. How many GPUs: the kernelspec's
+        metadata.gpushare.gpus, else placement_gpus. A kernel placed where no GPU has room
+        (less than context_bytes) starts anyway and its first cell says so (IPython kernels
+        with the agent; the server log for all). "off": the environment decides, as without
         gpushare (for spawners that pin GPUs). Needs the gpushare provisioner (kernels of
         another provisioner are not placed); MIG instances are not placed. Default "room".""",
     ).tag(config=True)
+
+    load_window = Float(
+        120.0,
+        help="""Seconds of SM samples a GPU's load is the mean of, where placement and
+        restores weigh GPUs (a new kernel goes to the least loaded GPU with room; a restore
+        whose GPU is contended goes to a quieter one), and over which kernels count as
+        computing on a GPU (at least the last 10 s). Default 120. 0 = the last sample
+        alone.""",
+    ).tag(config=True)
+
+    @validate("load_window")
+    def _check_node_load_window(self, proposal: Any) -> float:
+        return float(non_negative(self, proposal))
 
     placement_gpus = Int(
         1,

@@ -1,12 +1,18 @@
 """Which GPU(s) a kernel gets when the server starts it (``placement = "room"``).
 
 The gpushare provisioner asks :class:`Placer` before it launches a kernel and sets the
-kernel's ``CUDA_VISIBLE_DEVICES`` to the answer. GPUs are ranked by room, then SM load, then
-how many of this server's kernels were placed there, then index:
+kernel's ``CUDA_VISIBLE_DEVICES`` to the answer. The GPUs are judged by the placement rule
+(:mod:`..policy.placement`): a GPU qualifies when its room covers what the kernel is expected
+to need; qualifying GPUs rank by SM load, then by kernels there, then by room, then index.
 
 - room = free memory read now (on the shared node or from NVML, so other servers' kernels
   count) less the bytes this server's released kernels will take back and the bytes its
   restores have reserved;
+- the kernel's expected need per GPU: its kernelspec's ``metadata.gpushare.memory``, else the
+  most its kernelspec's recent kernels on this server held on one GPU, else ``min_room``;
+- load (:mod:`.gpu_load`): SM busy over ``load_window`` seconds from the tracker's history,
+  plus the expected load of kernels this server placed there that have not used the GPU
+  yet, so two kernels started back to back land on different GPUs;
 - with the hub service (``GPUShareHubLink.url``), the service's view of each GPU counts too:
   what other users' released kernels will take back and what waiting restores need there
   (the smaller room of the two views counts), and GPUs where the user is over their share
@@ -31,9 +37,12 @@ from typing import Any
 
 from tornado.web import HTTPError
 
+from ..policy.fairshare import parse_share
+from ..policy.placement import choose, expected_need
 from ..policy.room import narrow
 from ..telemetry import GPUInfo
 from ..units import format_bytes
+from .gpu_load import GpuLoad
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SAMPLE_WAIT = 10.0  # s a kernel start waits for a reading of the GPUs before the first poll
@@ -78,6 +87,27 @@ def requested_gpus(kernel_spec: Any) -> int | None:
     return value
 
 
+def requested_memory(kernel_spec: Any) -> int | None:
+    """``metadata.gpushare.memory`` of a kernelspec, in bytes per GPU (a whole number, or a
+    string like ``"8GiB"``): None when it does not say; :class:`PlacementError` when it is
+    not an amount of memory."""
+    metadata = getattr(kernel_spec, "metadata", None) or {}
+    meta = metadata.get("gpushare") if isinstance(metadata, dict) else None
+    if not isinstance(meta, dict) or "memory" not in meta:
+        return None
+    value = meta["memory"]
+    try:  # the fair-share table's amounts, less its percentages and "per node"
+        share = None if isinstance(value, str) and ("per" in value or "/" in value) \
+            else parse_share(value)
+    except ValueError:
+        share = None
+    if share is None or share.amount is None:
+        raise PlacementError(f"kernelspec {_spec_name(kernel_spec)}: metadata.gpushare.memory "
+                             f'must be bytes per GPU, a whole number or an amount like "8GiB", '
+                             f"got {value!r}")
+    return share.amount
+
+
 def _spec_name(kernel_spec: Any) -> str:
     return repr(getattr(kernel_spec, "display_name", None) or getattr(kernel_spec, "name", "?"))
 
@@ -116,7 +146,12 @@ class Placer:
         sample: Callable[[], Awaitable[list[GPUInfo]]] | None = None,
         log: logging.Logger | None = None,
         service_room: ServiceRoom | None = None,
+        load: GpuLoad | None = None,
+        recent: Callable[[str], list[int]] | None = None,
     ):
+        """load: the GPUs' load and this server's placements (shared with the restore room;
+        default: the last sample's SM utilization of ``devices``); recent(kernelspec name):
+        the most bytes per GPU its recent kernels held."""
         self.devices = devices
         self.read_free = read_free
         self.held = held
@@ -126,8 +161,15 @@ class Placer:
         self.min_room = max(1, min_room)
         self.sample = sample
         self.service_room = service_room
+        self.recent = recent or (lambda name: [])
         self.log = log or logging.getLogger(__name__)
-        self.placed: dict[str, list[int]] = {}  # kernel id -> GPUs, for the tie-break
+        self.load = load if load is not None else GpuLoad(
+            lambda: {g.index: _LastSample(g.utilization) for g in self.devices()}, dict, window=0)
+
+    @property
+    def placed(self) -> dict[str, Any]:
+        """kernel id -> where this server placed it and what it was expected to need."""
+        return self.load.placed
 
     @classmethod
     def from_app(cls, app: Any) -> Placer:
@@ -154,13 +196,16 @@ class Placer:
             sample=lambda: app.tracker.off_loop(app.tracker.telemetry.devices, SAMPLE_WAIT),
             log=app.log,
             service_room=app.service_room,
+            load=app.controller.room.load,
+            recent=app.tracker.recent_peaks_of,
         )
 
     async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:
         """The GPUs for a kernel about to start with ``env``; None to leave its environment as
         it is. Raises :class:`PlacementError` for a kernelspec that asks for more GPUs than
-        there are."""
+        there are, or for memory that is not an amount."""
         asked = requested_gpus(kernel_spec)
+        memory = requested_memory(kernel_spec)
         count = self.default_gpus if asked is None else asked
         gpus = await self._devices()
         if any(g.mig for g in gpus):
@@ -184,13 +229,15 @@ class Placer:
                 return None  # no GPU to choose: the environment decides
         if count == 0:
             return Placement([], "", {})  # a kernel that asked for no GPU sees none
-        room = await self._room([g.index for g, _ in candidates])
+        room = await self._room(gpus, [g.index for g, _ in candidates])
         within = await self._service_view([g for g, _ in candidates], room, kernel_id)
-        placed = self._placed_counts()
-        ranked = sorted(candidates, key=lambda c: (
-            room[c[0].index] is None, not within.get(c[0].index, True), -(room[c[0].index] or 0),
-            c[0].utilization or 0.0, placed.get(c[0].index, 0), c[0].index))
-        chosen = ranked[:count]
+        # cap: None until kernels have memory caps
+        need = expected_need(memory, None, self.recent(getattr(kernel_spec, "name", "") or ""),
+                             self.min_room)
+        self.load.forget(self.kernel_ids())
+        views = self.load.views(room, within)
+        by_index = {g.index: (g, token) for g, token in candidates}
+        chosen = [by_index[v.gpu] for v in choose(views.values(), need, count)]  # type: ignore[index]
         # real GPUs: an entry as written where there was one, else the UUID (CUDA's own
         # numbering can differ from NVML's); simulated ones by index (all the simulator reads)
         value = ",".join((token or g.uuid) if g.uuid.startswith("GPU-") else str(g.index)
@@ -200,9 +247,10 @@ class Placer:
         note = ""
         if short:
             note = _no_room_note(indices, short, room)
-        self.placed[kernel_id] = indices
-        self.log.info("gpushare: kernel %s placed on GPU %s (%s=%s; room %s%s)%s", kernel_id,
-                      ", ".join(map(str, indices)), VISIBLE_ENV, value, _rooms(room),
+        self.load.place(kernel_id, indices, need)
+        self.log.info("gpushare: kernel %s placed on GPU %s (%s=%s; expected %s per GPU; %s%s)%s",
+                      kernel_id, ", ".join(map(str, indices)), VISIBLE_ENV, value,
+                      format_bytes(need.bytes), _views(views),
                       ", with the hub service's view" if within else "",
                       "; no GPU had room" if short else "")
         return Placement(indices, value, room, note)
@@ -233,10 +281,12 @@ class Placer:
                 gpus = []
         return sorted(gpus, key=lambda g: g.index)
 
-    async def _room(self, indices: list[int]) -> dict[int, int | None]:
+    async def _room(self, gpus: list[GPUInfo], indices: list[int]) -> dict[int, int | None]:
+        """Room per GPU of ``indices``; where free memory cannot be read now, the last
+        sample's (``gpus``: the polled GPUs, or those just sampled before the first poll)."""
         free = await self.read_free(indices)
         held, reserved = self.held(), self.reserved()
-        known = {g.index: g for g in self.devices()}
+        known = {g.index: g for g in gpus}
         room: dict[int, int | None] = {}
         for g in indices:
             n = free.get(g)
@@ -247,15 +297,22 @@ class Placer:
             room[g] = None if n is None else n - held.get(g, 0) - reserved.get(g, 0)
         return room
 
-    def _placed_counts(self) -> dict[int, int]:
-        alive = set(self.kernel_ids())
-        for kid in [k for k in self.placed if k not in alive]:
-            del self.placed[kid]
-        counts: dict[int, int] = {}
-        for gpus in self.placed.values():
-            for g in gpus:
-                counts[g] = counts.get(g, 0) + 1
-        return counts
+
+@dataclass(frozen=True)
+class _LastSample:
+    """A GPU's load when no history is kept: its last sample's SM utilization."""
+
+    utilization: float | None
+
+    def load(self, since: float, until: float) -> float:
+        return float(self.utilization or 0.0)
+
+
+def _views(views: dict[Any, Any]) -> str:
+    return ", ".join(
+        f"GPU {v.gpu}: room {'unknown' if v.room is None else format_bytes(max(0, v.room))}, "
+        f"load {v.load:.0f} %" + (f" + {v.pending:.0f} % placed" if v.pending else "")
+        for v in views.values())
 
 
 def _rooms(room: dict[int, int | None]) -> str:
