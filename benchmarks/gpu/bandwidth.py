@@ -119,6 +119,10 @@ def copy_baseline(torch: Any, n: int, repeat: int, pageable: bool) -> dict[str, 
         del chunks
     del dev
     torch.cuda.empty_cache()
+    host_empty = getattr(torch._C, "_host_emptyCache", None)
+    if host_empty is not None:  # PyTorch caches pinned blocks: give them back to the host now
+        host_empty()
+    out["host_cache_freed"] = float(host_empty is not None)
     return out
 
 
@@ -192,6 +196,11 @@ def _measure_real(st: Step, sizes: list[int], rows: list[dict[str, Any]]) -> Non
                 continue
             base = copy_baseline(torch, n, repeat, pageable=n <= 8 * GiB)
             for method in methods:
+                avail = psutil.virtual_memory().available
+                if 1.2 * n > avail:  # a released state lives in host memory
+                    st.check(f"{method} {fmt_bytes(n)}", None, f"skipped: the host has "
+                             f"{fmt_bytes(avail)} available")
+                    continue
                 est = 10 + repeat * n * per_byte[method]
                 if st.left() < est:
                     st.check(f"{method} {fmt_bytes(n)}", None,

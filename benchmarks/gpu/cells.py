@@ -44,8 +44,9 @@ def tensors():
 def checksum():
     torch.cuda.synchronize()
     return ":".join(_ck(t) for t in tensors())
-torch.cuda.empty_cache()
-print(json.dumps({{"checksum": checksum(), "bytes": sum(t.numel() * t.element_size() for t in tensors()),
+_ck0 = checksum()
+torch.cuda.empty_cache()  # the checksum's temporaries are no part of the state
+print(json.dumps({{"checksum": _ck0, "bytes": sum(t.numel() * t.element_size() for t in tensors()),
                   "info": {{"torch": torch.__version__, "torch_cuda": torch.version.cuda,
                            "device": torch.cuda.get_device_name(0)}}}}))
 """
@@ -84,6 +85,8 @@ CHECKSUM = "print(json.dumps(checksum()))"
 # GPU memory no framework counts (cuMemAlloc through cuda-bindings, in the context PyTorch made
 # current): release_method "auto" must pick the driver method while the kernel holds it
 RAW_ALLOC = """
+import torch
+torch.cuda.synchronize()  # a runtime call: PyTorch's context is current on this thread
 from cuda.bindings import driver as _cu
 _err, _raw = _cu.cuMemAlloc({n})
 assert int(_err) == 0, _err

@@ -22,17 +22,21 @@ esac
 
 if [ "$wanted" = yes ] && ! "$py" -c "import jupyter_server, ipykernel" 2>/dev/null; then
   tag=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-  if ls "$wheels"/*.whl >/dev/null 2>&1; then
+  if PYTHONPATH="$site" "$py" -c "import jupyter_server, ipykernel" 2>/dev/null; then
+    echo "prove.sh: the wheelhouse is installed in $site already (a rerun on a warm machine)"
+  elif ls "$wheels"/*.whl >/dev/null 2>&1; then
     t0=$(date +%s)
     "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$site" "$wheels"/*.whl $(ls "$wheels/$tag"/*.whl 2>/dev/null) \
       || echo "prove.sh: installing the wheelhouse failed; the env step will say what is missing" >&2
     echo "prove.sh: installed the wheelhouse ($wheels, $tag) into $site in $(( $(date +%s) - t0 )) s"
+  else
+    echo "prove.sh: no Jupyter packages here and no wheelhouse in $wheels (run wheelhouse.sh)" >&2
+  fi
+  if [ -d "$site" ]; then
     export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$site/bin:$PATH"
     export JUPYTER_PATH="$site/share/jupyter${JUPYTER_PATH:+:$JUPYTER_PATH}"
-  else
-    echo "prove.sh: no Jupyter packages here and no wheelhouse in $wheels (run wheelhouse.sh)" >&2
   fi
 fi
 export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"

@@ -95,7 +95,9 @@ def steps_of(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             key = (r["scene"], r["step"])
             if key not in seen or seen[key]["status"] != "timeout" or r["status"] == "timeout":
                 seen[key] = r
-    return list(seen.values())
+    order = {(p["scene"], p["step"]): i for i, p in enumerate(
+        p for r in records if r.get("kind") == "plan" for p in r["steps"])}
+    return sorted(seen.values(), key=lambda r: order.get((r["scene"], r["step"]), len(order)))
 
 
 def not_run(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -292,7 +292,12 @@ TORCH_STEPS = {
 async def torch_scene(sc: Scene) -> None:
     async with contextlib.AsyncExitStack() as stack:
         async def start(st: Step) -> None:
-            srv = await stack.enter_async_context(server(sc, "torch", release_method="auto"))
+            # context_bytes 1 GiB: what auto's pick leaves out of the kernel's own memory, so
+            # the CUDA context alone never tips this kernel to the driver method (stage 2's
+            # auto scene keeps the default and says whether it suits this GPU)
+            extra: dict[str, Any] = {"context_bytes": GiB} if st.real else {}
+            srv = await stack.enter_async_context(server(sc, "torch", release_method="auto",
+                                                         **extra))
             (k,) = await start_kernels(sc, srv, 1)
             base = 0
             if st.real:  # the CUDA context first, so the state is what shows up next
@@ -300,7 +305,8 @@ async def torch_scene(sc: Scene) -> None:
                             timeout=120)
                 await wait_polls(srv, 2)
                 base = (await view(srv, k.id)).get("gpu_memory_bytes") or 0
-                st.check("the CUDA context shows in status", base > 0, fmt_bytes(base))
+                st.check("the CUDA context shows in status", base > 0,
+                         f"{fmt_bytes(base)} (the context_bytes option's default: 512 MiB)")
             st.figure("context_bytes", base)
             sc.shared.update(srv=srv, k=k, base=base, free=nvml_free() if st.real else None)
 
@@ -351,7 +357,7 @@ async def torch_driver(st: Step) -> None:
         if not installed("cuda.bindings"):
             raise Skip("cuda-bindings is not installed: no raw allocation to steer auto's pick")
         # memory no framework counts: auto must pick the driver method for this kernel now
-        await k.run(RAW_ALLOC.format(n=GiB), timeout=60)
+        await k.run(RAW_ALLOC.format(n=2 * GiB), timeout=60)
         await wait_pick(st, srv, k.id, "driver")
     await round_trip(st, srv, k, "driver" if st.real else "simulated", sc.shared["ck"], free,
                      method="driver" if st.real else "simulated")
@@ -513,7 +519,7 @@ async def jax_room_wait(st: Step) -> None:
     if st.real:
         total = (await srv.api("GET", "/api/gpushare/status"))["gpus"][0]["memory_total"]
         share = float(sc.shared["jax_env"].get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
-        st.check("JAX preallocated its share of the GPU", held >= 0.9 * share * total,
+        st.check("JAX preallocated its share of the GPU", held >= 0.8 * share * total,
                  f"the kernel holds {fmt_bytes(held)} of {fmt_bytes(total)} (share {share})")
     free0 = free(0) if free else None
     code, v = await post(srv, f"kernels/{k.id}/release")
