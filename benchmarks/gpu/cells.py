@@ -13,7 +13,7 @@ Checksums are computed on the GPU, so they touch every byte without copying it o
 from __future__ import annotations
 
 TORCH_STATE = """
-import json, math, torch
+import json, math, time, torch
 torch.manual_seed(0)
 def _ck(t):
     b = t.detach().contiguous().reshape(-1).view(torch.uint8)
@@ -36,6 +36,8 @@ def step():
     model(data).square().mean().backward()
     opt.step()
 step()
+torch.cuda.synchronize()
+_t_alloc = time.time()  # the whole state is on the GPU from here
 def tensors():
     out = [*model.state_dict().values(), *(p.grad for p in model.parameters()), data]
     for st in opt.state.values():
@@ -47,6 +49,7 @@ def checksum():
 _ck0 = checksum()
 torch.cuda.empty_cache()  # the checksum's temporaries are no part of the state
 print(json.dumps({{"checksum": _ck0, "bytes": sum(t.numel() * t.element_size() for t in tensors()),
+                  "t_alloc": _t_alloc,
                   "info": {{"torch": torch.__version__, "torch_cuda": torch.version.cuda,
                            "device": torch.cuda.get_device_name(0)}}}}))
 """
@@ -71,13 +74,15 @@ print(json.dumps({{"checksum": checksum(), "bytes": x.nbytes, "info": {{"cupy": 
 """
 
 SIM_STATE = """
-import json, numpy as np
+import json, time, numpy as np
 from jupyter_gpushare.sim import simgpu
 x = simgpu.array(np.random.default_rng(0).integers(0, 2**32, max({n} // 4, 1), dtype=np.uint32),
                  device=0, copy=False)
+_t_alloc = time.time()
 def checksum():
     return x.checksum()
-print(json.dumps({{"checksum": checksum(), "bytes": x.nbytes, "info": {{"simulated": True}}}}))
+print(json.dumps({{"checksum": checksum(), "bytes": x.nbytes, "t_alloc": _t_alloc,
+                  "info": {{"simulated": True}}}}))
 """
 
 CHECKSUM = "print(json.dumps(checksum()))"

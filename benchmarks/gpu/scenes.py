@@ -324,20 +324,29 @@ async def torch_attribution(st: Step) -> None:
     base = sc.shared["base"]
     kind, n = ("torch", 4 * GiB) if st.real else ("sim", 48 * MiB)
     poll = srv.gpushare["poll_interval"]
-    out = await k.value(cell(kind, "STATE", n=n), timeout=240)
+    # status read every 50 ms while the cell builds the state, so the time from the moment the
+    # whole state is on the GPU (the cell's t_alloc) to status showing it is measured
+    task = asyncio.ensure_future(k.value(cell(kind, "STATE", n=n), timeout=240))
+    samples: list[tuple[float, int]] = []
+    deadline = None
+    while True:
+        v = await view(srv, k.id)
+        samples.append((time.time(), v.get("gpu_memory_bytes") or 0))
+        if task.done():
+            out = task.result()
+            deadline = deadline or time.time() + 10 * poll + 5
+            if samples[-1][1] >= base + out["bytes"] * 0.99 or time.time() > deadline:
+                break
+        await asyncio.sleep(0.05)
     st.figure("state", {"bytes": out["bytes"], **out["info"]})
-    t0 = time.monotonic()
-    try:
-        v = await srv.wait_kernel(k.id, lambda v: (v.get("gpu_memory_bytes") or 0)
-                                  >= base + out["bytes"] * 0.99, "the state", timeout=10 * poll + 5)
-        seen: float | None = time.monotonic() - t0
-    except TimeoutError:
-        v, seen = await view(srv, k.id), None
+    shown = [t for t, b in samples if t >= out["t_alloc"] and b >= base + out["bytes"] * 0.99]
+    seen: float | None = shown[0] - out["t_alloc"] if shown else None
     # a loaded CI machine (the rehearsal) gets more slack than the GPU run
     st.check("the kernel's state shows in status within two polls",
              seen is not None and seen <= 2 * poll + (0.3 if st.real else 1.0),
-             f"{fmt_bytes(v.get('gpu_memory_bytes'))} after "
-             f"{'never' if seen is None else f'{seen:.2f} s'} (poll {poll} s)")
+             f"{fmt_bytes(v.get('gpu_memory_bytes'))}, "
+             f"{'never' if seen is None else f'{seen:.2f} s'} after the state was on the GPU "
+             f"(poll {poll} s)")
     got = (v.get("gpu_memory_bytes") or 0) - base
     st.check("attributed to this kernel: its state, its pids", out["bytes"] * 0.99 <= got
              <= out["bytes"] + (GiB if st.real else MiB) and bool(v.get("pids")),
@@ -358,11 +367,14 @@ async def torch_driver(st: Step) -> None:
             raise Skip("cuda-bindings is not installed: no raw allocation to steer auto's pick")
         # memory no framework counts: auto must pick the driver method for this kernel now
         await k.run(RAW_ALLOC.format(n=2 * GiB), timeout=60)
-        await wait_pick(st, srv, k.id, "driver")
-    await round_trip(st, srv, k, "driver" if st.real else "simulated", sc.shared["ck"], free,
-                     method="driver" if st.real else "simulated")
-    if st.real:
-        await k.run(RAW_FREE, timeout=60)
+    try:
+        if st.real:
+            await wait_pick(st, srv, k.id, "driver")
+        await round_trip(st, srv, k, "driver" if st.real else "simulated", sc.shared["ck"], free,
+                         method="driver" if st.real else "simulated")
+    finally:
+        if st.real:  # the framework step needs the raw buffer gone
+            await k.run(RAW_FREE, timeout=60)
 
 
 async def torch_framework(st: Step) -> None:
