@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=doc.split("\n\n", 1)[1])
-    ap.add_argument("--stage", choices=sorted(STAGES), help="the stage to run")
+    ap.add_argument("--stage", choices=sorted(STAGES), default="1",
+                    help="the stage to run (default 1)")
     ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(tempfile.gettempdir(),
                                                                            "gpushare-proof"),
                     help="where stageN.jsonl and stageN.md go (default: $OUT, else "
@@ -260,8 +261,6 @@ def main(argv: list[str] | None = None) -> int:
         md = report.summarize([Path(f) for f in args.summary], out)
         print(f"summary: {md}")
         return 0
-    if not args.stage:
-        ap.error("--stage is needed (or --summary)")
     names = STAGES[args.stage]
     if args.scenes:
         wanted = [s.strip() for s in args.scenes.split(",") if s.strip()]
