@@ -9,6 +9,8 @@ must still leave its line, and without a GPU the script must say so and exit 0 a
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import signal
@@ -209,3 +211,47 @@ def test_a_record_without_reasons_or_fields_is_refused():
     assert "torch.start: skipped without a reason" in errs
     assert "torch.x: status 'done'" in errs and "line 4: kind 'other'" in errs
     assert any(e.startswith("torch.x: missing title") for e in errs)
+
+
+def _run_cell(ns: dict, code: str) -> object:
+    """Run a cell's code as the kernel would; the JSON its last line prints."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        exec(code, ns)
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+def test_the_pytorch_cells_keep_their_promises_on_the_cpu(monkeypatch):
+    """The code stage 1 runs in its PyTorch kernel, on the CPU (CUDA is the boundary faked):
+    the state's checksum, the reference step on a copy, and after a round trip (nothing moves
+    here) the same checksum, the same id()s and a step equal to the reference, bit for bit."""
+    torch = pytest.importorskip("torch")
+    import cells
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "cpu")
+    monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, *a, **k: self)
+
+    def on_cpu(code: str) -> str:
+        return code.replace('device="cuda"', 'device="cpu"')
+
+    ns: dict = {}
+    out = _run_cell(ns, on_cpu(cells.TORCH_STATE.format(n=4 * report.MiB)))
+    assert set(out) == {"checksum", "bytes", "t_alloc", "info"}
+    assert 3 * report.MiB <= out["bytes"] <= 5 * report.MiB  # about n: the width follows n
+    assert _run_cell(ns, cells.CHECKSUM) == out["checksum"]
+    _run_cell(ns, cells.TORCH_REFERENCE_STEP.format())
+    res = _run_cell(ns, cells.TORCH_AFTER_ROUND_TRIP.format())
+    assert res == {"checksum": out["checksum"], "ids_kept": True, "step_equal": True,
+                   "on_cuda": False}
+    assert _run_cell(ns, cells.CHECKSUM) != out["checksum"]  # the step changed the state
+
+
+def test_the_jax_cell_reports_its_state_on_the_cpu():
+    pytest.importorskip("jax")
+    import cells
+
+    ns: dict = {}
+    out = _run_cell(ns, cells.JAX_STATE.format(n=report.MiB))
+    assert out["bytes"] == report.MiB and _run_cell(ns, cells.CHECKSUM) == out["checksum"]
