@@ -21,7 +21,7 @@ Two measures, both interleaved in rounds across the three so drift hits them ali
 Each kernel also reports whether the agent is loaded and connected and how many
 pre_run_cell hooks it has, so a figure is never read off the wrong setup.
 
-    python benchmarks/agent_cell_overhead.py [--quick] [--cells 1000] [--rounds 10]
+    python benchmarks/agent_cell_overhead.py [--quick] [--cells 1000] [--rounds 10] [--smoke]
 """
 
 from __future__ import annotations
@@ -70,7 +70,11 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true", help="300 cells")
     ap.add_argument("--cells", type=int, default=1000, help="cells per configuration and measure")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--smoke", action="store_true", help="2 cells a row: the path, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.cells, args.rounds = 2, 2
+    warmup, hook_calls = (1, 100) if args.smoke else (30, HOOK_CALLS)
     cells = 300 if args.quick else args.cells
     per_round = max(1, cells // args.rounds)
 
@@ -82,22 +86,22 @@ async def main() -> None:
     hooks: dict[str, list[float]] = {n: [] for n in names}
     probes = {}
     try:
-        kernels = {}
-        for name, srv in zip(names, servers, strict=True):
-            await srv.start()
-            kernels[name] = await srv.start_kernel("v1")
+        await asyncio.gather(*(srv.start() for srv in servers))
+        started = await asyncio.gather(*(srv.start_kernel("v1") for srv in servers))
+        kernels = dict(zip(names, started, strict=True))
+        for name in names:
             probes[name] = await kernels[name].value(PROBE)
         if not probes["agent"]["agent"] or probes["no agent"]["agent"] or probes["off"]["agent"]:
             raise RuntimeError(f"unexpected setup: {probes}")
         for name in names:  # warm up
-            await pass_cells(kernels[name], 30, "in_kernel")
+            await pass_cells(kernels[name], warmup, "in_kernel")
             await kernels[name].value(IN_KERNEL.format(n=100))
         for r in range(args.rounds):
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
                 wire_s[name] += await pass_cells(kernels[name], per_round, "in_kernel")
                 inside[name].append(await kernels[name].value(IN_KERNEL.format(n=per_round)))
-                hooks[name].append(await kernels[name].value(HOOKS.format(n=HOOK_CALLS)))
+                hooks[name].append(await kernels[name].value(HOOKS.format(n=hook_calls)))
     finally:
         for srv in servers:
             await srv.stop()

@@ -16,7 +16,7 @@ same run:
 Printed: medians, and the ratios ahead-to-resident / cold cell and warm cell / cold cell.
 Every restore is checked: the arrays' CRC-32 equal those taken before the first release.
 
-    python benchmarks/ahead_restore.py [--quick] [--sizes 1 4] [--repeat 5]
+    python benchmarks/ahead_restore.py [--quick] [--sizes 1 4] [--repeat 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -60,8 +60,11 @@ async def cell(kernel: Kernel) -> float:
     return time.perf_counter() - t
 
 
-async def one_size(srv: Server, kernel: Kernel, gib: int, repeat: int) -> list[list[str]]:
-    nbytes = await kernel.value(FILL.format(seed=gib * 7, n=GiB // 4, count=gib), timeout=600)
+async def one_size(srv: Server, kernel: Kernel, gib: int, repeat: int,
+                   array: int = GiB) -> list[list[str]]:
+    """``gib`` arrays of ``array`` bytes (1 GiB: the size is in GiB)."""
+    nbytes = await kernel.value(FILL.format(seed=gib * 7, n=array // 4, count=gib), timeout=600)
+    size = f"{nbytes / GiB:g} GiB" if nbytes >= GiB else f"{nbytes >> 20} MiB"
     before = await kernel.value(CHECKSUMS, timeout=600)
     t: dict[str, list[float]] = {"base": [], "cold": [], "answer": [], "resident": [], "warm": [],
                                  "srv_cold": [], "srv_ahead": []}
@@ -93,14 +96,14 @@ async def one_size(srv: Server, kernel: Kernel, gib: int, repeat: int) -> list[l
     med = {k: statistics.median(v) for k, v in t.items()}
     cold = med["cold"]
     return [
-        [f"{gib} GiB", "cell on a resident kernel (baseline)", f"{med['base'] * 1e3:.1f}", ""],
-        [f"{gib} GiB", "cold: cell on a released kernel, sent to reply",
+        [size, "cell on a resident kernel (baseline)", f"{med['base'] * 1e3:.1f}", ""],
+        [size, "cold: cell on a released kernel, sent to reply",
          f"{cold * 1e3:.1f}", f"1.00 (server restore {med['srv_cold'] * 1e3:.0f} ms)"],
-        [f"{gib} GiB", "ahead: activity request answered (202)", f"{med['answer'] * 1e3:.1f}",
+        [size, "ahead: activity request answered (202)", f"{med['answer'] * 1e3:.1f}",
          f"{med['answer'] / cold:.3f}"],
-        [f"{gib} GiB", "ahead: activity request to resident", f"{med['resident'] * 1e3:.1f}",
+        [size, "ahead: activity request to resident", f"{med['resident'] * 1e3:.1f}",
          f"{med['resident'] / cold:.2f} (server restore {med['srv_ahead'] * 1e3:.0f} ms)"],
-        [f"{gib} GiB", "ahead: the cell after it, sent to reply", f"{med['warm'] * 1e3:.1f}",
+        [size, "ahead: the cell after it, sent to reply", f"{med['warm'] * 1e3:.1f}",
          f"{med['warm'] / cold:.3f}"],
     ]
 
@@ -110,8 +113,10 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 GiB, twice")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4], help="GiB")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="16 MiB, once: the path, no figures")
     args = ap.parse_args()
-    sizes, repeat = ([1], 2) if args.quick else (args.sizes, args.repeat)
+    sizes, repeat = ([1], 2) if args.quick else ([1], 1) if args.smoke else (args.sizes, args.repeat)
+    array = 16 << 20 if args.smoke else GiB
     print(f"restore ahead (trigger activity) vs cold restore by a cell -- {machine()}")
     cfg = {"simulated_gpus": [16 * GiB, 16 * GiB], "poll_interval": 0.5, "idle_timeout": 0,
            "min_release_bytes": 0, "pressure_free_fraction": 0.0}
@@ -119,8 +124,9 @@ async def main() -> None:
     async with Server("ahead", gpushare=cfg) as srv:
         kernel = await srv.start_kernel()
         for gib in sizes:
-            rows += await one_size(srv, kernel, gib, repeat)
-    print(f"\nmedian of {repeat} per size; one kernel, arrays of 1 GiB on simulated GPU 0")
+            rows += await one_size(srv, kernel, gib, repeat, array)
+    print(f"\nmedian of {repeat} per size; one kernel, arrays of {array >> 20} MiB on simulated GPU 0"
+          + ("  (--smoke: no figures)" if args.smoke else ""))
     print(table(["size", "measure", "median ms", "x cold cell"], rows))
 
 

@@ -14,6 +14,9 @@ Figures are printed as ratios to the baseline of the same run (restore / pinned 
 same bytes, release / pinned D->H copy), plus effective GB/s; absolute times depend on the box.
 
     python benchmarks/driver_release_restore.py [--sizes-gib 1 4 16] [--repeat 3] [--json out.json]
+
+``--smoke``: 64 MiB once (the whole path, no figures worth reading); without a GPU it says
+so and exits 0, as every run does.
 """
 
 from __future__ import annotations
@@ -119,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes-gib", type=float, nargs="+", default=[1, 4, 16])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--smoke", action="store_true", help="64 MiB, once: the path only")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.sizes_gib, args.repeat = [1 / 16], 1
 
     try:
         import torch

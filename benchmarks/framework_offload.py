@@ -21,7 +21,7 @@ Each figure is the median of ``--repeat`` cycles after one warm-up cycle per pat
 paths' cycles alternating (the first cycle of the new path allocates its buffers like the
 old one; later ones reuse them).
 
-Usage: python benchmarks/framework_offload.py [--mib 512] [--tensors 500] [--repeat 5]
+Usage: python benchmarks/framework_offload.py [--mib 512] [--tensors 500] [--repeat 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -210,7 +210,10 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=512)
     parser.add_argument("--tensors", type=int, default=500)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="8 MiB in 20 tensors, once: the path only")
     args = parser.parse_args()
+    if args.smoke:
+        args.mib, args.tensors, args.repeat = 8, 20, 1
     bench_cpu(args.mib, args.tensors, args.repeat)
     bench_cuda(args.mib, args.tensors, args.repeat)
 

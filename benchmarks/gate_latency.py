@@ -20,7 +20,7 @@ kernel starts handling it, from the execute_reply's ``started`` metadata; same c
 path the gate sits on; round trip (send -> execute_reply and idle status received) is what a
 user waits. Printed: median / p95 of both, and the ratio to stock.
 
-    python benchmarks/gate_latency.py [--quick] [--n 300] [--rounds 10]
+    python benchmarks/gate_latency.py [--quick] [--n 300] [--rounds 10] [--smoke]
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ async def main() -> None:
     ap.add_argument("--n", type=int, default=300, help="round trips per server and protocol")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 cells a row, the v1 protocol only: the path, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.n, args.rounds, args.warmup = 2, 2, 1
     n = 100 if args.quick else args.n
     per_round = max(1, n // args.rounds)
 
@@ -56,12 +60,13 @@ async def main() -> None:
         Server("gate-nodelay",
                server={"kernel_websocket_connection_class": "_server.GateNoDelayConnection"}),
     ]
-    protocols = ("json", "v1")
+    protocols = ("v1",) if args.smoke else ("json", "v1")
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     try:
-        for srv in servers:
-            await srv.start()
-        kernels = {(srv.name, p): await srv.start_kernel(p) for srv in servers for p in protocols}
+        await asyncio.gather(*(srv.start() for srv in servers))
+        keys = [(srv, p) for srv in servers for p in protocols]
+        started = await asyncio.gather(*(srv.start_kernel(p) for srv, p in keys))
+        kernels = {(srv.name, p): k for (srv, p), k in zip(keys, started, strict=True)}
         for srv in servers:
             gate_off = GATE_OFF_LOG in srv.log_tail(400)
             if gate_off != (not srv.name.startswith("gate")):

@@ -14,6 +14,8 @@ server tells the service at once) and the baseline, the service's poll alone (ca
 server cannot reach the service; poll_interval 10 s, the default).
 
     python benchmarks/hub_room_latency.py [--quick]
+
+``--smoke``: one round of each, the service polling every 2 s: the whole path, no figures.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _no_push_for_carol(spawner):
 c.Spawner.pre_spawn_hook = _no_push_for_carol
 """
 SERVICE = """
-c.GPUShareHub.poll_interval = 10
+c.GPUShareHub.poll_interval = {poll}
 c.GPUShareHub.pressure_idle_timeout = 1
 c.GPUShareHub.min_release_bytes = 0
 """
@@ -193,7 +195,9 @@ async def bench(hub: Hub, rounds: int, baseline_rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 + 2 rounds instead of 20 + 5")
-    quick = parser.parse_args().quick
+    parser.add_argument("--smoke", action="store_true", help="1 + 1 rounds, polls every 2 s")
+    args = parser.parse_args()
+    rounds = (1, 1) if args.smoke else (5, 2) if args.quick else (20, 5)
     why = demo_hub.missing()
     if why:
         sys.exit(why)
@@ -204,7 +208,8 @@ def main() -> None:
     config, env = demo_hub.prepare(directory, port, idle_timeout=3600)
     with config.open("a", encoding="utf-8") as f:
         f.write(EXTRA.format(token=token))
-    (directory / "gpushare_hub_config.py").write_text(SERVICE, encoding="utf-8")
+    (directory / "gpushare_hub_config.py").write_text(SERVICE.format(poll=2 if args.smoke else 10),
+                                                      encoding="utf-8")
     log = (directory / "hub.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(config)], cwd=directory,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -218,7 +223,7 @@ def main() -> None:
                 if proc.poll() is not None:
                     sys.exit(f"the Hub exited; see {directory / 'hub.log'}")
                 time.sleep(0.2)
-        asyncio.run(bench(hub, 5 if quick else 20, 2 if quick else 5))
+        asyncio.run(bench(hub, *rounds))
     finally:
         proc.terminate()
         proc.wait(60)

@@ -11,7 +11,7 @@ After a settling pause, the CPU time of each server process (user + system, its 
 excluded) and, separately, of its kernels is sampled over the same window, in slices, so
 the three see the same machine load. Printed: CPU % of one core and the ratio to "off".
 
-    python benchmarks/idle_cpu.py [--quick] [--window 60] [--slices 6]
+    python benchmarks/idle_cpu.py [--quick] [--window 60] [--slices 6] [--smoke]
 """
 
 from __future__ import annotations
@@ -52,18 +52,21 @@ async def main() -> None:
     ap.add_argument("--window", type=float, default=60.0, help="seconds sampled")
     ap.add_argument("--slices", type=int, default=6, help="the window is cut in this many slices")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds idle before sampling")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a 1 s window, 1 kernel a server: the path, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.window, args.slices, args.settle = 1.0, 1, 0.0
     window = 10.0 if args.quick else args.window
     settle = 5.0 if args.quick else args.settle
 
+    per_server = 1 if args.smoke else 2
     print(f"idle CPU of the server, extension on vs off -- {machine()}")
     servers = [Server(name.split(",")[0].replace(" ", ""), extension=ext, gpushare=cfg)
                for name, ext, cfg in CONFIGS]
     try:
-        for srv in servers:
-            await srv.start()
-            for _ in range(2):
-                await srv.start_kernel()
+        await asyncio.gather(*(srv.start() for srv in servers))
+        await asyncio.gather(*(srv.start_kernel() for srv in servers for _ in range(per_server)))
         await asyncio.sleep(settle)
         slice_s = window / args.slices
         per_slice: list[list[tuple[float, float]]] = [[] for _ in servers]
@@ -89,9 +92,10 @@ async def main() -> None:
         ratio = f"{server / off_server:.2f}" if off_server > 0 else "n/a"
         rows.append([name, f"{100 * server:.2f}", ratio, f"{100 * kernels:.2f}", slices])
     print(f"\n{window:.0f} s window in {args.slices} slices, after {settle:.0f} s idle; "
-          "2 idle kernels per server, websockets open")
+          f"{per_server} idle kernel(s) per server, websockets open"
+          + ("  (--smoke: no figures)" if args.smoke else ""))
     print(table(["server", "server CPU %", "x off", "kernels CPU %", "server CPU % per slice"], rows))
-    print("CPU % = percent of one core; server = the jupyter server process only; kernels = its 2 "
+    print("CPU % = percent of one core; server = the jupyter server process only; kernels = its "
           "kernel processes together")
 
 

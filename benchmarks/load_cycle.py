@@ -30,7 +30,7 @@ mismatches (each failure is printed). Exit status 1 if anything failed.
 Host memory: about 130 MiB per kernel (the process, the state and its copy while moving),
 7 GiB for 50 kernels; fewer kernels are started (with a note) when that does not fit.
 
-    python benchmarks/load_cycle.py [--quick] [--kernels 50] [--rounds 10] [--mib 32]
+    python benchmarks/load_cycle.py [--quick] [--kernels 50] [--rounds 10] [--mib 32] [--smoke]
                                     [--concurrency 8] [--hz 10] [--history 30]
 """
 
@@ -431,6 +431,9 @@ async def run(args: argparse.Namespace) -> int:
         try:
             t0 = time.monotonic()
             ks = await start_kernels(srv, kernels, args.mib, concurrency=4)
+            for k in ks:  # a release before the server has seen the bytes would be refused
+                await srv.wait_kernel(k.kernel.id, lambda v, n=k.nbytes: v["gpu_memory_bytes"] == n,
+                                      f"kernel {k.index} to show its {k.nbytes} bytes")
             print(f"started {len(ks)} kernels, {ks[0].nbytes / MiB:.0f} MiB each, "
                   f"in {time.monotonic() - t0:.0f} s; kernels' RSS {kernels_rss(srv) / GiB:.1f} GiB",
                   flush=True)
@@ -554,7 +557,12 @@ def main() -> None:
                     help="GPUShareApp.history_seconds; 30 fills the ring buffers before the "
                          "first measure (the default 1800 would go on filling during the run)")
     ap.add_argument("--settle", type=float, default=5.0, help="seconds before the after-measure")
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 kernels of 1 MiB, 1 round: the whole path and its checks, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.kernels, args.rounds, args.mib, args.concurrency = 2, 1, 1, 2
+        args.idle, args.settle = 1.0, 0.5
     if args.quick:
         args.kernels, args.rounds, args.idle, args.settle = 16, 15, 5.0, 2.0
     for name in ("kernels", "rounds", "mib", "concurrency"):

@@ -19,7 +19,12 @@ no GPU; median SM use under 10 %, with a few heavy runs; bytes per GPU that vary
 to cell within a session, some cells freeing what they allocated.
 
     python benchmarks/make_example_trace.py [--out jupyter_gpushare/simulate/example_trace]
-        [--multi-gpu jupyter_gpushare/simulate/example_multigpu.json]
+        [--multi-gpu jupyter_gpushare/simulate/example_multigpu.json] [--smoke]
+
+The history bodies and events are built from the REST contract and the event schema
+(``jupyter_gpushare.server.contract_bodies``), so they are what a server exports.
+``--smoke``: 2 users, both written to a temporary directory and read back by the simulator's replay
+and trace readers (the whole path, nothing written in the checkout).
 """
 
 from __future__ import annotations
@@ -30,14 +35,18 @@ import io
 import json
 import math
 import random
+import tempfile
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
 
 from jupyter_gpushare.policy import PolicyConfig
+from jupyter_gpushare.server import contract_bodies
 from jupyter_gpushare.simulate.engine import Kernel, Simulation
 from jupyter_gpushare.simulate.generator import Profile, generate
 from jupyter_gpushare.simulate.policies import GPUShare
+from jupyter_gpushare.simulate.replay import read_replay
+from jupyter_gpushare.simulate.trace import read_trace
 from jupyter_gpushare.simulate.transfer import PRESETS
 from jupyter_gpushare.simulate.workload import HOUR, GiB
 
@@ -66,8 +75,8 @@ class Recorder:
         elif what == "cell":
             if data["utilization"] > 0:
                 self.cells.setdefault(k.id, []).append((data["start"], data["end"], data["utilization"]))
-        else:
-            event = {"kernel_id": k.id, "action": what, "method": "driver"}
+        elif what in contract_bodies.event_actions():  # what the server's event log shows
+            event: dict = {"kernel_id": k.id, "action": what, "method": "driver"}
             if what == "released":
                 event.update(bytes=k.nbytes, seconds=round(data["seconds"], 3), reason=data["reason"])
             elif what == "restored":
@@ -110,12 +119,15 @@ def history(rec: Recorder, user: str, ids: dict[str, str]) -> dict:
             rows_u.append(round(busy_share(rec.cells.get(kid, []), t - INTERVAL, t), 1) if held else None)
         if rows_t:
             gpu = str(rec.gpu_of[kid])
-            kernels[ids[kid]] = {"t": rows_t, "gpu_memory_bytes": rows_b, "sm_utilization": rows_u,
-                                 "gpu": {gpu: rows_b}}
+            kernels[ids[kid]] = contract_bodies.build(
+                "KernelHistory", t=rows_t, gpu_memory_bytes=rows_b, sm_utilization=rows_u,
+                gpu={gpu: rows_b}, gpu_utilization={gpu: rows_u})
             gpus.setdefault(gpu, None)
     for gpu in list(gpus):  # the node-level series: what this server's GPUs showed
-        gpus[gpu] = {"t": [round(EPOCH + t, 3) for t in ticks], "memory_used": [], "utilization": []}
-    return {"now": round(EPOCH + EXPORT_TO, 3), "interval": INTERVAL, "gpus": gpus, "kernels": kernels}
+        gpus[gpu] = contract_bodies.build("GPUHistory", t=[round(EPOCH + t, 3) for t in ticks],
+                                          memory_used=[], utilization=[])
+    return contract_bodies.build("History", now=round(EPOCH + EXPORT_TO, 3), interval=INTERVAL,
+                                 gpus=gpus, kernels=kernels)
 
 
 def gzipped(path: Path) -> io.TextIOWrapper:
@@ -202,7 +214,26 @@ def main() -> None:
     here = Path(__file__).parent.parent / "jupyter_gpushare" / "simulate"
     ap.add_argument("--out", default=str(here / "example_trace"))
     ap.add_argument("--multi-gpu", default=str(here / "example_multigpu.json"))
+    ap.add_argument("--smoke", action="store_true",
+                    help="2 users, written to a temporary directory and read back (the whole path)")
     args = ap.parse_args()
+    args.users = 2 if args.smoke else USERS
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="gpushare-example-smoke-") as tmp:
+            args.out, args.multi_gpu = f"{tmp}/example_trace", f"{tmp}/example_multigpu.json"
+            write(args)
+            replay = read_replay(args.out)
+            workload, _ = read_trace(args.multi_gpu)
+            assert replay.workload.kernels, replay.recorded
+            assert workload.kernels
+            print(f"read back: {len(replay.workload.kernels)} kernels replayed "
+                  f"({replay.recorded['releases']} releases recorded), "
+                  f"{len(workload.kernels)} in the multi-GPU trace")
+        return
+    write(args)
+
+
+def write(args: argparse.Namespace) -> None:
     write_trace(multi_gpu_trace(), Path(args.multi_gpu))
     print(f"wrote {args.multi_gpu}")
     out = Path(args.out)
@@ -210,7 +241,7 @@ def main() -> None:
     # the profile the shipped example was recorded with (before CPU-only cells were a third
     # and kernels grew): the same files on every run
     profile = Profile(cpu_cell_share=0.4, start_fraction=1.0)
-    workload = generate(USERS, days=1, seed=SEED, profile=profile, gpu_gib=GPU_GIB)
+    workload = generate(args.users, days=1, seed=SEED, profile=profile, gpu_gib=GPU_GIB)
     rec = Recorder()
     Simulation(workload, GPUShare(PolicyConfig(), seed=SEED), GPU_GIB * GiB, GPUS, PRESETS["h100"],
                observer=rec).run()
@@ -227,10 +258,11 @@ def main() -> None:
                 line = {"__timestamp__": timestamp(e["t"]),
                         "__schema__": "https://events.jupyter.org/jupyter_gpushare/kernel/v1",
                         "__schema_version__": "1", "__metadata_version__": 1,
-                        **{k: (ids[v] if k == "kernel_id" else v) for k, v in e.items() if k != "t"}}
+                        **contract_bodies.event(**{k: (ids[v] if k == "kernel_id" else v)
+                                                   for k, v in e.items() if k != "t"})}
                 f.write(json.dumps(line) + "\n")
     manifest = {
-        "description": (f"example replay: {USERS} synthetic users, one Monday 06:00-22:00, "
+        "description": (f"example replay: {args.users} synthetic users, one Monday 06:00-22:00, "
                         f"exported every {INTERVAL:g} s (benchmarks/make_example_trace.py)"),
         "node": {"gpus": GPUS, "gpu_gib": GPU_GIB},
     }

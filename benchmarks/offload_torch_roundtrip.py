@@ -10,6 +10,7 @@ about 1 GiB, offloaded to pinned host memory and reloaded by the default adapter
 freed per ``torch.cuda.mem_get_info`` and whether the state came back bitwise.
 
 Usage: python benchmarks/offload_torch_roundtrip.py [--tensors 10000] [--gib 1] [--repeat 3]
+       [--smoke]  (100 tensors, 16 MiB, once: the whole path, no figures worth reading)
 """
 
 from __future__ import annotations
@@ -120,7 +121,10 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=10_000)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="100 tensors, 16 MiB, once")
     args = parser.parse_args()
+    if args.smoke:
+        args.tensors, args.gib, args.repeat = 100, 1 / 64, 1
     bench_cpu(args.tensors, int(args.gib * GIB), args.repeat)
     bench_cuda(int(args.gib * GIB))
 

@@ -13,10 +13,14 @@
  *
  * Usage: node benchmarks/panel_refresh.mjs [--refreshes 30] [--rounds 3] [--gpus 8] [--kernels 50]
  *        [--history-seconds 600] [--interval 1] [--port 8897] [--json out.json] [--profile]
+ *        [--smoke]  (2 refreshes, 1 round, 2 GPUs, 5 kernels: the whole path, no figures)
+ * The status bodies are built on the REST contract: every field comes from a body that
+ * jupyter_gpushare.server.contract_bodies builds (python3), so a field the contract makes
+ * required later is there too.
  * Needs: the npm deps of tests/ui-tests (jlpm install there), Chromium at /usr/bin/chromium
  * (or CHROMIUM_PATH).
  */
-import { spawn } from 'node:child_process';
+import { execFileSync, spawn } from 'node:child_process';
 import { mkdtempSync, writeFileSync, rmSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { tmpdir } from 'node:os';
@@ -31,16 +35,26 @@ function arg(name, fallback) {
   const i = process.argv.indexOf(`--${name}`);
   return i > 0 ? process.argv[i + 1] : fallback;
 }
-const REFRESHES = Number(arg('refreshes', 30));
-const ROUNDS = Number(arg('rounds', 3));
-const GPUS = Number(arg('gpus', 8));
-const KERNELS = Number(arg('kernels', 50));
+const SMOKE = process.argv.includes('--smoke');
+const REFRESHES = Number(arg('refreshes', SMOKE ? 2 : 30));
+const ROUNDS = Number(arg('rounds', SMOKE ? 1 : 3));
+const GPUS = Number(arg('gpus', SMOKE ? 2 : 8));
+const KERNELS = Number(arg('kernels', SMOKE ? 5 : 50));
 const HISTORY_SECONDS = Number(arg('history-seconds', 600));
 const INTERVAL = Number(arg('interval', 1));
 const PORT = Number(arg('port', 8897));
 const JSON_OUT = arg('json', null);
 const PROFILE = process.argv.includes('--profile');
 const GiB = 1024 ** 3;
+
+/** Contract-valid bodies with every required field at its neutral value, from the contract. */
+const TEMPLATE = JSON.parse(
+  execFileSync(process.env.PYTHON || 'python3', [
+    '-c',
+    'import json; from jupyter_gpushare.server import contract_bodies as b; ' +
+      'print(json.dumps({"status": b.status(), "kernel": b.kernel(id="k"), "gpu": b.gpu()}))'
+  ]).toString()
+);
 
 /** Deterministic pseudo-random numbers so runs are comparable. */
 function rng(seed) {
@@ -61,6 +75,7 @@ function makeStatus(seq) {
     const released = state === 'released';
     const bytes = released ? 0 : Math.round((0.5 + r() * 6) * GiB);
     return {
+      ...TEMPLATE.kernel,
       id,
       name: 'python3',
       path: `project-${i % 7}/notebook-${i}.ipynb`,
@@ -90,6 +105,7 @@ function makeStatus(seq) {
   const gpus = Array.from({ length: GPUS }, (_, g) => {
     const used = kernels.filter(k => k.gpus[0] === g).reduce((a, k) => a + k.gpu_memory_bytes, 0);
     return {
+      ...TEMPLATE.gpu,
       index: g,
       uuid: `GPU-${g}`,
       name: 'Synthetic H100 80GB',
@@ -100,6 +116,7 @@ function makeStatus(seq) {
     };
   });
   return {
+    ...TEMPLATE.status,
     backend: 'nvml',
     method: 'driver',
     available: true,
@@ -355,7 +372,8 @@ async function main() {
     console.log(
       `jupyter-gpushare panel refresh: ${GPUS} GPUs (${charts} charts), ${KERNELS} kernels ` +
         `(${rows} rows), history ${HISTORY_SECONDS} s at ${INTERVAL} s, ` +
-        `${ROUNDS} rounds x ${REFRESHES} refreshes per phase`
+        `${ROUNDS} rounds x ${REFRESHES} refreshes per phase` +
+        (SMOKE ? '  (--smoke: no figures)' : '')
     );
     console.log(`Chromium ${browser.version()}, ${process.platform}, CPU times per refresh in ms`);
     console.log('phase                        task    script    layout     style    wall');

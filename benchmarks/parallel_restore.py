@@ -19,7 +19,7 @@ the arrays' CRC-32 equal those taken before the first release.
 
 Printed: medians, and the ratios to the sequential two-GPU restore and to one GPU's N MiB.
 
-    python benchmarks/parallel_restore.py [--quick] [--mib 512] [--rate 1024] [--repeat 5]
+    python benchmarks/parallel_restore.py [--quick] [--mib 512] [--rate 1024] [--repeat 5] [--smoke]
 """
 
 from __future__ import annotations
@@ -93,10 +93,12 @@ async def main() -> None:
     ap.add_argument("--rate", type=float, default=1024.0,
                     help="MiB/s each simulated GPU's copy moves (0: host copy time only)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="64 MiB per GPU, once: the path only")
     args = ap.parse_args()
-    mib, repeat = (256, 2) if args.quick else (args.mib, args.repeat)
+    mib, repeat = (256, 2) if args.quick else (64, 1) if args.smoke else (args.mib, args.repeat)
     per_gpu = mib * MiB
     rates = [args.rate, 0.0] if args.rate else [0.0]
+    rates = rates[:1] if args.smoke else rates
     print(f"parallel vs sequential restore of a two-GPU kernel -- {machine()}")
     cfg = {"simulated_gpus": [16 * GiB, 16 * GiB], "poll_interval": 0.5, "idle_timeout": 0,
            "min_release_bytes": 0, "pressure_free_fraction": 0.0}

@@ -17,6 +17,8 @@ Host memory: the state plus one array in flight (13 GiB at 12 GiB); a size that 
 fit in the available memory is skipped with a note.
 
     python benchmarks/sim_release_restore.py [--quick] [--sizes 1 4 12] [--repeat 3]
+
+``--smoke``: one array of 16 MiB, once (the whole path, checksums checked; no figures).
 """
 
 from __future__ import annotations
@@ -68,9 +70,12 @@ async def settle(srv: Server, kernel: Kernel, nbytes: int) -> None:
     )
 
 
-async def one_size(srv: Server, kernel: Kernel, gib: int, repeat: int) -> list[list[str]]:
-    nbytes = await kernel.value(FILL.format(seed=gib * 100, n=GiB // 4, count=gib), timeout=600)
-    assert nbytes == gib * GiB, nbytes
+async def one_size(srv: Server, kernel: Kernel, gib: int, repeat: int,
+                   array: int = GiB) -> list[list[str]]:
+    """``gib`` arrays of ``array`` bytes (1 GiB: the size is in GiB)."""
+    nbytes = await kernel.value(FILL.format(seed=gib * 100, n=array // 4, count=gib), timeout=600)
+    assert nbytes == gib * array, nbytes
+    size = f"{nbytes / GiB:g} GiB" if nbytes >= GiB else f"{nbytes >> 20} MiB"
     before = await kernel.value(CHECKSUMS, timeout=600)
     times: dict[str, list[float]] = {"copy": [], "release": [], "restore": [],
                                      "release_srv": [], "restore_srv": []}
@@ -95,7 +100,7 @@ async def one_size(srv: Server, kernel: Kernel, gib: int, repeat: int) -> list[l
         times["restore_srv"].append(view["last_restore_seconds"])
         after = await kernel.value(CHECKSUMS, timeout=600)
         if after != before:
-            raise RuntimeError(f"{gib} GiB: checksums differ after the restore")
+            raise RuntimeError(f"{size}: checksums differ after the restore")
     left = await kernel.value(FREE)
     assert left == 0, left
     med = {k: statistics.median(v) for k, v in times.items()}
@@ -104,10 +109,10 @@ async def one_size(srv: Server, kernel: Kernel, gib: int, repeat: int) -> list[l
     for key, label in (("copy", "baseline: numpy copy in kernel"), ("release", "release (REST)"),
                        ("restore", "restore (REST)")):
         srv_s = f"{med[key + '_srv']:.3f}" if key != "copy" else ""
-        rows.append([f"{gib:>2} GiB  {label}", f"{med[key]:.3f}", f"{best[key]:.3f}", srv_s,
+        rows.append([f"{size:>6}  {label}", f"{med[key]:.3f}", f"{best[key]:.3f}", srv_s,
                      f"{nbytes / med[key] / 1e9:.2f}", f"{med[key] / med['copy']:.2f}",
                      f"{best[key] / best['copy']:.2f}"])
-    rows.append([f"{gib:>2} GiB  checksums after {repeat} restore(s)", "", "", "", "", "equal", ""])
+    rows.append([f"{size:>6}  checksums after {repeat} restore(s)", "", "", "", "", "equal", ""])
     return rows
 
 
@@ -116,8 +121,10 @@ async def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1 and 4 GiB, once each")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4, 12], help="GiB")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="16 MiB, once: the path, no figures")
     args = ap.parse_args()
-    sizes, repeat = ([1, 4], 1) if args.quick else (args.sizes, args.repeat)
+    sizes, repeat = ([1, 4], 1) if args.quick else ([1], 1) if args.smoke else (args.sizes, args.repeat)
+    array = 16 << 20 if args.smoke else GiB
 
     print(f"simulated release / restore through REST -- {machine()}")
     cfg = {"simulated_gpus": [16 * GiB, 16 * GiB], "poll_interval": 0.5, "idle_timeout": 0,
@@ -132,8 +139,9 @@ async def main() -> None:
             if room < gib + 2:
                 notes.append(f"{gib} GiB skipped: {room:.1f} GiB of host memory available")
                 continue
-            rows += await one_size(srv, kernel, gib, repeat)
-    print(f"\nmedian of {repeat} per size; one kernel, arrays of 1 GiB on simulated GPU 0")
+            rows += await one_size(srv, kernel, gib, repeat, array)
+    print(f"\nmedian of {repeat} per size; one kernel, arrays of {array >> 20} MiB on simulated GPU 0"
+          + ("  (--smoke: no figures)" if args.smoke else ""))
     print(table(["size  measure", "median s", "best s", "server s", "GB/s (median)", "x copy (median)",
                  "x copy (best)"], rows))
     for note in notes:

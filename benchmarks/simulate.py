@@ -9,13 +9,22 @@ reserving GPUs per session, under the ``driver`` and ``pinned`` transfer models;
 per GPU; ``gpushare-simulate/simulate.json`` and a PNG per policy.
 
     python benchmarks/simulate.py [--quick] [any option of jupyter gpushare simulate --help]
+
+``--smoke``: one day, no capacity search, no PNGs, figures to a temporary directory: the
+whole path in seconds, no figures worth reading.
 """
 
 from __future__ import annotations
 
 import sys
+import tempfile
 
 from jupyter_gpushare.simulate.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    args = sys.argv[1:]
+    if "--smoke" in args:
+        args.remove("--smoke")
+        with tempfile.TemporaryDirectory(prefix="gpushare-simulate-smoke-") as out:
+            sys.exit(main(["--quick", "--days", "1", "--no-capacity", "--no-png", "--out", out, *args]))
+    sys.exit(main(args))

@@ -21,7 +21,7 @@ poll_interval 0.5 s, 1 real ipykernel, then 50; the mean poll time over a window
 count, read from ``gpushare_poll_seconds`` on /metrics (the server's own measure), on a
 simulated node of the same GPUs.
 
-    python benchmarks/tracker_poll.py [--quick] [--kernels 50] [--gpus 2] [--polls 300] [--window 20]
+    python benchmarks/tracker_poll.py [--quick] [--kernels 50] [--gpus 2] [--polls 300] [--window 20] [--smoke]
 """
 
 from __future__ import annotations
@@ -265,7 +265,11 @@ async def main() -> None:
                          "of the kernels")
     ap.add_argument("--polls", type=int, default=300)
     ap.add_argument("--window", type=float, default=20.0, help="seconds per /metrics window")
+    ap.add_argument("--smoke", action="store_true",
+                    help="3 kernels, 5 polls, 1 s windows: the whole path, no figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.kernels, args.polls, args.window = 3, 5, 1.0
     polls = 100 if args.quick else args.polls
 
     if args.kernels < 1 or args.gpus < 1:

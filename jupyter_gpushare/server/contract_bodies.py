@@ -65,6 +65,11 @@ def event(**fields: Any) -> dict[str, Any]:
     return body
 
 
+def event_actions() -> tuple[str, ...]:
+    """The actions a kernel action event may name."""
+    return tuple(_event_schema()["properties"]["action"]["enum"])
+
+
 @functools.cache
 def _event_schema() -> dict[str, Any]:
     with KERNEL_SCHEMA_PATH.open(encoding="utf-8") as f:
