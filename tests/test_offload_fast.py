@@ -95,6 +95,13 @@ def gpus() -> FakeGPUs:
     return FakeGPUs()
 
 
+@pytest.fixture
+def no_kept_copies(monkeypatch):
+    """The pool's own cycle: no host copy kept after a restore (with one kept, the next
+    release copies nothing; tests/test_incremental_torch.py covers that)."""
+    monkeypatch.setenv("JUPYTER_GPUSHARE_KEEP_HOST_COPY", "0")
+
+
 def state(gpus: FakeGPUs, n: int = 20) -> dict:
     """n tensors over two GPUs, with a view, a gradient and values whose bits matter (NaN
     payloads, -0.0, denormals)."""
@@ -151,7 +158,7 @@ def buffers(ns: dict) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in [*ns.values(), ns["p"].grad]}
 
 
-def test_the_second_cycle_allocates_no_host_buffer(gpus):
+def test_the_second_cycle_allocates_no_host_buffer(gpus, no_kept_copies):
     ns = state(gpus)
     before = bits(ns)
     adapter = gpus.adapter()
@@ -267,7 +274,7 @@ def test_a_buffer_the_user_still_holds_is_never_reused(gpus):
     assert torch.equal(x, -torch.arange(8.0))
 
 
-def test_the_pool_keeps_at_most_its_limit_and_the_last_cycle():
+def test_the_pool_keeps_at_most_its_limit_and_the_last_cycle(no_kept_copies):
     gpus = FakeGPUs(limit=3 * 256)
     ns = {f"t{i}": gpus.put(torch.zeros(64)) for i in range(5)}  # 5 x 256 bytes
     adapter = gpus.adapter()
@@ -286,7 +293,7 @@ def test_the_pool_keeps_at_most_its_limit_and_the_last_cycle():
     assert gpus.pool.clear() == 768 and gpus.pool.kept_bytes == 0
 
 
-def test_limit_zero_allocates_every_cycle_as_before():
+def test_limit_zero_allocates_every_cycle_as_before(no_kept_copies):
     gpus = FakeGPUs(limit=0)
     ns = {"x": gpus.put(torch.ones(4)), "y": gpus.put(torch.ones(4), "gpu1")}
     for _ in range(3):
@@ -296,7 +303,7 @@ def test_limit_zero_allocates_every_cycle_as_before():
     assert gpus.host_allocs == 6 and gpus.pool.kept_bytes == 0
 
 
-def test_trim_frees_the_kept_buffers(gpus):
+def test_trim_frees_the_kept_buffers(gpus, no_kept_copies):
     ns = state(gpus)
     adapter = gpus.adapter()
     adapter.offload(ns)

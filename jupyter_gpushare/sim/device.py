@@ -67,6 +67,8 @@ STEPS = ("lock", "checkpoint", "restore", "unlock")
 TRANSFER_RATE_ENV = "JUPYTER_GPUSHARE_SIM_TRANSFER_RATE"
 #: "0": a checkpoint or restore moves one GPU after another instead of all at once
 PARALLEL_ENV = "JUPYTER_GPUSHARE_SIM_PARALLEL"
+#: "0": drop each array's host copy after a restore (every checkpoint copies everything)
+KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
 PACE_SLICE = 0.02  # s: the finest step in which a paced copy advances its progress
 TRANSFER_LOG = 64  # per-GPU copies remembered by transfer_log()
 MAX_WAIT = 30.0  # s the longest wait_resume() holds its caller
@@ -267,6 +269,13 @@ class SimDevice:
         self._job: _ResumeJob | None = None
         #: how many times wait_resume() answered that the resume still runs
         self.progress_reads = 0
+        #: keep each array's host copy after a restore (``JUPYTER_GPUSHARE_KEEP_HOST_COPY=0``:
+        #: never), so the next checkpoint copies only the arrays written since
+        self.keep_host_copy = os.environ.get(KEEP_ENV, "1").strip() not in ("0", "false", "no")
+        #: held while a pre-copy commits one array's copy, and through a checkpoint, so the
+        #: checkpoint reads every kept copy and its version at one moment
+        self._precopy_lock = threading.Lock()
+        self._precopy_stats = {"runs": 0, "bytes": 0, "arrays": 0}
         #: node GPU a process device started on -> node GPU it is on now, after restores onto
         #: other GPUs (as CUDA's numbering follows a restore with a GPU mapping)
         self.remap: dict[int, int] = {}
@@ -556,9 +565,14 @@ class SimDevice:
             return self._checkpoint()
 
     def _checkpoint(self) -> dict[str, Any]:
+        with self._precopy_lock:
+            return self._checkpoint_locked()
+
+    def _checkpoint_locked(self) -> dict[str, Any]:
         self._expect("checkpoint", LOCKED)
         with self._cond:  # strong references: no array dies between copy and commit
             arrays = [(a, b) for a, b in list(self._blocks.items()) if b.on_device]
+        copied = sum(_to_copy(a, b, True) for a, b in arrays)
         self._move(arrays, "checkpoint", to_host=True)
         # commit: the accounting and the state, in one step nothing can interrupt halfway
         with self._cond:
@@ -568,7 +582,7 @@ class SimDevice:
         moved = _per_gpu(b for _, b in arrays)
         for key, nbytes in moved.items():
             self._free_quietly(int(key), nbytes)
-        return _summary(arrays, moved)
+        return {**_summary(arrays, moved), "copied": copied}
 
     def restore(self, gpu_mapping: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Allocate everything again, copy the bytes back, then account them on the device.
@@ -596,6 +610,95 @@ class SimDevice:
                 raise ValueError(f"gpu_mapping: GPU {dst} is named twice as a target")
             targets.add(dst)
         return {src: dst for src, dst in gpu_mapping.items() if src != dst}
+
+    # -- host copies kept while running: pre-copy, budget ------------------------------
+    def precopy(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        """Copy to host, while the process runs, every array written since its host copy was
+        made (or that has none), one array at a time, each at ``transfer_rate``.
+
+        Makes no GPU call: the cells' calls never wait for it, and it never counts as a
+        background thread. It ends at once when ``stop`` is set or the device is locked; a
+        copy whose array was written meanwhile stays stale (its version says so) and is
+        copied again by the next pre-copy or checkpoint. Returns what it copied and whether
+        it stopped early."""
+        stop = stop or threading.Event()
+        with self._cond:
+            arrays = [a for a, b in list(self._blocks.items()) if b.on_device]
+        arrays.sort(key=lambda a: getattr(a, "_kept_at", 0.0))
+        copied = count = 0
+        stopped = False
+        for array in arrays:
+            if stop.is_set() or self.state != RUNNING:
+                stopped = True
+                break
+            if array._current_copy() is not None or array._dev is None:
+                continue
+            version = array._version
+            dev = array._dev
+            copy = dev.copy()
+            if not self._pace(copy.nbytes, stop):
+                stopped = True
+                break
+            with self._precopy_lock:
+                if self.state != RUNNING or array._dev is not dev:
+                    stopped = True  # a checkpoint ran meanwhile: its own copy counts
+                    break
+                array._kept, array._kept_version, array._kept_at = copy, version, time.monotonic()
+            copied += int(copy.nbytes)
+            count += 1
+        with self._precopy_lock:
+            self._precopy_stats["runs"] += 1
+            self._precopy_stats["bytes"] += copied
+            self._precopy_stats["arrays"] += count
+        return {"bytes": copied, "arrays": count, "stopped": stopped}
+
+    def _pace(self, nbytes: int, stop: threading.Event) -> bool:
+        """Take ``nbytes / transfer_rate`` seconds (none without a rate); False if ``stop``
+        was set meanwhile or the device stopped running."""
+        rate = self.transfer_rate
+        if not rate or not nbytes:
+            return True
+        deadline = time.monotonic() + nbytes / rate
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return True
+            if stop.wait(min(PACE_SLICE, left)) or self.state != RUNNING:
+                return False
+
+    def host_copies(self) -> dict[str, int]:
+        """Bytes on the device whose kept host copy is current (a release moves none of
+        them), bytes a release would copy now, and host bytes every kept copy holds."""
+        current = to_copy = kept = 0
+        with self._precopy_lock:
+            with self._cond:
+                items = [(a, b) for a, b in list(self._blocks.items()) if b.on_device]
+            for array, block in items:
+                held = array._kept
+                kept += int(held.nbytes) if held is not None else 0
+                if array._current_copy() is not None:
+                    current += block.nbytes
+                else:
+                    to_copy += block.nbytes
+        return {"current": current, "to_copy": to_copy, "kept": kept}
+
+    def drop_host_copies(self, wanted: int | None = None) -> int:
+        """Free kept host copies, oldest first, until ``wanted`` bytes are freed (None:
+        all); returns the bytes freed. The arrays stay on the device: only the next
+        release copies them again."""
+        with self._cond:
+            arrays = [a for a, b in list(self._blocks.items()) if b.on_device]
+        freed = 0
+        with self._precopy_lock:
+            for array in sorted(arrays, key=lambda a: a._kept_at):
+                if wanted is not None and freed >= wanted:
+                    break
+                freed += array._drop_kept()
+        return freed
+
+    def precopy_stats(self) -> dict[str, int]:
+        with self._precopy_lock:
+            return dict(self._precopy_stats)
 
     def _restore(self, gpu_mapping: Mapping[int, int] | None = None) -> dict[str, Any]:
         self._expect("restore", CHECKPOINTED)
@@ -643,9 +746,10 @@ class SimDevice:
         groups: dict[int, list[int]] = {}  # node GPU -> indices of its arrays, in order
         for index, gpu in enumerate(gpus):
             groups.setdefault(gpu, []).append(index)
+        sizes = [_to_copy(a, b, to_host) for a, b in arrays]
         with self._progress_lock:
             self._moving_step = step
-            self._moving = {g: _Copy(sum(arrays[i][1].nbytes for i in idx))
+            self._moving = {g: _Copy(sum(sizes[i] for i in idx))
                             for g, idx in sorted(groups.items())}
         moved: list[Any] = []
         ok = False
@@ -663,7 +767,7 @@ class SimDevice:
         except BaseException:
             for array in reversed(moved):  # the copy it holds has the very same bytes
                 if to_host:
-                    array._commit_device(array._host)
+                    array._undo_host()
                 else:
                     array._commit_host(array._dev)
             raise
@@ -678,7 +782,7 @@ class SimDevice:
             gpu = gpus[index]
             self._strike(step, copied)
             self._strike(step, counts.get(gpu, 0), gpu=gpu)
-            self._copy(array, block.nbytes, gpu, to_host, moved)
+            self._copy(array, _to_copy(array, block, to_host), gpu, to_host, moved)
             counts[gpu] = counts.get(gpu, 0) + 1
         for gpu, count in sorted(counts.items()):
             self._strike(step, count, last=True, gpu=gpu)
@@ -696,7 +800,7 @@ class SimDevice:
                         return
                     self._strike(step, count, gpu=gpu)
                     array, block = arrays[index]
-                    self._copy(array, block.nbytes, gpu, to_host, moved, abort)
+                    self._copy(array, _to_copy(array, block, to_host), gpu, to_host, moved, abort)
                 self._strike(step, len(indices), last=True, gpu=gpu)
             except _Aborted:
                 pass
@@ -717,7 +821,8 @@ class SimDevice:
     def _copy(self, array: Any, nbytes: int, gpu: int, to_host: bool, moved: list[Any],
               abort: threading.Event | None = None) -> None:
         """Move one array (and take ``nbytes`` / ``transfer_rate`` seconds at least, its
-        progress advancing as it goes)."""
+        progress advancing as it goes); ``nbytes`` is what moves: 0 for an array whose kept
+        host copy is current."""
         started = time.monotonic()
         with self._progress_lock:
             copy = self._moving[gpu]
@@ -727,7 +832,7 @@ class SimDevice:
         if to_host:
             array._commit_host(array._copy_to_host())
         else:
-            array._commit_device(array._copy_to_device())
+            array._commit_device(array._copy_to_device(), keep=self.keep_host_copy)
         moved.append(array)  # list.append is atomic: GPUs' threads share this list
         rate = self.transfer_rate
         if rate:
@@ -875,6 +980,13 @@ class SimDevice:
         except Exception as e:  # the bytes are off the device either way; say so and go on
             log.warning("gpushare: could not account %d freed bytes on simulated GPU %d: %s",
                         nbytes, gpu, e)
+
+
+def _to_copy(array: Any, block: _Block, to_host: bool) -> int:
+    """Bytes a move copies for ``array``: none to host when its kept copy is current."""
+    if to_host and array._current_copy() is not None:
+        return 0
+    return block.nbytes
 
 
 def _per_gpu(blocks: Any) -> dict[str, int]:

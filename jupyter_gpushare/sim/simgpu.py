@@ -40,6 +40,13 @@ class SimArray:
         self.device = device
         self._dev: np.ndarray | None = np.array(data, copy=True) if _copy else data
         self._host: np.ndarray | None = None
+        #: bumped after every write in place (as PyTorch's version counter): a host copy made
+        #: at version v is current while the array is still at v
+        self._version = 0
+        #: the host copy kept after a restore or made by a pre-copy, and its version
+        self._kept: np.ndarray | None = None
+        self._kept_version = -1
+        self._kept_at = 0.0  # time.monotonic() the kept copy was made (dropped oldest first)
         # last, so a checkpoint never finds a registered array without its bytes; raises
         # OutOfMemoryError (and the bytes are dropped with the object) when it does not fit
         get_device().register(self, device, int(data.nbytes))
@@ -47,19 +54,53 @@ class SimArray:
     # Called by the checkpoint state machine with the device locked, in two phases so that
     # a checkpoint or restore is all or nothing: copy every array (nothing changes if a copy
     # fails), then commit every copy (plain assignments, which cannot fail halfway).
+    def _current_copy(self) -> np.ndarray | None:
+        """The kept host copy when it still holds the array's bytes (no write since)."""
+        kept = self._kept
+        return kept if kept is not None and self._kept_version == self._version else None
+
     def _copy_to_host(self) -> np.ndarray:
         assert self._dev is not None, "array is not on the device"
+        kept = self._current_copy()
+        if kept is not None:
+            return kept  # unchanged since its host copy was made: nothing to move
         return self._dev.copy()  # a real copy: the cost of moving bytes off the GPU
 
     def _commit_host(self, copy: np.ndarray) -> None:
-        self._host, self._dev = copy, None
+        self._host, self._dev, self._kept = copy, None, None
+
+    def _undo_host(self) -> None:
+        """Undo :meth:`_commit_host`: the host copy (the very same bytes) is the device's
+        again; a kept copy is not kept (it may be that very buffer)."""
+        self._dev, self._host, self._kept = self._host, None, None
 
     def _copy_to_device(self) -> np.ndarray:
         assert self._host is not None, "array is not in host memory"
         return self._host.copy()
 
-    def _commit_device(self, copy: np.ndarray) -> None:
-        self._dev, self._host = copy, None
+    def _commit_device(self, copy: np.ndarray, keep: bool = False) -> None:
+        """The bytes are on the device again; ``keep``: the host copy stays as the kept
+        copy (current until the next write), so the next release need not move them."""
+        host, self._dev, self._host = self._host, copy, None
+        if keep and host is not None:
+            self._kept, self._kept_version, self._kept_at = host, self._version, time.monotonic()
+        else:
+            self._kept = None
+
+    def _precopy(self) -> int:
+        """Copy the bytes to host now if the kept copy is not current (the device is running:
+        a write may land meanwhile, so the copy counts as of the version read before it);
+        returns the bytes copied."""
+        dev, version = self._dev, self._version
+        if dev is None or self._current_copy() is not None:
+            return 0
+        copy = dev.copy()
+        self._kept, self._kept_version, self._kept_at = copy, version, time.monotonic()
+        return int(copy.nbytes)
+
+    def _drop_kept(self) -> int:
+        kept, self._kept = self._kept, None
+        return int(kept.nbytes) if kept is not None and self._dev is not None else 0
 
     def _to_host(self) -> None:
         self._commit_host(self._copy_to_host())
@@ -132,7 +173,35 @@ class SimArray:
         return self._apply(np.negative)
 
     def __getitem__(self, index):
-        return self._apply(lambda a: a[index])
+        # a copy, never a numpy view: a write through one array must not change another
+        # behind its version counter
+        return self._apply(lambda a: np.array(a[index], copy=True))
+
+    # -- writes in place (the version counter says a kept host copy is stale) ------------
+    def _write(self, fn, *others: Any) -> SimArray:
+        with get_device().busy(self.device):
+            args = [o._data() if isinstance(o, SimArray) else o for o in others]
+            try:
+                fn(self._data(), *args)
+            finally:
+                self._version += 1  # after the bytes changed: a pre-copy never misses it
+        return self
+
+    def __setitem__(self, index, value) -> None:
+        self._write(lambda a, v: a.__setitem__(index, v), value)
+
+    def __iadd__(self, o):
+        return self._write(lambda a, b: np.add(a, b, out=a, casting="unsafe"), o)
+
+    def __isub__(self, o):
+        return self._write(lambda a, b: np.subtract(a, b, out=a, casting="unsafe"), o)
+
+    def __imul__(self, o):
+        return self._write(lambda a, b: np.multiply(a, b, out=a, casting="unsafe"), o)
+
+    def fill(self, value: Any) -> SimArray:
+        """Set every element to ``value``, in place."""
+        return self._write(lambda a: a.fill(value))
 
     def sum(self, axis=None) -> SimArray:
         return self._apply(lambda a: np.sum(a, axis=axis))

@@ -25,6 +25,10 @@ class OffloadReport:
     count: int = 0  # tensors / arrays moved
     seconds: float = 0.0
     freed_bytes: int = 0  # what the allocator gave back to the driver (after empty_cache)
+    #: bytes actually copied (offload: those whose kept host copy was not current; a
+    #: pre-copy: those it copied); ``bytes`` is what moved off the GPU either way
+    copied: int = 0
+    stopped: bool = False  # a pre-copy that stopped early (a cell started)
     #: "name: why" for what was deliberately left alone, never silently dropped; add with
     #: ``skip``, which keeps it bounded
     skipped: list[str] = field(default_factory=list)
@@ -70,3 +74,18 @@ class OffloadAdapter(abc.ABC):
     @abc.abstractmethod
     def trim(self) -> int:
         """Empty allocator caches (before a driver checkpoint); return bytes freed."""
+
+    # -- host copies kept while resident (incremental releases); none by default ---------
+    def precopy(self, namespace: dict[str, Any], stop: Any = None) -> OffloadReport:
+        """Copy, while the kernel runs, what changed since its kept host copy (a thread of
+        the agent runs it; ``stop``, a ``threading.Event``, ends it early)."""
+        return OffloadReport(framework=self.name)
+
+    def host_copies(self) -> dict[str, int]:
+        """``current``: device bytes whose kept host copy is current; ``to_copy``: bytes a
+        release would copy now; ``kept``: host bytes the kept copies hold."""
+        return {"current": 0, "to_copy": 0, "kept": 0}
+
+    def drop_host_copies(self, wanted: int | None = None) -> int:
+        """Free kept host copies, oldest first, until ``wanted`` bytes (None: all)."""
+        return 0

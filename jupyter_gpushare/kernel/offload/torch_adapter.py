@@ -34,7 +34,10 @@ global synchronize), so tests run the very same logic between two CPU storages.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -148,6 +151,16 @@ class StreamCopies:
         self.copy = copy or self._cuda_copy
         self.sync = sync or self._cuda_sync
         self._joined: set[Any] = set()  # devices whose copy stream waited this move
+        self.background = False  # a pre-copy's: streams of their own, at the lowest priority
+
+    def for_background(self) -> StreamCopies:
+        """The same pool and hooks, for a pre-copy while cells run: its own copy stream per
+        GPU at the lowest priority (0: cells' streams come first), never the release's."""
+        other = StreamCopies(pool=self.pool, alloc_device=self.alloc_device)
+        other.copy = self.copy if self.copy != self._cuda_copy else other._cuda_copy
+        other.sync = self.sync if self.sync != self._cuda_sync else other._cuda_sync
+        other.background = True
+        return other
 
     # -- the move, as the adapter uses it ------------------------------------------------
     def to_host(self, storage: Any, device: Any) -> Any:
@@ -187,16 +200,18 @@ class StreamCopies:
 
     # -- CUDA -----------------------------------------------------------------------------
     def _stream(self, device: Any) -> Any:
-        key = _stream_key(device)
+        key = (_stream_key(device), self.background)
         stream = _streams.get(key)
-        if stream is None:
-            stream = _streams[key] = _torch().cuda.Stream(device=device)
+        if stream is None:  # priority 0 is CUDA's lowest: a pre-copy yields to the cells
+            stream = _streams[key] = _torch().cuda.Stream(device=device, priority=0)
         return stream
 
     def _cuda_copy(self, dst: Any, src: Any, device: Any) -> None:
         torch = _torch()
         stream = self._stream(device)
-        if device not in self._joined:
+        # a pre-copy waits before every copy: the cells keep queueing work, and a copy must
+        # see every write that its version counters (read just before) count
+        if device not in self._joined or self.background:
             stream.wait_stream(torch.cuda.current_stream(device))
             self._joined.add(device)
         with torch.cuda.stream(stream):
@@ -245,6 +260,9 @@ class LegacyCopies:
     def end_cycle(self) -> None:
         _release_pinned_cache()
 
+    def for_background(self) -> LegacyCopies:
+        return self
+
 
 def tensor_children(tensor: Any) -> Iterable[Child]:
     """What a tensor leads to: its gradient, the base of a view, Python attributes, and the
@@ -275,6 +293,91 @@ class _Group:
     tensors: list[Any] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
     host: Any = None  # torch.UntypedStorage while offloaded
+    kept: _Kept | None = None  # the kept copy ``host`` came from (nothing was copied)
+
+
+#: "0": no host copy is kept after a restore (every release copies everything)
+KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
+
+
+def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
+    value = (os.environ if environ is None else environ).get(KEEP_ENV, "1")
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class _Kept:
+    """A host copy kept while the kernel is resident, and what it was a copy of: the device
+    storage (a weak reference: the copy never keeps device memory alive), every tensor of
+    its group (weak) and their version counters at the moment of the copy.
+
+    It is current while the storage lives, the same tensors (no more, no fewer) use it, and
+    none of their version counters moved: every in-place write through PyTorch bumps the
+    counter of the tensor written (a view shares its base's). Writes PyTorch does not see
+    (through ``.data``, DLPack, a raw pointer) are not; see the docs."""
+
+    host: Any
+    nbytes: int
+    device: Any
+    storage: Any  # torch.multiprocessing.reductions.StorageWeakRef
+    tensors: list[weakref.ref]
+    versions: list[int | None]  # None: an inference tensor, which has no counter
+    at: float = field(default_factory=time.monotonic)
+
+    def current(self, tensors: list[Any] | None = None) -> bool:
+        if self.storage.expired():
+            return False
+        alive = [ref() for ref in self.tensors]
+        if any(t is None for t in alive) or None in self.versions:
+            return False
+        if tensors is not None and {id(t) for t in tensors} != {id(t) for t in alive}:
+            return False
+        return all(t.untyped_storage()._cdata == self.storage.cdata and t._version == v
+                   for t, v in zip(alive, self.versions, strict=True))
+
+
+def _versions(tensors: list[Any]) -> list[int | None]:
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+def _weak_storage(storage: Any) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(storage)
+
+
+#: device storage (``_cdata``) -> its kept host copy; process-wide, as the pool (adapters are
+#: made anew for each release). Touched by the release, the restore and the pre-copy thread,
+#: which never run at once (the agent stops the pre-copy first), and by reports: the lock.
+_kept: dict[int, _Kept] = {}
+_kept_lock = threading.RLock()
+
+
+def _kept_entry(group: _Group, storage: Any, host: Any) -> _Kept:
+    return _Kept(host, group.nbytes, group.device, _weak_storage(storage),
+                 [weakref.ref(t) for t in group.tensors], _versions(group.tensors))
+
+
+def kept_copies() -> dict[str, int]:
+    """The kept host copies now (see :meth:`TorchAdapter.host_copies`), without a walk."""
+    with _kept_lock:
+        entries = list(_kept.values())
+    current = sum(e.nbytes for e in entries if e.current())
+    return {"current": current, "kept": sum(e.nbytes for e in entries)}
+
+
+def drop_kept(wanted: int | None = None) -> int:
+    """Free kept host copies, oldest first, until ``wanted`` bytes are freed (None: all)."""
+    freed = 0
+    with _kept_lock:
+        for key, entry in sorted(_kept.items(), key=lambda item: item[1].at):
+            if wanted is not None and freed >= wanted:
+                break
+            del _kept[key]
+            freed += entry.nbytes
+    if freed:
+        _release_pinned_cache()
+    return freed
 
 
 class TorchAdapter(OffloadAdapter):
@@ -324,14 +427,75 @@ class TorchAdapter(OffloadAdapter):
         return _cuda_reserved()
 
     def trim(self) -> int:
-        """Empty the device caches; also frees the kept pinned buffers (host memory a driver
-        checkpoint needs room in). Returns the device bytes freed."""
+        """Empty the device caches; also frees the kept pinned buffers and host copies (host
+        memory a driver checkpoint needs room in). Returns the device bytes freed."""
         before = _cuda_reserved()
         _empty_caches()
+        drop_kept()
         pool = getattr(self.copies, "pool", None)
         if pool is not None and pool.clear():
             _release_pinned_cache()
         return max(0, before - _cuda_reserved())
+
+    def host_copies(self) -> dict[str, int]:
+        kept = kept_copies()
+        allocated = self.allocated_bytes()
+        return {**kept, "to_copy": max(0, allocated - kept["current"])}
+
+    def drop_host_copies(self, wanted: int | None = None) -> int:
+        return drop_kept(wanted)
+
+    def precopy(self, namespace: dict[str, Any], stop: Any = None) -> OffloadReport:
+        """Copy to host, while cells may run, every storage whose kept copy is not current.
+
+        On a thread of the agent, on each GPU's low-priority pre-copy stream (which first
+        waits for the work queued by then). Each copy counts as of the version counters read
+        before it was queued: a cell that writes a tensor meanwhile moves its counter, so its
+        copy is stale and the release copies it again. ``stop`` set: no further copy is
+        queued; those queued are waited for and kept."""
+        report = OffloadReport(framework=self.name)
+        if self._groups:
+            return report  # offloaded: nothing is on the device
+        start = time.perf_counter()
+        copies = self.copies.for_background()
+        groups = self._find_groups(namespace, report)
+        queued: list[tuple[_Group, Any, list[int | None]]] = []
+        try:
+            for group, storage in groups:
+                if stop is not None and stop.is_set():
+                    report.stopped = True
+                    break
+                with _kept_lock:
+                    old = _kept.get(storage._cdata)
+                    if old is not None and old.current(group.tensors):
+                        continue
+                    versions = _versions(group.tensors)
+                    if old is not None:  # stale: its buffer serves the new copy
+                        del _kept[storage._cdata]
+                        copies.recycle(old.host)
+                        del old
+                group.host = copies.to_host(storage, group.device)
+                queued.append((group, storage, versions))
+            copies.synchronize(group.device for group, _, _ in queued)
+        except BaseException:
+            self._drop_host_copies([group for group, _, _ in queued], copies)
+            raise
+        with _kept_lock:
+            for group, storage, versions in queued:
+                entry = _kept_entry(group, storage, group.host)
+                entry.versions = versions
+                _kept[storage._cdata] = entry
+                report.copied += group.nbytes
+                report.count += len(group.tensors)
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def allocated_bytes(self) -> int:
+        """Bytes of live tensors on the GPUs (what a release could copy at most)."""
+        torch = _torch()
+        if not torch.cuda.is_initialized():
+            return 0
+        return sum(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count()))
 
     def offload(self, namespace: dict[str, Any]) -> OffloadReport:
         report = OffloadReport(framework=self.name)
@@ -343,19 +507,37 @@ class TorchAdapter(OffloadAdapter):
         copies = self.copies
 
         # 1. copy every storage to host (every device's copies queued, then one wait per
-        # device); nothing has changed yet if this fails
-        try:
-            for group, storage in groups:
-                group.host = copies.to_host(storage, group.device)
-            copies.synchronize(group.device for group, _ in groups)
-        except BaseException:
-            self._drop_host_copies([group for group, _ in groups])
-            raise
+        # device), except those whose kept host copy is current; nothing has changed yet if
+        # this fails (the kept copies taken go back)
+        with _kept_lock:
+            try:
+                for group, storage in groups:
+                    entry = _kept.get(storage._cdata)
+                    if (entry is not None and entry.current(group.tensors)
+                            and not _storage_shared(entry.host)):
+                        group.host, group.kept = entry.host, _kept.pop(storage._cdata)
+                    else:
+                        group.host = copies.to_host(storage, group.device)
+                        report.copied += group.nbytes
+                copies.synchronize(group.device for group, _ in groups
+                                   if group.kept is None and group.host is not None)
+            except BaseException:
+                for group, storage in groups:
+                    if group.kept is not None:
+                        _kept[storage._cdata], group.kept, group.host = group.kept, None, None
+                self._drop_host_copies([group for group, _ in groups])
+                raise
+            # the other kept copies are of storages gone or left on the device: freed now
+            stale = bool(_kept)
+            _kept.clear()
+        if stale:
+            _release_pinned_cache()
         # 2. re-point every tensor at its host copy; drop the last device references
         self._groups = _swap_groups(groups, report, copies.recycle)
         for group in self._groups:
             report.bytes += group.nbytes
             report.count += len(group.tensors)
+            group.kept = None
         del groups
         _empty_caches()
         report.freed_bytes = max(0, reserved_before - _cuda_reserved())
@@ -396,21 +578,29 @@ class TorchAdapter(OffloadAdapter):
             report.bytes += group.nbytes
             report.count += len(group.tensors)
         groups, self._groups = self._groups, []
+        keep = keep_host_copies()
+        with _kept_lock:
+            for group, storage in zip(groups, fresh, strict=True):
+                host, group.host = group.host, None
+                # a host copy something else uses (a view taken while released) can change
+                # behind the counters: never kept
+                if keep and not _storage_shared(host):  # the next release copies what changes
+                    _kept[storage._cdata] = _kept_entry(group, storage, host)
+                else:  # kept for the next cycle (bounded), or freed
+                    copies.recycle(host)
+                del host
         del fresh
-        for group in groups:  # kept for the next cycle (bounded), or freed
-            host, group.host = group.host, None
-            copies.recycle(host)
-            del host
         copies.end_cycle()
         report.seconds = time.perf_counter() - start
         return report
 
-    def _drop_host_copies(self, groups: list[_Group]) -> None:
+    def _drop_host_copies(self, groups: list[_Group], copies: Any = None) -> None:
         """After a failed copy: wait for what was queued, then give the buffers back (or, if
         the wait fails, drop them: memory a copy may still write is never reused)."""
+        copies = copies or self.copies
         taken = [group for group in groups if group.host is not None]
         try:
-            self.copies.synchronize(group.device for group in taken)
+            copies.synchronize(group.device for group in taken)
         except BaseException:
             for group in taken:
                 group.host = None
@@ -418,9 +608,9 @@ class TorchAdapter(OffloadAdapter):
             return
         for group in taken:
             host, group.host = group.host, None
-            self.copies.recycle(host)
+            copies.recycle(host)
             del host
-        if isinstance(self.copies, LegacyCopies):
+        if isinstance(copies, LegacyCopies):
             _release_pinned_cache()
 
     # -- internals ---------------------------------------------------------------------------

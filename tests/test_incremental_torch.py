@@ -1,0 +1,308 @@
+"""Incremental releases with the PyTorch adapter: a host copy is kept after a restore and
+made ahead by a pre-copy, and the next release copies only the storages written (or new)
+since; run on two simulated GPUs made of CPU storages (``FakeGPUs``, the fast path's seam).
+
+The model test drives random sequences of in-place writes (through tensors and views), new
+tensors and views, deletions, pre-copies (with a cell's write landing in the middle of one),
+releases, restores and failed copies and allocations against a reference namespace of plain
+tensors, and checks after every step every byte, every ``id()``, where each tensor lives,
+and how many bytes each release copied.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+hypothesis = pytest.importorskip("hypothesis")
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+
+from jupyter_gpushare.kernel.offload import torch_adapter  # noqa: E402
+from jupyter_gpushare.kernel.offload.torch_adapter import drop_kept, kept_copies  # noqa: E402
+
+from .test_offload_fast import CopyFailed, FakeGPUs  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(autouse=True)
+def no_copies_left():
+    drop_kept()
+    yield
+    drop_kept()
+
+
+def bits(t):
+    return t.detach().contiguous().view(torch.uint8).clone()
+
+
+def test_an_unchanged_state_is_released_without_copying(gpus=None):
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.randn(1000)), "b": gpus.put(torch.randn(10), "gpu1")}
+    ns["view"] = ns["w"][10:20]
+    adapter = gpus.adapter()
+    first = adapter.offload(ns)
+    assert first.copied == first.bytes == 4040
+    adapter.reload()
+    assert kept_copies() == {"current": 4040, "kept": 4040}
+
+    copies_before = gpus.copies
+    second = gpus.adapter().offload(ns)
+    assert second.bytes == 4040 and second.copied == 0 and gpus.copies == copies_before
+    assert all(gpus.on(t) is None for t in ns.values())
+    gpus.adapter().reload()  # the adapter's groups live on the adapter that offloaded
+
+
+def test_a_write_through_a_view_after_the_precopy_is_copied_again():
+    gpus = FakeGPUs()
+    w = gpus.put(torch.zeros(256))
+    other = gpus.put(torch.ones(64))
+    ns = {"w": w, "other": other, "view": w[:8]}
+    pre = gpus.adapter().precopy(ns)
+    assert pre.copied == 256 * 4 + 64 * 4
+    with torch.no_grad():
+        ns["view"].add_(7)  # the cell after the pre-copy
+    adapter = gpus.adapter()
+    off = adapter.offload(ns)
+    assert off.copied == 256 * 4  # w's storage only: other's copy is current
+    adapter.reload()
+    assert torch.equal(ns["w"][:8], torch.full((8,), 7.0)) and gpus.on(ns["w"]) == "gpu0"
+
+
+def test_a_write_during_the_precopy_makes_that_copy_stale():
+    gpus = FakeGPUs()
+    ns = {"a": gpus.put(torch.zeros(32)), "b": gpus.put(torch.zeros(32))}
+    plain_copy = gpus.copy
+
+    def copy_then_a_cell_writes(dst, src, device):
+        plain_copy(dst, src, device)
+        with torch.no_grad():
+            ns["a"].fill_(3)  # lands after a's bytes were read
+            ns["b"].fill_(3)
+
+    gpus.copy = copy_then_a_cell_writes
+    gpus.adapter().precopy(ns)
+    gpus.copy = plain_copy
+    adapter = gpus.adapter()
+    assert adapter.offload(ns).copied == 2 * 32 * 4  # both were written after their copy
+    adapter.reload()
+    assert torch.equal(ns["a"], torch.full((32,), 3.0)) and torch.equal(ns["b"], ns["a"])
+
+
+def test_a_precopy_stops_when_a_cell_starts():
+    gpus = FakeGPUs()
+    ns = {f"t{i}": gpus.put(torch.zeros(16)) for i in range(5)}
+    stop = threading.Event()
+    plain_copy = gpus.copy
+
+    def cell_arrives(dst, src, device):
+        plain_copy(dst, src, device)
+        stop.set()
+
+    gpus.copy = cell_arrives
+    report = gpus.adapter().precopy(ns, stop)
+    assert report.stopped and report.copied == 16 * 4
+    gpus.copy = plain_copy
+    assert gpus.adapter().offload(ns).copied == 4 * 16 * 4
+
+
+def test_kept_copies_are_dropped_oldest_first():
+    gpus = FakeGPUs()
+    ns = {"old": gpus.put(torch.zeros(100))}
+    gpus.adapter().precopy(ns)
+    ns["new"] = gpus.put(torch.zeros(50))
+    gpus.adapter().precopy(ns)
+    assert kept_copies()["current"] == 600
+    assert drop_kept(1) == 400 and kept_copies()["current"] == 200
+    assert gpus.adapter().offload(ns).copied == 400
+
+
+class IncrementalTorch(RuleBasedStateMachine):
+    """The adapter on fake GPUs against a reference namespace of plain tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        drop_kept()
+        self.gpus = FakeGPUs()
+        self.ns: dict[str, torch.Tensor] = {}
+        self.ref: dict[str, torch.Tensor] = {}
+        self.ids: dict[str, int] = {}
+        self.base: dict[str, str] = {}  # view name -> the name whose storage it shares
+        self.adapter = None  # the adapter holding the offloaded state, while released
+        self.dirty: set[int] = set()  # storages a release must copy
+        #: storages that lost a tensor: copied again unless a view kept that tensor alive
+        #: (its ``._base``), then still current
+        self.maybe: set[int] = set()
+        self.counter = 0
+
+    # -- helpers ---------------------------------------------------------------------------
+    def root(self, name: str) -> str:
+        return self.base.get(name, name)
+
+    def storage_key(self, name: str) -> int:
+        return self.ns[name].untyped_storage()._cdata
+
+    def mark(self, name: str) -> None:
+        self.dirty.add(self.storage_key(name))
+
+    def expected_copied(self) -> tuple[int, int]:
+        """(at least, at most) the bytes the next release copies."""
+        seen: dict[int, int] = {}
+        for t in self.ns.values():
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        least = sum(n for k, n in seen.items() if k in self.dirty)
+        return least, least + sum(n for k, n in seen.items() if k in self.maybe - self.dirty)
+
+    def clean(self) -> None:
+        self.dirty.clear()
+        self.maybe.clear()
+
+    # -- the person's cells (only while resident) -------------------------------------------
+    @precondition(lambda self: self.adapter is None and len(self.ns) < 8)
+    @rule(size=st.integers(1, 64), gpu=st.sampled_from(["gpu0", "gpu1"]),
+          seed=st.integers(0, 1000))
+    def new_tensor(self, size, gpu, seed):
+        name = f"t{self.counter}"
+        self.counter += 1
+        data = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+        self.ref[name] = data.clone()
+        self.ns[name] = self.gpus.put(data, gpu)
+        self.ids[name] = id(self.ns[name])
+        self.mark(name)
+
+    @precondition(lambda self: self.adapter is None and self.ns and len(self.ns) < 8)
+    @rule(data=st.data())
+    def new_view(self, data):
+        of = data.draw(st.sampled_from(sorted(self.ns)))
+        n = self.ns[of].numel()
+        start = data.draw(st.integers(0, n - 1))
+        stop = data.draw(st.integers(start + 1, n))
+        name = f"v{self.counter}"
+        self.counter += 1
+        self.ns[name] = self.ns[of][start:stop]
+        self.ref[name] = self.ref[of][start:stop]
+        self.base[name] = self.root(of)
+        self.ids[name] = id(self.ns[name])
+        # a new user of the storage: its group changed (copied again, unless it goes again)
+        self.maybe.add(self.storage_key(name))
+
+    @precondition(lambda self: self.adapter is None and self.ns)
+    @rule(data=st.data(), value=st.floats(-4, 4, allow_nan=False))
+    def write_in_place(self, data, value):
+        name = data.draw(st.sampled_from(sorted(self.ns)))
+        with torch.no_grad():
+            self.ns[name].add_(value)
+            self.ref[name].add_(value)
+        self.mark(name)
+
+    @precondition(lambda self: self.adapter is None and self.ns)
+    @rule(data=st.data())
+    def delete(self, data):
+        name = data.draw(st.sampled_from(sorted(self.ns)))
+        self.maybe.add(self.storage_key(name))  # the group lost a tensor (or the storage goes)
+        del self.ns[name], self.ref[name], self.ids[name]
+        self.base.pop(name, None)
+
+    # -- the kernel's agent -------------------------------------------------------------------
+    @precondition(lambda self: self.adapter is None)
+    @rule(write_during=st.booleans(), data=st.data())
+    def precopy(self, write_during, data):
+        victim = data.draw(st.sampled_from(sorted(self.ns))) if self.ns and write_during else None
+        plain_copy = self.gpus.copy
+        wrote = []
+        copied: list[int] = []  # device storages copied, in order
+
+        def copy_and_write(dst, src, device):
+            plain_copy(dst, src, device)
+            copied.append(src._cdata)
+            if victim is not None and not wrote:  # a cell writes while the pre-copy runs
+                with torch.no_grad():
+                    self.ns[victim].mul_(-1)
+                    self.ref[victim].mul_(-1)
+                wrote.append(self.storage_key(victim))
+
+        self.gpus.copy = copy_and_write
+        try:
+            self.gpus.adapter().precopy(self.ns)
+        finally:
+            self.gpus.copy = plain_copy
+        self.clean()
+        # the write landed after the first copy: that copy is stale, and so is a kept copy
+        # the pre-copy did not renew; a storage copied after the write is current
+        for key in wrote:
+            if key == copied[0] or key not in copied:
+                self.dirty.add(key)
+
+    @precondition(lambda self: self.adapter is None)
+    @rule(fail_after=st.one_of(st.none(), st.integers(1, 4)))
+    def release(self, fail_after):
+        least, most = self.expected_copied()
+        adapter = self.gpus.adapter()
+        copies_needed = len({self.storage_key(n) for n in self.ns
+                             if self.storage_key(n) in self.dirty})
+        if fail_after is not None and fail_after <= copies_needed:
+            self.gpus.fail_copy_at = self.gpus.copies + fail_after
+            with pytest.raises(CopyFailed):
+                adapter.offload(self.ns)
+            self.gpus.fail_copy_at = None
+            assert all(self.gpus.on(t) is not None for t in self.ns.values())
+            return
+        report = adapter.offload(self.ns)
+        assert report.skipped == []
+        assert least <= report.copied <= most
+        assert all(self.gpus.on(t) is None for t in self.ns.values())
+        self.adapter = adapter
+
+    @precondition(lambda self: self.adapter is not None)
+    @rule(fail=st.booleans())
+    def restore(self, fail):
+        if fail and self.ns:
+            self.gpus.fail_alloc_at = self.gpus.device_allocs + 1
+            with pytest.raises(torch.OutOfMemoryError):
+                self.adapter.reload()
+            self.gpus.fail_alloc_at = None
+            assert all(self.gpus.on(t) is None for t in self.ns.values())
+            return
+        self.adapter.reload()
+        self.adapter = None
+        self.clean()  # every storage has its host copy kept
+        assert all(self.gpus.on(t) is not None for t in self.ns.values())
+
+    @invariant()
+    def every_byte_and_identity(self):
+        for name, t in self.ns.items():
+            assert id(t) == self.ids[name]
+            assert torch.equal(bits(t), bits(self.ref[name])), name
+        for name, of in self.base.items():  # views still alias their base's storage
+            if of in self.ns and name in self.ns:
+                assert self.storage_key(name) == self.storage_key(of)
+
+    def teardown(self):
+        if self.adapter is not None:
+            self.adapter.reload()
+        drop_kept()
+
+
+TestIncrementalTorch = IncrementalTorch.TestCase
+TestIncrementalTorch.settings = settings(max_examples=40, stateful_step_count=25, deadline=None, database=None)
+
+
+def test_keeping_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(torch_adapter.KEEP_ENV, "0")
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.randn(100))}
+    adapter = gpus.adapter()
+    adapter.offload(ns)
+    adapter.reload()
+    assert kept_copies()["kept"] == 0
+    assert gpus.adapter().offload(ns).copied == 400
