@@ -32,7 +32,8 @@ import runner  # noqa: E402
 
 #: the steps that mean nothing on the simulated node, skipped there with a reason
 SIM_SKIPS = {("torch", "framework_round_trip"), ("bandwidth", "cold_start"), ("auto", "start"),
-             ("auto", "torch_pick"), ("auto", "jax_pool_pick"), ("migrate", "another_gpu")}
+             ("auto", "torch_pick"), ("auto", "jax_pool_pick"), ("migrate", "another_gpu"),
+             ("pytest", "gpu_tests")}
 
 
 def env() -> dict[str, str]:
@@ -49,14 +50,14 @@ def nvml_sees_a_gpu() -> bool:
     return prove.find_gpu()[0] > 0
 
 
-@pytest.mark.timeout(240)
-def test_both_stages_run_through_on_the_simulated_backend_and_report_their_shape(tmp_path):
-    # the two stages side by side: the rehearsal stays about a minute on two cores
+@pytest.mark.timeout(420)
+def test_every_stage_runs_through_on_the_simulated_backend_and_reports_its_shape(tmp_path):
+    # the stages side by side: the rehearsal stays about a minute on two cores
     procs = {s: subprocess.Popen(["bash", str(PROVE_SH), "--stage", s, "--simulated", "--jobs", "3",
                                   "--out", str(tmp_path / s)], cwd=REPO, env=env(),
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for s in ("1", "2")}
-    logs = {s: p.communicate(timeout=230)[0] for s, p in procs.items()}
+             for s in prove.STAGES}
+    logs = {s: p.communicate(timeout=400)[0] for s, p in procs.items()}
     for stage, p in procs.items():
         out = tmp_path / stage
         records = records_of(out, stage)
@@ -91,6 +92,9 @@ def test_both_stages_run_through_on_the_simulated_backend_and_report_their_shape
                for c in two["frameworks", "jax_room_wait"]["checks"])
     assert [c["ok"] for c in two["lazy", "cpu_cell_then_gpu_cell"]["checks"]] == [True, True, True]
     assert len(two["bandwidth_large", "sizes"]["figures"]["bandwidth_rows"]) == 2
+    three = {(r["scene"], r["step"]): r for r in report.steps_of(records_of(tmp_path / "3", "3"))}
+    assert "busy on the GPU" in three["busy", "release_while_busy"]["figures"]["busy_release_message"]
+    assert all(c["ok"] for c in three["busy", "sm_utilization"]["checks"])
     machine = one["env", "versions"]["figures"]["machine"]
     assert set(report.VERSIONS) <= set(machine["versions"]) and machine["versions"]["python"]
     md1 = (tmp_path / "1" / "stage1.md").read_text()

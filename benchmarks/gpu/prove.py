@@ -14,7 +14,8 @@ Stage 2 (7 minutes at most): JAX (75 % preallocated) and CuPy through the driver
 restore without room waits instead of calling the driver; lazy mode; auto's pick per kernel;
 restore onto another GPU (skipped, with the reason, on one GPU); 16 and 40 GiB bandwidth.
 
-Stage 3 (5 minutes at most), when device time is left: ``pytest -m gpu tests/gpu``.
+Stage 3 (5 minutes at most), when device time is left: SM utilization per kernel, a release
+while a GPU kernel runs, ``pytest -m gpu tests/gpu``.
 
 Each scene runs in its own process, time-boxed; each step in it has its own timeout and the
 scene goes on after a failure. Every step's result is a JSON line in ``stageN.jsonl`` under
@@ -54,7 +55,7 @@ import report  # noqa: E402  (the standard library only)
 STAGES = {
     "1": ["env", "torch", "bandwidth"],
     "2": ["env", "frameworks", "lazy", "auto", "migrate", "bandwidth_large"],
-    "3": ["env", "pytest"],  # when device time is left: the gpu-marked tests
+    "3": ["env", "busy", "pytest"],  # when device time is left
 }
 #: seconds a stage may take on a GPU (the device command's timeout_s leaves the wheelhouse's
 #: install and a margin on top: README.md)
@@ -80,6 +81,7 @@ def scene_table() -> dict[str, tuple[dict[str, tuple[str, float]], Callable[[Any
         "auto": (scenes.AUTO_STEPS, scenes.auto_scene),
         "migrate": (scenes.MIGRATE_STEPS, scenes.migrate_scene),
         "bandwidth_large": (bandwidth.BANDWIDTH_LARGE_STEPS, bandwidth.bandwidth_large_scene),
+        "busy": (scenes.BUSY_STEPS, scenes.busy_scene),
         "pytest": (scenes.PYTEST_STEPS, scenes.pytest_scene),
     }
 

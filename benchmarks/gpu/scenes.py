@@ -792,3 +792,89 @@ async def gpu_tests(st: Step) -> None:
     st.figure("log_tail", "\n".join(lines[-60:]))
     st.check("pytest -m gpu tests/gpu", code == 0 if code != 5 else None,
              f"exit {code}: {summary.strip('= ')}" if code != -1 else "timed out")
+
+
+# -- stage 3: SM utilization per kernel, a release while a GPU kernel runs --------------------
+BUSY_STEPS = {
+    "start": ("a server (release_method=driver) and two PyTorch kernels, 1 GiB each", 60.0),
+    "sm_utilization": ("SM utilization follows a matmul loop in one kernel; the other shows none",
+                       45.0),
+    "release_while_busy": ("a release while one long GPU kernel runs answers why (lock_timeout "
+                           "2 s); the kernel runs on, its state intact", 60.0),
+}
+
+
+async def busy_scene(sc: Scene) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        async def start(st: Step) -> None:
+            if st.real and not installed("torch"):
+                raise Skip("needs PyTorch")
+            if st.real:
+                from jupyter_gpushare.reclaim.driver import driver_support
+
+                if not driver_support().ok:
+                    raise Skip(f"the driver method is unsupported here: {driver_support().reason}")
+            srv = await stack.enter_async_context(server(sc, "busy", release_method="driver"))
+            kind, n = ("torch", GiB) if st.real else ("sim", 16 * MiB)
+            busy, idle = await start_kernels(sc, srv, 2)
+            out = await make_state(st, srv, busy, kind, n)
+            await make_state(st, srv, idle, kind, n)
+            sc.shared.update(srv=srv, busy=busy, idle=idle, kind=kind, ck=out["checksum"])
+
+        await sc.step("start", start)
+        await sc.step("sm_utilization", sm_utilization, needs=("start",))
+        await sc.step("release_while_busy", release_while_busy, needs=("start",))
+
+
+async def sm_utilization(st: Step) -> None:
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    busy: Kernel = sc.shared["busy"]
+    idle: Kernel = sc.shared["idle"]
+    poll, spin_s = srv.gpushare["poll_interval"], 6 if st.real else 2
+    spin = asyncio.ensure_future(busy.run(cell(sc.shared["kind"], "SPIN", s=spin_s), timeout=60))
+    series: list[list[Any]] = []
+    t0 = time.monotonic()
+    while not spin.done() or time.monotonic() - t0 < spin_s + 4 * poll:
+        status = await srv.api("GET", "/api/gpushare/status")
+        util = {k["id"]: k.get("sm_utilization") for k in status["kernels"]}
+        series.append([round(time.monotonic() - t0, 2), util.get(busy.id), util.get(idle.id)])
+        await asyncio.sleep(poll)
+    await spin
+    st.figure("sm_series", series)
+    during = [s[1] or 0 for s in series if spin_s * 0.25 <= s[0] <= spin_s - 0.3]
+    after = [s[1] or 0 for s in series if s[0] >= spin_s + 3 * poll]
+    other = max((s[2] or 0 for s in series), default=0)
+    st.check("SM utilization follows the loop",
+             bool(during) and max(during) >= 30 and bool(after) and after[-1] <= 10,
+             f"busy kernel: max {max(during, default=0)} % during, "
+             f"{after[-1] if after else '?'} % after")
+    st.check("the idle kernel shows no SM use", other <= 10, f"max {other} %")
+
+
+async def release_while_busy(st: Step) -> None:
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    k: Kernel = sc.shared["busy"]
+    kind = sc.shared["kind"]
+    spin_s = 12 if st.real else 2
+    t_spin = time.monotonic()
+    if st.real:  # nothing cached, so the agent's trim has no cudaFree to wait on
+        await k.run("torch.cuda.empty_cache()")
+    await k.run(cell(kind, "SPIN_BACKGROUND", s=spin_s))
+    t_post = time.monotonic()
+    code, v = await post(srv, f"kernels/{k.id}/release")
+    took = time.monotonic() - t_post
+    msg = v.get("message") or v.get("error") or v.get("state")
+    st.figure("busy_release_message", msg)
+    st.check("a release while a GPU kernel runs says why", code != 200 or v.get("state") != "released",
+             f"HTTP {code} after {took:.1f} s: {msg}" + ("" if code != 200 else
+                                                          " (the release waited for the GPU kernel)"))
+    left = max(spin_s - (time.monotonic() - t_spin), 0) + 0.2
+    await k.run(cell(kind, "SYNC", s=left), timeout=60)
+    if (await view(srv, k.id)).get("state") == "released":
+        await post(srv, f"kernels/{k.id}/restore")
+    ck2 = await k.value(CHECKSUM, timeout=120)
+    v = await view(srv, k.id)
+    st.check("the busy kernel runs on, state intact", ck2 == sc.shared["ck"] and v.get("state") == "active",
+             f"state {v.get('state')}")
