@@ -307,6 +307,18 @@ class UserKernel:
                                method="DELETE", ok=False)
 
 
+def login_page(browser: Any, hub: Hub, user: str, next_path: str = "/services/gpushare/") -> Any:
+    """A Playwright page of a new browser context, logged in to ``hub`` as ``user`` (the
+    dummy authenticator's password) and sent on to ``next_path``."""
+    page = browser.new_context().new_page()
+    page.goto(f"{hub.url}/hub/login?next={next_path}")
+    page.fill("#username_input", user)
+    page.fill("#password_input", PASSWORD)
+    page.click("#login_submit")
+    page.wait_for_load_state("load")
+    return page
+
+
 def start_hub(directory: Path, users: list[str], admins: list[str], service_config: str,
               server_args: list[str] | None = None, user_env: dict[str, dict[str, str]] | None = None,
               user_cmd: dict[str, list[str]] | None = None,

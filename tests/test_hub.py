@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .hubharness import Hub, MiB, UserKernel, can_run, start_hub
+from .hubharness import Hub, MiB, UserKernel, can_run, login_page, start_hub
 from .scenarios import hold, intact
 
 pytestmark = pytest.mark.skipif(bool(can_run()), reason=can_run() or "")
@@ -385,7 +385,6 @@ def _chromium() -> str:
 @pytest.mark.skipif(not _chromium(), reason="no Chromium (apt-get install chromium)")
 def test_the_admin_page_renders_for_admins_only_and_its_release_button_works(hub):
     playwright = pytest.importorskip("playwright.sync_api")
-    from .hubharness import PASSWORD
 
     async def bobs_kernel():
         k = await holding_kernel(hub, "bob", 64, "b")
@@ -402,13 +401,7 @@ def test_the_admin_page_renders_for_admins_only_and_its_release_button_works(hub
                                         args=["--no-sandbox", "--disable-gpu"])
 
             def login(user):
-                page = browser.new_context().new_page()
-                page.goto(f"{hub.url}/hub/login?next=/services/gpushare/")
-                page.fill("#username_input", user)
-                page.fill("#password_input", PASSWORD)
-                page.click("#login_submit")
-                page.wait_for_load_state("load")
-                return page
+                return login_page(browser, hub, user)
 
             page = login("admin")
             page.wait_for_selector("body[data-loaded='true']", timeout=60_000)

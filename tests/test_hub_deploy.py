@@ -50,6 +50,14 @@ def test_the_helm_values_match_the_snippet():
     assert values["hub"]["service"]["annotations"]["prometheus.io/path"] == "/services/gpushare/metrics"
     config = values["hub"]["extraFiles"]["gpushare-config"]["stringData"]
     exec(compile(config, "gpushare_hub_config.py", "exec"), {"c": Config()})  # valid Python
+    # new servers go where the service ranks best: the hook, and the node name it steers by
+    hub_config = Config()
+    exec(compile(values["hub"]["extraConfig"]["gpushare-nodes"], "extraConfig", "exec"), {"c": hub_config})
+    from jupyter_gpushare.hub.spawner_hook import HOSTNAME_LABEL, steer
+
+    assert hub_config.KubeSpawner.pre_spawn_hook is steer and HOSTNAME_LABEL == "kubernetes.io/hostname"
+    assert values["singleuser"]["extraEnv"]["JUPYTER_GPUSHARE_NODE"] == {
+        "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}
 
 
 def test_every_dashboard_query_uses_a_metric_the_service_exports():

@@ -226,13 +226,29 @@ class GPUShareHub(Application):
         most an hour). Default 600. 0 = no pause.""",
     ).tag(config=True)
 
+    load_window = Float(
+        120.0,
+        help="""Seconds of SM history a GPU's load is the mean of when new servers' nodes are
+        ranked and servers place kernels (with the service's view). Default 120. 0 = the last
+        reading alone. The history has one reading per poll_interval.""",
+    ).tag(config=True)
+
+    server_memory = Int(
+        1 << 30,
+        help="""Bytes a new server's kernel is expected to need on each of its GPUs when its
+        node is chosen (a node qualifies when a GPU there has this much room; among those, the
+        least loaded wins). Default 1 GiB. 0 = any node qualifies and load alone decides. A
+        spawner hook may ask for more (its request's "memory").""",
+    ).tag(config=True)
+
     @validate("poll_interval", "request_timeout", "read_deadline", "claim_grace")
     def _check_positive(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
             raise TraitError(f"GPUShareHub.{proposal['trait'].name} must be > 0")
         return proposal["value"]
 
-    @validate("pressure_idle_timeout", "over_share_idle_timeout", "min_release_bytes", "claim_penalty")
+    @validate("pressure_idle_timeout", "over_share_idle_timeout", "min_release_bytes", "claim_penalty",
+              "load_window", "server_memory")
     def _check_non_negative(self, proposal: Any) -> Any:
         if proposal["value"] < 0:
             raise TraitError(f"GPUShareHub.{proposal['trait'].name} must be >= 0")
@@ -275,6 +291,8 @@ class GPUShareHub(Application):
             read_deadline=self.read_deadline,
             claim_grace=self.claim_grace,
             claim_penalty=self.claim_penalty,
+            load_window=self.load_window,
+            server_memory=self.server_memory,
         )
         meter, measuring = open_meter(self.backend, self.simulated_node, self.unix_user, self.context_bytes)
         (self.log.info if meter is not None else self.log.warning)(

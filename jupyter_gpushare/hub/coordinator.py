@@ -43,9 +43,10 @@ import psutil
 from .. import clock, policy
 from ..core.ahead import AHEAD_TEXT
 from ..policy import crossuser
+from ..policy import placement as rule
 from ..policy.fairshare import Share, shares_of
-from ..sim.node import format_bytes
 from ..states import RESIDENT
+from ..units import format_bytes
 from . import claims
 from .hubapi import HubAPI, HubAPIError
 from .measure import Measured, Meter
@@ -92,6 +93,8 @@ class Settings:
     read_deadline: float = 1.0  # s room for someone waits for other users' servers' statuses
     claim_grace: float = 120.0  # s a restore given room has to land
     claim_penalty: float = 600.0  # s a user's claims pause after an unused one (0: never)
+    load_window: float = 120.0  # s of SM history a GPU's load is the mean of (0: the last reading)
+    server_memory: int = 1 << 30  # bytes a new server is expected to need on a GPU of its node
 
 
 @dataclass
@@ -150,6 +153,7 @@ class Coordinator:
         self._last_poll: float | None = None
         self._last_discovery = -1e9  # clock.monotonic() of the last unscheduled discovery
         self.released_for_others = 0
+        self.spawns: deque[dict[str, Any]] = deque(maxlen=RECENT)  # servers' nodes as ranked
 
     # -- reading the servers -------------------------------------------------------------------
     async def poll_once(self) -> None:
@@ -425,7 +429,64 @@ class Coordinator:
                 waits[kid] = why
         return {"released": released, "waits": waits, "me": self.me(user)}
 
-    # -- placing new kernels ------------------------------------------------------------------------
+    # -- placing new kernels and servers --------------------------------------------------------------
+    def load(self, uuid: str) -> float:
+        """A GPU's SM load (%): the mean of its history over ``load_window``."""
+        hist = self.history.get(uuid)
+        gpu = next((g for g in self.view.gpus.values() if g.uuid == uuid), None)
+        last = float(gpu.utilization or 0.0) if gpu is not None else 0.0
+        if not hist or self.settings.load_window <= 0:
+            return last
+        t = now()
+        return rule.window_mean(((h[0], h[3]) for h in hist), t - self.settings.load_window, t)
+
+    def gpu_views(self, user: str) -> dict[int, rule.GpuView]:
+        """Every GPU as the placement rule sees it for a new kernel of ``user``: room (free
+        memory less what every server's released kernels take back and what waiting restores
+        need), load over the window, kernels placed there by any server and not yet computing
+        (their expected load), kernels there, kernels computing, and the user's share."""
+        ledger = self.view.ledger(self.settings.shares, self.groups)
+        ledger.shares[user] = shares_of(user, self.groups.get(user, []), self.settings.shares)
+        needed: dict[int, int] = {}
+        for p in self.view.waiting():
+            for gid, n in p.need.items():
+                needed[gid] = needed.get(gid, 0) + n
+        out = {}
+        for gid, gpu in self.view.gpus.items():
+            free = gpu.free
+            room = None if free is None else free - gpu.released_bytes - needed.get(gid, 0)
+            out[gid] = rule.GpuView(gid, room, self.load(gpu.uuid), gpu.pending * rule.PENDING_LOAD,
+                                    gpu.kernels, gpu.busy, not ledger.over(user, gid))
+        return out
+
+    async def rank_nodes(self, user: str, gpus: int = 1, memory: int | None = None,
+                         spawner: str = "", steerable: bool = False) -> list[dict[str, Any]]:
+        """The nodes this service knows, best first for a new server of ``user`` whose kernels
+        take ``gpus`` GPUs of ``memory`` bytes each (else ``server_memory``), by the rule
+        kernels are placed by (room, load, the user's share). Numbers only: nobody is named.
+        Remembers who asked and whether their spawner can be steered (the admin page)."""
+        await self._measure()
+        self._rebuild()
+        views = self.gpu_views(user)
+        need = rule.Need(self.settings.server_memory if memory is None else memory)
+        groups = {node: [views[g.gid] for g in members]
+                  for node, members in self.view.nodes().items()}
+        out = []
+        for node in rule.rank_groups(groups, need, gpus):
+            best = rule.rank(groups[node], need)[:gpus]
+            out.append({
+                "node": node,
+                "fits": len(best) == gpus and all(rule.fits(v, need) for v in best),
+                "within_share": all(v.within_share for v in best),
+                "contended": any(rule.contended(v) for v in best),
+                "load": round(max((v.expected for v in best), default=0.0), 1),
+                "room": min((v.room for v in best if v.room is not None), default=None),
+                "gpus": len(groups[node]),
+            })
+        self.spawns.appendleft({"t": round(now(), 3), "user": user, "spawner": spawner[:100],
+                                "steerable": steerable, "node": out[0]["node"] if out else None})
+        return out
+
     async def rooms(self, user: str, uuids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """Room for a new kernel of ``user`` on each GPU of ``uuids`` the service knows, as it
         sees the node: free memory (its own reading where it measures) less what every
@@ -436,21 +497,16 @@ class Coordinator:
         from a GPU (never release or refuse anything), and placement reads free memory too."""
         await self._measure()
         self._rebuild()
-        ledger = self.view.ledger(self.settings.shares, self.groups)
-        ledger.shares[user] = shares_of(user, self.groups.get(user, []), self.settings.shares)
-        needed: dict[int, int] = {}
-        for p in self.view.waiting():
-            for gid, n in p.need.items():
-                needed[gid] = needed.get(gid, 0) + n
+        views = self.gpu_views(user)
         by_uuid = {gpu.uuid: gpu for gpu in self.view.gpus.values()}
         out: dict[str, dict[str, Any]] = {}
         for uuid in dict.fromkeys(uuids):
             gpu = by_uuid.get(uuid)
             if gpu is None:
                 continue
-            free = gpu.free
-            room = None if free is None else free - gpu.released_bytes - needed.get(gpu.gid, 0)
-            out[uuid] = {"room": room, "within_share": not ledger.over(user, gpu.gid)}
+            v = views[gpu.gid]
+            out[uuid] = {"room": v.room, "within_share": v.within_share, "load": round(v.load, 1),
+                         "pending": gpu.pending, "kernels": v.kernels, "busy": v.busy}
         return out
 
     # -- making room ------------------------------------------------------------------------------
@@ -616,7 +672,10 @@ class Coordinator:
         for gpu in sorted(self.view.gpus.values(),
                           key=lambda g: (g.node, -1 if g.local_index is None else g.local_index, g.uuid)):
             hist = list(self.history.get(gpu.uuid, ()))
+            load = self.load(gpu.uuid)
             nodes.setdefault(gpu.node, []).append({
+                "load": round(load, 1), "kernels": gpu.kernels, "computing": gpu.busy,
+                "contended": rule.contended(rule.GpuView(gpu.gid, None, load, busy=gpu.busy)),
                 "uuid": gpu.uuid, "index": gpu.local_index, "name": gpu.name, "memory_total": gpu.total,
                 "memory_used": gpu.used, "held": gpu.held, "utilization": gpu.utilization,
                 "released_bytes": gpu.released_bytes, "by_user": dict(sorted(gpu.by_user.items())),
@@ -655,6 +714,7 @@ class Coordinator:
                          "error": self.measure_error},
             "shares": bool(ledger.enabled),
             "nodes": [{"name": n, "gpus": g} for n, g in nodes.items()],
+            "spawns": list(self.spawns)[:20],
             "users": list(users.values()),
             "waits": waits,
             "recent": list(self.recent)[:50],

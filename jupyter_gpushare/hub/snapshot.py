@@ -58,6 +58,7 @@ class Snapshot:
     at: float  # service clock
     backend: str
     server_idle_timeout: float
+    node: str = ""  # the machine its GPUs are in, as the server names it ("": not said)
     gpus: list[GPUSnap] = field(default_factory=list)
     kernels: list[KernelSnap] = field(default_factory=list)
 
@@ -109,7 +110,8 @@ def parse_status(raw: bytes, at: float) -> Snapshot:
     if not isinstance(body, dict):
         raise ValueError("the status is not a JSON object")
     snap = Snapshot(at, str(_get(body, "backend", str))[:40],
-                    float(_get(body, "idle_timeout", (int, float))))
+                    float(_get(body, "idle_timeout", (int, float))),
+                    node=(_get(body, "node", str, nullable=True) or "")[:100])
     for g in _get(body, "gpus", list):
         if not isinstance(g, dict):
             raise ValueError("a GPU is not an object")

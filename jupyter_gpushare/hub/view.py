@@ -25,6 +25,7 @@ from .snapshot import KernelSnap, Snapshot
 
 #: the windows are the servers' own: what they report is already judged over them
 _WINDOWS_JUDGED = policy.PolicyConfig()
+BUSY_SM = 5.0  # % SM above which a kernel counts as computing on its GPUs (idle_utilization's default)
 
 
 def _constant(used: float) -> Callable[[float], float]:
@@ -83,6 +84,9 @@ class GPUState:
     at: float = 0.0  # time of the snapshot the numbers come from
     by_user: dict[str, int] = field(default_factory=dict)  # resident bytes per person
     measured: bool = False  # the numbers are the service's own reading
+    kernels: int = 0  # kernels of every server there: resident, or placed and not yet using it
+    pending: int = 0  # of those, placed there and not yet using it (placement counts their load)
+    busy: int = 0  # kernels computing there at their servers' last reading
 
     @property
     def held(self) -> int:
@@ -110,6 +114,7 @@ class NodeView:
         self.placed: list[Placed] = []
         parent: dict[int, int] = {}
         readings: dict[int, list[tuple[int | None, int | None]]] = {}
+        names: dict[int, list[str]] = {}  # a GPU of each server -> the node names servers said
 
         def root(g: int) -> int:
             while parent.setdefault(g, g) != g:
@@ -131,6 +136,7 @@ class NodeView:
             gids = sorted(local.values())
             for gid in gids[1:]:
                 parent[root(gid)] = root(gids[0])
+            names.setdefault(gids[0] if gids else -1, []).append(snap.node)
             for k in snap.kernels:
                 on = {local[i]: n for i, n in k.gpu_bytes.items() if i in local and n}
                 need = {local[i]: n for i, n in k.restore_need.items() if i in local and n}
@@ -139,9 +145,14 @@ class NodeView:
                     for gid, n in on.items():
                         by_user = self.gpus[gid].by_user
                         by_user[ref.user] = by_user.get(ref.user, 0) + n
+                self._count(k, on, [local[i] for i in k.released_gpus if i in local])
+        said: dict[int, list[str]] = {}
+        for first_gid, node_said in names.items():
+            if first_gid >= 0:
+                said.setdefault(root(first_gid), []).extend(node_said)
+        node_names = _node_names({g: root(g) for g in self.gpus}, self.gpus, said)
         for gid, gpu in self.gpus.items():
-            first = min((g for g in self.gpus if root(g) == root(gid)), default=gid)
-            gpu.node = f"node-{self.gpus[first].uuid[:12]}"
+            gpu.node = node_names[root(gid)]
             if measured is not None and gpu.uuid in measured.gpus:
                 gpu.total, gpu.used = measured.gpus[gpu.uuid]
                 gpu.by_user = measured.owned(gpu.uuid)
@@ -149,6 +160,25 @@ class NodeView:
             else:
                 gpu.total = _median([t for t, _ in readings.get(gid, [])])
                 gpu.used = _median([u for _, u in readings.get(gid, [])])
+
+    def _count(self, k: KernelSnap, on: dict[int, int], listed: list[int]) -> None:
+        """A kernel's part in its GPUs' counts: where it holds memory, or where it was placed
+        and has not allocated yet (an untracked kernel whose GPUs its server lists)."""
+        placed_only = k.state == "untracked" and not on
+        for gid in (listed if placed_only else on):
+            gpu = self.gpus.get(gid)
+            if gpu is None:
+                continue
+            gpu.kernels += 1
+            gpu.pending += placed_only
+            gpu.busy += bool(on) and k.state in RESIDENT and (k.busy or k.utilization > BUSY_SM)
+
+    def nodes(self) -> dict[str, list[GPUState]]:
+        """The GPUs of each node, by node name."""
+        out: dict[str, list[GPUState]] = {}
+        for gpu in self.gpus.values():
+            out.setdefault(gpu.node, []).append(gpu)
+        return out
 
     # -- people --------------------------------------------------------------------------------
     def usage(self) -> dict[str, dict[int, int]]:
@@ -204,6 +234,30 @@ class NodeView:
 
     def servers_on(self, gids: set[int]) -> set[tuple[str, str]]:
         return {key for gid in gids if gid in self.gpus for key in self.gpus[gid].index}
+
+
+def _node_names(root_of: dict[int, int], gpus: dict[int, GPUState],
+                said: dict[int, list[str]]) -> dict[int, str]:
+    """A name per node (a root GPU id): what most of its servers call their machine, else
+    one made from its first GPU's UUID; two nodes that would share a name (simulated nodes
+    on one host) are told apart by that UUID."""
+    out: dict[int, str] = {}
+    for gid in sorted(gpus):
+        r = root_of[gid]
+        if r in out:
+            continue
+        names = [n for n in said.get(r, []) if n]
+        first = min(g for g in gpus if root_of[g] == r)
+        fallback = f"node-{gpus[first].uuid[:12]}"
+        out[r] = max(sorted(set(names)), key=names.count) if names else fallback
+    taken: dict[str, int] = {}
+    for r in sorted(out):
+        taken[out[r]] = taken.get(out[r], 0) + 1
+    for r in sorted(out):
+        if taken[out[r]] > 1:
+            first = min(g for g in gpus if root_of[g] == r)
+            out[r] = f"{out[r]}/{gpus[first].uuid[:12]}"
+    return out
 
 
 def _median(values: list[int | None]) -> int | None:

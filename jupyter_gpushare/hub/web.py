@@ -7,6 +7,8 @@
 | ``api/actions`` | admins | ``POST {"user", "server", "kernel", "action": release/pin/unpin}`` |
 | ``api/me`` | any Hub user or server token allowed to use the service | that user's share and usage |
 | ``api/waiting`` | same (a single-user server's own token) | "a restore of mine waits": make room |
+| ``api/place`` | same | room, load and kernels per GPU, for placing a new kernel |
+| ``api/nodes`` | same (the spawner hook calls it with the new server's token) | the nodes, best first for a new server |
 | ``metrics`` | admins, tokens with ``read:metrics``, or anyone if ``metrics_public`` | Prometheus |
 
 Identity always comes from the Hub (OAuth cookie or token); a request names only the caller's
@@ -165,6 +167,29 @@ class Place(ServiceHandler):
         self.write_json({"gpus": await self.coordinator.rooms(self.user["name"], body["uuids"])})
 
 
+class Nodes(ServiceHandler):
+    async def post(self) -> None:
+        if self.user is None or self.user.get("kind", "user") != "user":
+            return self.refuse(403, "a Hub user's token is needed")
+        body = self.body_object()
+        usage = ('body must be {"gpus": 1-64, "memory": bytes or null, "spawner": NAME, '
+                 '"steerable": true|false} (every field optional)')
+        if body is None or set(body) - {"gpus", "memory", "spawner", "steerable"}:
+            return self.refuse(400, usage)
+        gpus, memory = body.get("gpus", 1), body.get("memory")
+        spawner, steerable = body.get("spawner", ""), body.get("steerable", False)
+        if not _whole(gpus) or not 1 <= gpus <= 64 or (memory is not None and (
+                not _whole(memory) or memory < 0)) or not isinstance(spawner, str) \
+                or len(spawner) > 100 or not isinstance(steerable, bool):
+            return self.refuse(400, usage)
+        nodes = await self.coordinator.rank_nodes(self.user["name"], gpus, memory, spawner, steerable)
+        self.write_json({"nodes": nodes})
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class Metrics(ServiceHandler):
     def get(self) -> None:
         scopes = set(self.user.get("scopes", [])) if self.user else set()
@@ -191,6 +216,7 @@ def routes(prefix: str, coordinator: Coordinator, hub_auth: Any, settings: dict[
         (p + "api/me", Me, kw),
         (p + "api/waiting", Waiting, kw),
         (p + "api/place", Place, kw),
+        (p + "api/nodes", Nodes, kw),
         (p + "metrics", Metrics, kw),
         (p + r"static/(admin\.js|admin\.css)", web.StaticFileHandler, {"path": str(STATIC)}),
     ]

@@ -3,6 +3,8 @@ controller."""
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 from .. import clock
@@ -62,6 +64,16 @@ def _round(v: float | None, digits: int = 1) -> float | None:
     return None if v is None else round(v, digits)
 
 
+NODE_ENV = "JUPYTER_GPUSHARE_NODE"
+
+
+def node_name() -> str:
+    """The name of the machine this server's GPUs are in: ``JUPYTER_GPUSHARE_NODE`` where set
+    (in a Kubernetes pod: the node's name, from the downward API's ``spec.nodeName``; a pod's
+    own host name is the pod's), else the host name."""
+    return (os.environ.get(NODE_ENV) or socket.gethostname() or "")[:100]
+
+
 def status_view(controller: Controller, backend: str, method: str, available: bool, reason: str,
                 hub: dict[str, Any] | None = None) -> dict[str, Any]:
     tracker = controller.tracker
@@ -85,6 +97,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
     ]
     return {
         "backend": backend,
+        "node": node_name(),
         "method": method,
         "available": available,
         "reason": reason,

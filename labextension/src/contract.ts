@@ -52,6 +52,12 @@ export type Method = string;
 export interface IStatus {
   /** `nvml`, `simulated`, or the name of a custom telemetry class. */
   backend: string;
+  /**
+   * The machine this server's GPUs are in: the environment's JUPYTER_GPUSHARE_NODE (on Kubernetes,
+   * the node's name from the downward API), else the host name. The hub service groups GPUs into
+   * nodes by it.
+   */
+  node: string;
   /** This server's release method. */
   method: Method;
   /** Whether the telemetry source answers. */

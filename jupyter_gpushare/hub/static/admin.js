@@ -129,6 +129,10 @@
       el('div', {}, `used ${bytes(gpu.memory_used)} of ${bytes(total)} · held by kernels ${bytes(gpu.held)} · ` +
                     `SM busy ${gpu.utilization === null ? '-' : gpu.utilization.toFixed(0) + ' %'}`),
       el('div', {}, `released (in host memory) ${bytes(gpu.released_bytes)} · reclaimed ${gpu.reclaimed_gpu_hours.toFixed(3)} GPU-h`),
+      el('div', { class: gpu.contended ? 'error contention' : 'contention',
+                  title: 'SM load: the mean over the load window; contended: two or more kernels computing on a busy GPU slow each other down' },
+        `SM load ${gpu.load.toFixed(0)} % · ${gpu.computing} of ${gpu.kernels} kernel${gpu.kernels === 1 ? '' : 's'} computing` +
+        (gpu.contended ? ' · contended' : '')),
       chart(gpu));
   }
   async function act(user, server, kernel, action) {
@@ -180,6 +184,13 @@
     error.hidden = !data.discovery_error;
     error.textContent = data.discovery_error ? 'Cannot list servers: ' + data.discovery_error : '';
     nameGpus(data.nodes);
+    const spawn = (data.spawns || [])[0];
+    document.getElementById('spawns').textContent = !spawn
+      ? 'New servers: no spawner has asked which node is best yet (the spawner hook: docs/hub.md).'
+      : spawn.steerable
+        ? `New servers: ${spawn.spawner} is steered to the best node (last: ${spawn.user} to ${spawn.node || 'none known'}).`
+        : `New servers: ${spawn.spawner} cannot be steered to a node; servers start where it puts them ` +
+          `(best for ${spawn.user} was ${spawn.node || 'none known'}).`;
     document.getElementById('nodes').replaceChildren(...data.nodes.map((node, i) =>
       el('div', { class: 'node', 'data-node': node.name },
         el('h3', { title: `node ${node.name}` }, nodeLabel(node, i)),
