@@ -1,7 +1,7 @@
 """Everything said about a kernel's operation, said once per action, in one place.
 
 Each action (``released``, ``release_failed``, ``restored``, ``restore_failed``,
-``restore_waiting``, ``pinned``, ``unpinned``) goes out through :meth:`Announcer.__call__`:
+``restore_waiting``, ``pinned``, ``unpinned``, ``moved``) goes out through :meth:`Announcer.__call__`:
 its event (``events/kernel-v1.yaml``, which the lab's toasts and the hub read), its
 Prometheus counters and timing, and the kernel agent's state; the way jupyter_server emits
 every kernel action's event from one decorator rather than at each call site.
@@ -23,6 +23,7 @@ _COUNTED = {
     "release_failed": (metrics.RELEASES, "failed", None),
     "restored": (metrics.RESTORES, "ok", metrics.RESTORE_SECONDS),
     "restore_failed": (metrics.RESTORES, "failed", None),
+    "moved": (metrics.KERNEL_MOVES, "ok", None),
 }
 #: actions whose event gives the move's rate (``bytes_per_second``)
 _RATED = ("released", "restored")

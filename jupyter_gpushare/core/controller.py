@@ -53,6 +53,7 @@ from .lifecycle import Held, Lifecycle
 from .operations import Operation, Outcome, to_the_end, wait_for
 from .ports import KernelFacts, NodeRoom
 from .progress import CellProgress
+from .rebalance import Rebalancer
 from .reservations import Grant, Reservations
 from .restore_room import MEMORY_WAIT, RestoreRoom
 from .tracker import KernelRecord, Tracker
@@ -129,6 +130,7 @@ class Controller:
         self.states: dict[str, Lifecycle] = {}
         self.reservations = Reservations(node_locks, uuid_of=self._gpu_uuid)
         self.room = RestoreRoom(self)
+        self.rebalancer = Rebalancer(self)  # idle kernels off contended GPUs, between cells
         self.host_inflight: dict[str, int] = {}  # host-memory scope -> bytes being released
         self.closing = False
         self.agent_timeout = 10.0  # s the agent has to answer whether a release may start
@@ -237,6 +239,10 @@ class Controller:
                 self._start_release(st, decision.reason, automatic=True, by_kernel=False)
             except ControllerError as e:
                 log.debug("gpushare: automatic release of %s skipped: %s", decision.kernel_id, e)
+        try:
+            self.rebalancer.tick(now)
+        except Exception:
+            log.exception("gpushare: the rebalance pass failed")
         self._signal_freed()  # waiting restores look again after every poll
         self._update_metrics()
 
@@ -615,7 +621,9 @@ class Controller:
         need = self.need(held)
         shown = CellProgress(self.kernels.agent(st.kernel_id), parent,
                         clear_when_done=self.clear_progress and op.trigger in CLEARED_TRIGGERS)
-        grant = await self.room.find(st, op, held, need, shown, wait)
+        # a kernel moved off a contended GPU goes to its new one; else the room finds where
+        grant = await self.rebalancer.grant(st, op, held, need, shown) or await self.room.find(
+            st, op, held, need, shown, wait)
         if isinstance(grant, Outcome):
             return grant
         try:

@@ -55,6 +55,17 @@ KERNEL_HOST_ROOM = Gauge(
     ["kernel_id"],
 )
 
+GPU_LOAD = Gauge(
+    "gpushare_gpu_load_percent",
+    "GPU SM busy %, mean over the rebalance window (10 min), every process on the GPU", ["gpu"])
+GPU_CONTENDED = Gauge(
+    "gpushare_gpu_contended",
+    "1 when two or more of this server's kernels computed on the GPU within the window and its "
+    "SMs were busy at least 90 % of it, else 0", ["gpu"])
+KERNEL_MOVES = Counter(
+    "gpushare_kernel_moves",
+    "Idle kernels moved off a contended GPU onto a quiet one (rebalance)", ["method", "outcome"])
+
 _known_kernel_series: set[tuple[str, str]] = set()
 _known_host_room: set[tuple[str, ...]] = set()
 
@@ -75,6 +86,13 @@ def set_kernel_memory(values: dict[tuple[str, str], int]) -> None:
 
 def set_kernel_host_room(values: dict[str, int]) -> None:
     _replace_series(KERNEL_HOST_ROOM, _known_host_room, {(k,): v for k, v in values.items()})
+
+
+def set_contention(values: dict[int, tuple[float, bool]]) -> None:
+    """Per GPU: its SM load over the window and whether it is contended."""
+    for gpu, (load, contended) in values.items():
+        GPU_LOAD.labels(str(gpu)).set(load)
+        GPU_CONTENDED.labels(str(gpu)).set(1 if contended else 0)
 
 
 def forget_kernel(kernel_id: str) -> None:
@@ -108,7 +126,7 @@ def clear() -> None:
     """Drop every series the extension set (it stopped: nothing it showed holds any more).
     Counters and histograms keep their totals, as Prometheus expects."""
     for gauge in (GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION, KERNEL_MEMORY,
-                  KERNEL_HOST_BYTES, KERNELS, KERNEL_HOST_ROOM):
+                  KERNEL_HOST_BYTES, KERNELS, KERNEL_HOST_ROOM, GPU_LOAD, GPU_CONTENDED):
         gauge.clear()
     HOST_BYTES.set(0)
     _known_kernel_series.clear()

@@ -111,10 +111,36 @@ class RestoreOptions(Configurable):
         GPUs.""",
     ).tag(config=True)
 
+    rebalance = Bool(
+        True,
+        help="""Move an idle kernel off a GPU whose SMs are contended (two or more kernels
+        computed there within the last 10 minutes and its SMs were busy at least 90 % of that
+        time) onto a quiet GPU with room, between cells, so that its next cell does not share:
+        a release, then a restore onto the new GPU (its device numbering unchanged), said in an
+        event (action "moved"), status and the panel. Never while a cell runs; only a kernel
+        idle for rebalance_idle seconds; only with methods that can restore onto another GPU
+        (the driver method on driver 580 or newer, the simulated method). Default True.
+        False = kernels stay on the GPU they were placed or restored on.""",
+    ).tag(config=True)
+
+    rebalance_idle = Float(
+        120.0,
+        help="""Seconds a kernel must have been idle (no cell running, no GPU use) before
+        rebalance may move it: its person is away. Default 120. 0 = any kernel not running a
+        cell may move.""",
+    ).tag(config=True)
+
+    rebalance_max_per_hour = Int(
+        2,
+        help="""Moves per kernel per hour at most (rebalance). Default 2. 0 = no moves (as
+        rebalance = False).""",
+    ).tag(config=True)
+
     @validate("restore_grace", "lock_timeout")
     def _check_restore_positive(self, proposal: Any) -> float:
         return positive(self, proposal)
 
-    @validate("host_memory_reserve", "context_bytes", "restore_move_after", "ahead_grace")
+    @validate("host_memory_reserve", "context_bytes", "restore_move_after", "ahead_grace",
+              "rebalance_idle", "rebalance_max_per_hour")
     def _check_restore_non_negative(self, proposal: Any) -> Any:
         return non_negative(self, proposal)

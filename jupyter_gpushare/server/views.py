@@ -11,6 +11,7 @@ from .. import clock
 from ..core import ahead
 from ..core.controller import Controller
 from ..core.lifecycle import Lifecycle
+from ..core.rebalance import contention
 from ..core.tracker import KernelRecord, Tracker
 from ..node.placement import placed_gpus
 
@@ -44,6 +45,7 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "last_restore_seconds": _round(st.last_restore_seconds, 3),
         "last_release_seconds": _round(st.last_release_seconds, 3),
         "restored_onto": st.restored_onto,
+        "moved": controller.rebalancer.moved(kernel_id),
         "error": st.error,
         "waiting": ahead.view_waiting(
             st, f"{st.waiting}; {st.waiting_note}" if st.waiting and st.waiting_note else st.waiting),
@@ -82,6 +84,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
         if st.held is not None:
             for g, n in st.released_gpus.items():
                 released_per_gpu[g] = released_per_gpu.get(g, 0) + n
+    compute = contention(tracker, clock.now())
     gpus = [
         {
             "index": g.info.index,
@@ -92,6 +95,10 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
             "utilization": g.info.utilization,
             "released_bytes": released_per_gpu.get(g.info.index, 0),
             "mig": g.info.mig,
+            # SM demand against 100 % over the window, and who shares the GPU
+            "load": compute[g.info.index].load,
+            "contended": compute[g.info.index].contended,
+            "computing": list(compute[g.info.index].computing),
         }
         for g in sorted(tracker.gpus.values(), key=lambda g: g.info.index)
     ]

@@ -131,6 +131,19 @@ export interface IGPU {
   released_bytes: number;
   /** This entry is a MIG instance. */
   mig: boolean;
+  /**
+   * SM busy %, mean over the last 10 minutes (or since the server started), every process on the
+   * GPU counted: the GPU's compute demand against 100 %.
+   */
+  load?: number;
+  /**
+   * Two or more of this server's kernels computed on the GPU within the window and its SMs were
+   * busy at least 90 % of it: their cells slow each other down (an idle one may be moved,
+   * c.GPUShareApp.rebalance).
+   */
+  contended?: boolean;
+  /** Ids of this server's kernels that computed on the GPU within the window. */
+  computing?: string[];
 }
 
 export interface IKernel {
@@ -200,6 +213,11 @@ export interface IKernel {
   waiting: string | null;
   /** jupyter_server's execution_state (idle, busy, starting, ...; unknown). */
   execution_state: string;
+  /**
+   * The kernel's last move off a contended GPU (c.GPUShareApp.rebalance), for example "GPU 0 -> 3:
+   * GPU 0 busy", while it stays there; null when it has not moved since its last restore.
+   */
+  moved?: string | null;
   /**
    * Where the last restore put the GPU state when it moved it onto other GPUs
    * (c.GPUShareApp.restore_move_after), for example "onto GPU 1: GPU 0 had no room"; null when it
@@ -278,7 +296,10 @@ export const ALLOWED_IN: { readonly [action in KernelAction]: readonly KernelSta
 /** The id of the kernel event's schema (jupyter_events), from its `$id`. */
 export const KERNEL_EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpushare/kernel/v1';
 
-/** The kernel event's `action` field: what happened. */
+/**
+ * The kernel event's `action` field: what happened. moved: an idle kernel left a GPU whose SMs were
+ * contended for a quiet one (a release, then a restore onto the new GPU, each with its own event).
+ */
 export type KernelEventAction =
   | 'released'
   | 'restored'
@@ -286,16 +307,21 @@ export type KernelEventAction =
   | 'restore_failed'
   | 'restore_waiting'
   | 'pinned'
-  | 'unpinned';
+  | 'unpinned'
+  | 'moved';
 
 /**
  * Emitted when jupyter-gpushare releases a kernel's GPU memory, restores it, fails to, waits for
- * memory to restore it, or when a kernel is pinned or unpinned.
+ * memory to restore it, moves an idle kernel off a contended GPU, or when a kernel is pinned or
+ * unpinned.
  */
 export interface IKernelEvent {
   /** The kernel's id. */
   kernel_id: string;
-  /** What happened. */
+  /**
+   * What happened. moved: an idle kernel left a GPU whose SMs were contended for a quiet one (a
+   * release, then a restore onto the new GPU, each with its own event).
+   */
   action: KernelEventAction;
   /**
    * Bytes moved off (released) or back onto (restored) the GPU; needed bytes for restore_waiting.
@@ -314,12 +340,19 @@ export interface IKernelEvent {
   reason?: string;
   /**
    * What asked for the restore (restore_waiting, restore_failed): gate, agent, magic, rest, panel,
-   * activity (ahead of the person's next cell), watchdog, shutdown. A restored event gives it as
-   * its reason.
+   * activity (ahead of the person's next cell), watchdog, shutdown, rebalance (the restore of a
+   * move). A restored event gives it as its reason.
    */
   trigger?: string;
   /** What the method said about a release (released), e.g. "3 objects left on the GPU". */
   detail?: string;
   /** The notebook's path, when known. */
   path?: string;
+  /**
+   * moved: the GPUs the kernel left, in the order of to_gpus (the state on from_gpus[i] went to
+   * to_gpus[i]).
+   */
+  from_gpus?: number[];
+  /** moved: the GPUs the kernel went to. */
+  to_gpus?: number[];
 }

@@ -46,7 +46,12 @@ export class GPUCard {
       gpu.memory_used === null ? null : String(gpu.memory_used)
     );
     setAttr(this.node, 'data-released-bytes', String(gpu.released_bytes ?? 0));
-    setText(this._title, `GPU ${gpu.index}${gpu.name ? ` · ${gpu.name}` : ''}`);
+    // A marker where kernels share the SMs: how many, and the load over the last 10 minutes
+    const shared = gpu.contended
+      ? ` · SM shared by ${gpu.computing?.length ?? 0} kernels, ${formatPercent(gpu.load)} busy`
+      : '';
+    setText(this._title, `GPU ${gpu.index}${gpu.name ? ` · ${gpu.name}` : ''}${shared}`);
+    setAttr(this.node, 'data-contended', gpu.contended ? 'true' : null);
     const free =
       gpu.memory_total !== null && gpu.memory_used !== null
         ? gpu.memory_total - gpu.memory_used

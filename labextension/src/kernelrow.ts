@@ -139,7 +139,9 @@ export class KernelRow {
     if (k.last_restore_seconds !== null && k.last_restore_seconds !== undefined) {
       parts.push(`last restore ${formatDuration(k.last_restore_seconds)}`);
     }
-    if (k.restored_onto && (state === 'active' || state === 'idle')) {
+    if (k.moved && (state === 'active' || state === 'idle')) {
+      parts.push(`moved ${k.moved}`); // "GPU 0 -> 3: GPU 0 busy" (off a contended GPU)
+    } else if (k.restored_onto && (state === 'active' || state === 'idle')) {
       parts.push(`restored ${k.restored_onto}`); // "onto GPU 1: GPU 0 had no room"
     }
     if (k.waiting) {

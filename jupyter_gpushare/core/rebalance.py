@@ -1,0 +1,246 @@
+"""Moves between cells: an idle kernel leaves a GPU whose SMs are contended for a quiet one.
+
+Placement decides where a kernel starts; two trainings that land on one GPU would otherwise
+share it for as long as both live, while other GPUs idle. At each poll this module looks at
+every GPU's SM load over :data:`LOAD_WINDOW` (the tracker's history, not one reading) and at
+the kernels that computed there; where a GPU is contended (the rule's
+:func:`..policy.placement.contended`) and another with room is quiet, a resident kernel whose
+person is away (no cell running, idle for ``rebalance_idle`` seconds) moves there, so that its
+next training does not share (:func:`..policy.placement.rebalance` picks which and where,
+over the views :mod:`..node.gpu_load` builds, as for placement).
+
+A move is a release and then a restore onto the new GPU(s) with a GPU mapping, the
+controller's own steps: never mid-cell (the agent refuses a release while a cell runs), a
+cell that arrives meanwhile waits at the gate as for any restore, and the move is all or
+nothing: a release that fails leaves the kernel where it was; a target that filled up
+meanwhile, or a restore onto it that fails, brings the state back home. Only methods that
+can restore onto another GPU (``move_refusal()`` None) move; at most
+``rebalance_max_per_hour`` moves per kernel per hour.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..node.gpu_load import GpuLoad
+from ..policy.placement import GpuView, Resident, contended, rebalance
+from ..states import ACTIVE, IDLE
+from . import metrics
+from .errors import ControllerError
+from .operations import wait_for
+
+if TYPE_CHECKING:
+    from .controller import Controller
+    from .lifecycle import Held, Lifecycle
+    from .operations import Operation
+    from .progress import CellProgress
+    from .reservations import Grant
+    from .tracker import Tracker
+
+log = logging.getLogger(__name__)
+
+#: s over which a GPU's SM load and the kernels computing there are judged: longer than
+#: rebalance_idle, so that a kernel whose person left still counts among those sharing the GPU
+#: (its next training would share it), and a GPU is contended only when busy that long
+LOAD_WINDOW = 600.0
+HOUR = 3600.0
+REBALANCE = "rebalance"  # the trigger of a move's restore
+
+
+@dataclass(frozen=True)
+class Contention:
+    """One GPU's compute over the window, as status, metrics and the rebalancer see it."""
+
+    load: float  # % SM busy, mean over the window (all processes on the GPU)
+    computing: tuple[str, ...]  # this server's kernels that computed there within the window
+    contended: bool
+
+
+def contention(tracker: Tracker, now: float, window: float = LOAD_WINDOW) -> dict[int, Contention]:
+    """Per GPU: its SM load over the window (the tracker's samples), this server's kernels
+    that computed there within it, and whether it is contended. O(GPUs x the window's samples
+    + kernels x their GPUs)."""
+    since = now - window
+    who: dict[int, list[str]] = {}
+    for kid, rec in tracker.kernels.items():
+        for g, t in rec.computed.items():
+            if t > since:
+                who.setdefault(g, []).append(kid)
+    out = {}
+    for g in sorted(tracker.gpus):
+        load = round(tracker.gpus[g].load(since, now), 1)
+        names = tuple(sorted(who.get(g, ())))
+        out[g] = Contention(load, names, contended(GpuView(g, None, load, busy=len(names))))
+    return out
+
+
+def room(controller: Controller) -> dict[int, int | None]:
+    """Bytes a moved state may take on each GPU: free at the last sample, less restores'
+    reservations and what this server's released kernels will take back."""
+    held: dict[int, int] = {}
+    for st in controller.lifecycles():
+        if st.held is not None:
+            for g, n in st.held.gpus.items():
+                held[g] = held.get(g, 0) + n
+    free = controller.seen_free()
+    return {g: (free[g] - held.get(g, 0)) if g in free else None
+            for g in sorted(controller.tracker.gpus)}
+
+
+@dataclass(frozen=True)
+class RebalanceSettings:
+    enabled: bool
+    idle: float
+    per_hour: int
+
+    @classmethod
+    def of(cls, config: Any) -> RebalanceSettings:
+        """The app's options (``rebalance``, ``rebalance_idle``, ``rebalance_max_per_hour``);
+        settings without them (a bare policy config) do not move kernels."""
+        return cls(bool(getattr(config, "rebalance", False)),
+                   float(getattr(config, "rebalance_idle", 120.0)),
+                   int(getattr(config, "rebalance_max_per_hour", 2)))
+
+
+def said(plan: dict[int, int], why: str) -> str:
+    """The move for a person: "GPU 0 -> 3: GPU 0 busy"."""
+    came = ", ".join(str(g) for g in sorted(plan))
+    went = ", ".join(str(plan[g]) for g in sorted(plan))
+    return f"GPU {came} -> {went}: {why}"
+
+
+class Rebalancer:
+    """The controller's moves between cells (see the module's docstring)."""
+
+    def __init__(self, controller: Controller, window: float = LOAD_WINDOW):
+        self.c = controller
+        self.window = window
+        self.moves: dict[str, deque[float]] = {}  # kernel -> when its moves started, last hour
+        self.planned: dict[str, tuple[dict[int, int], str]] = {}  # kernel -> (mapping, why)
+        self.granted: dict[str, Grant] = {}  # kernel -> the restore grant onto its new GPUs
+        self.last: dict[str, tuple[str, int]] = {}  # kernel -> (its last move, restores then)
+        self.seen: dict[int, Contention] = {}
+        # the placement rule's views, built as the placer and the restores build them and
+        # with their placements (kernels placed, not computing yet, count), over this window
+        self.load = GpuLoad(lambda: controller.tracker.gpus, lambda: controller.tracker.kernels,
+                            window)
+        self.load.placed = controller.room.load.placed  # one record of placements, shared
+
+    @property
+    def settings(self) -> RebalanceSettings:
+        return RebalanceSettings.of(self.c.config)
+
+    # -- each poll ---------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Judge every GPU (the metrics show it) and start the moves the rule plans."""
+        tracker = self.c.tracker
+        self.seen = contention(tracker, now, self.window)
+        metrics.set_contention({g: (c.load, c.contended) for g, c in self.seen.items()})
+        for kid in set(self.moves) - set(tracker.kernels):
+            self.moves.pop(kid, None)
+            self.last.pop(kid, None)
+        cfg = self.settings
+        if not cfg.enabled or cfg.per_hour <= 0 or self.c.closing:
+            return
+        if not any(c.contended for c in self.seen.values()):
+            return
+        views = self.load.views(room(self.c), now=now)
+        residents = [r for r in (self._resident(kid, now, cfg) for kid in list(tracker.kernels)) if r]
+        for kid, plan in rebalance(residents, views):
+            why = ", ".join(f"GPU {g} busy" for g in sorted(plan))
+            self.moves.setdefault(kid, deque()).append(now)
+            self.planned[kid] = (plan, why)
+            self.c._spawn(self.move(kid, plan, why))
+
+    def _resident(self, kid: str, now: float, cfg: RebalanceSettings) -> Resident | None:
+        st = self.c.states.get(kid)
+        rec = self.c.tracker.kernels.get(kid)
+        if st is None or rec is None or st.held is not None or st.op is not None:
+            return None
+        if st.resident not in (ACTIVE, IDLE) or kid in self.planned:
+            return None
+        gpus = {g: n for g, n in rec.gpu_bytes.items() if n}
+        if not gpus or min(gpus) < 0:
+            return None
+        idle = rec.idle_seconds(now)
+        recent = self.moves.get(kid, deque())
+        while recent and now - recent[0] >= HOUR:
+            recent.popleft()
+        movable = (not st.pinned and not rec.busy and idle >= cfg.idle
+                   and len(recent) < cfg.per_hour and st.release_blocked is None
+                   and not self.c.failed_recently(st, now)
+                   and self.c.kernels.live_state(kid) != "busy"
+                   and self._refusal(kid) is None)
+        return Resident(kid, gpus, movable, idle)
+
+    def _refusal(self, kid: str) -> str | None:
+        name = self.c.method_for(kid)
+        method = self.c.methods.get(name) if name else None
+        return "no method" if method is None else method.move_refusal()
+
+    # -- one move ----------------------------------------------------------------------------
+    async def move(self, kid: str, plan: dict[int, int], why: str) -> None:
+        """Release, then restore onto ``plan``'s GPUs (home again if that cannot be)."""
+        c = self.c
+        text = said(plan, why)
+        try:
+            try:
+                op = c.release_automatically(kid, f"moving {text}")
+            except ControllerError as e:
+                log.info("gpushare: kernel %s not moved: %s", kid, e.message)
+                return
+            outcome = await wait_for(op)
+            if not outcome.ok:  # nothing moved (a cell started, the agent refused): it stays
+                log.info("gpushare: kernel %s not moved: %s", kid, outcome.message)
+                return
+            for _ in range(2):  # onto the new GPUs; once more (home) if that restore failed
+                try:
+                    await c.ensure_resident(kid, trigger=REBALANCE)
+                    break
+                except ControllerError as e:
+                    log.warning("gpushare: kernel %s: the restore of its move failed: %s", kid,
+                                e.message)
+                    self.planned.pop(kid, None)
+            grant = self.granted.pop(kid, None)
+            st = c.states.get(kid)
+            if grant is None or st is None or st.held is not None:
+                return  # it came back home, or is held still (a cell's restore brings it back)
+            self.last[kid] = (text, st.restores)
+            c.announce(kid, "moved", method=st.method, reason=why,
+                       from_gpus=sorted(plan), to_gpus=[plan[g] for g in sorted(plan)])
+            log.info("gpushare: moved kernel %s %s", kid, text)
+        finally:
+            self.planned.pop(kid, None)
+            self.granted.pop(kid, None)
+
+    async def grant(self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int],
+                    shown: CellProgress) -> Grant | None:
+        """The restore of a kernel being moved: its turns and room on the new GPUs, with the
+        mapping (the restore room's :meth:`~.restore_room.RestoreRoom.onto`). None (the
+        restore goes home, as any restore): no move planned, or the new GPUs lack the room
+        now."""
+        planned = self.planned.pop(st.kernel_id, None)
+        if planned is None:
+            return None
+        plan, why = planned
+        if set(need) - set(plan) or self._refusal(st.kernel_id) is not None:
+            return None
+        grant = await self.c.room.onto(st, op, held, need, {g: plan[g] for g in need}, why, shown)
+        if grant is not None:
+            self.granted[st.kernel_id] = grant
+        return grant
+
+    def moved(self, kid: str) -> str | None:
+        """The kernel's last move ("GPU 0 -> 3: GPU 0 busy") while it stays where it went
+        (None once it was restored again, or never moved)."""
+        last = self.last.get(kid)
+        st = self.c.states.get(kid)
+        if last is None or st is None or st.restores != last[1] or st.held is not None:
+            return None
+        return last[0]
+
+
+__all__ = ["Contention", "Rebalancer", "contention", "room"]

@@ -1,0 +1,52 @@
+"""People see contention: per GPU, its SM load over the window against 100 % and which kernels
+computed there, in status and the metrics; with ``rebalance = False`` nothing moves. Real
+server, real kernels, the simulated node; the server's clock is moved forward instead of
+waiting."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .helpers import get_json, kernel_status
+from .scenarios import MiB
+from .test_rebalance import NODE, WINDOW, away_on_busy_gpu, interrupt, moves, pass_time, pid_bytes
+
+
+def gauges(text: str, name: str) -> dict[str, float]:
+    """gpu label -> value of gauge ``name`` in a Prometheus exposition."""
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return {s.labels["gpu"]: s.value for s in family.samples}
+    return {}
+
+
+@pytest.mark.parametrize("gpushare_config", [{**NODE, "rebalance": False}])
+async def test_status_and_metrics_show_a_contended_gpu_and_who_shares_it(
+    jp_fetch, kernels, gpushare_app, events
+):
+    a, b, cell = await away_on_busy_gpu(jp_fetch, kernels, gpushare_app)
+    for _ in range(5):  # polls: with rebalance off, a stays where it is
+        await gpushare_app.poll_once()
+
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    gpu0, gpu1, gpu2 = status["gpus"]
+    assert gpu0["contended"] and gpu0["load"] >= 90, gpu0
+    assert gpu0["computing"] == sorted([a.id, b.id])
+    assert (gpu1["contended"], gpu1["load"], gpu1["computing"]) == (False, 0, [])
+    assert not gpu2["contended"]
+
+    r = await jp_fetch("metrics", method="GET")
+    text = r.body.decode()
+    assert gauges(text, "gpushare_gpu_contended") == {"0": 1.0, "1": 0.0, "2": 0.0}
+    assert gauges(text, "gpushare_gpu_load_percent")["0"] >= 90
+
+    assert not moves(events, a) and pid_bytes(gpushare_app, a) == {0: 256 * MiB}
+    body = await kernel_status(jp_fetch, a.id)
+    assert body is not None and body["moved"] is None and body["state"] in ("active", "idle")
+
+    await interrupt(jp_fetch, b, cell)  # b stops training: a window later, nobody shares
+    await pass_time(gpushare_app, WINDOW)
+    status = await get_json(jp_fetch, "api", "gpushare", "status")
+    gpu0 = status["gpus"][0]
+    assert (gpu0["contended"], gpu0["computing"]) == (False, []) and gpu0["load"] < 10, gpu0
