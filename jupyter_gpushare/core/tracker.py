@@ -139,6 +139,18 @@ class KernelRecord:
 class GPURecord:
     info: GPUInfo
     history: deque[tuple[float, int | None, float | None]] = field(default_factory=deque)
+    _recent: tuple[Any, float] = field(default=(None, 0.0), init=False, repr=False, compare=False)
+
+    def recent_load(self, window: float) -> float:
+        """:meth:`load` over the last ``window`` seconds of samples (up to the newest one),
+        worked out once per sample: placement and restores ask for every GPU each time."""
+        if not self.history:
+            return 0.0
+        last = self.history[-1][0]
+        key = (last, len(self.history), window)
+        if self._recent[0] != key:
+            self._recent = (key, self.load(last - window, last))
+        return self._recent[1]
 
     def load(self, since: float, until: float) -> float:
         """Mean SM % busy over [since, until], from this GPU's samples: each sample's

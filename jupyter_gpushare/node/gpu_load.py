@@ -2,9 +2,8 @@
 one builder for the placer, the restore room and the rebalancer, so that they weigh the same
 numbers.
 
-- ``load``: SM busy over the last ``window`` seconds, the mean of the tracker's samples of
-  the GPU (the node's own figure: other servers' kernels count); ``window`` 0 = the last
-  sample;
+- ``load``: SM busy over the last ``window`` seconds of the tracker's samples of the GPU
+  (the node's own figure: other servers' kernels count); ``window`` 0 = the last sample;
 - ``pending``: the expected load of kernels this server placed there that have not used it
   yet (a kernel the tracker has seen hold memory or compute there no longer counts);
 - ``kernels``: kernels this server placed there or that hold memory there now;
@@ -37,7 +36,7 @@ START_GRACE = 120.0
 class GpuSamples(Protocol):
     """What a GPU's record offers (``core.tracker.GPURecord``)."""
 
-    def load(self, since: float, until: float) -> float: ...
+    def recent_load(self, window: float) -> float: ...
 
 
 class KernelUse(Protocol):
@@ -99,7 +98,6 @@ class GpuLoad:
         ``within``: per GPU, whether the person is within their share (default: yes);
         ``exclude``: a kernel left out of every count (the one being restored)."""
         now = clock.now() if now is None else now
-        since = now - self.window if self.window > 0 else now
         busy_since = now - max(self.window, BUSY_FLOOR)
         records = self.kernels()
         self.forget(records, now)
@@ -129,7 +127,7 @@ class GpuLoad:
         out: dict[int, GpuView] = {}
         for g, r in room.items():
             record = gpus.get(g)
-            load = record.load(since, now) if record is not None else 0.0
+            load = record.recent_load(self.window) if record is not None else 0.0
             out[g] = GpuView(g, r, load=load, pending=pending.get(g, 0.0),
                              kernels=len(there.get(g, ())), busy=busy.get(g, 0),
                              within_share=(within or {}).get(g, True))

@@ -304,7 +304,7 @@ class _LastSample:
 
     utilization: float | None
 
-    def load(self, since: float, until: float) -> float:
+    def recent_load(self, window: float) -> float:
         return float(self.utilization or 0.0)
 
 

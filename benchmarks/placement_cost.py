@@ -1,0 +1,196 @@
+"""Cost of one placement decision and one rebalance pass at 64 GPUs and 200 kernels
+(target: under 5 ms each), as a ratio to one tracker poll of the same node in the same run.
+
+In process, over the real parts: a ``SimNode`` of ``--gpus`` GPUs, the real ``Tracker`` and
+``SimulatedTelemetry`` over ``--kernels`` real child processes (``python -c`` sleepers, as in
+``tracker_poll.py``: the tracker sees pids, activity and execution state), each holding
+256 MiB on a GPU, placed there by this server, and a few more kernels placed and still
+starting; the GPUs' history then filled as a server that has run for ``history_seconds``
+(1800 s at poll_interval 2 s: 901 samples a GPU) would hold it, a quarter of the GPUs busy
+(the kernels there computing), the others nearly idle.
+
+- tracker poll (baseline): ``Tracker.poll()`` with every kernel;
+- placement decision: ``Placer.place`` as the provisioner calls it, with the server's
+  ``GpuLoad`` over the tracker (SM load over the 120 s window from each GPU's history,
+  pending and busy kernels, free memory read from the node, the rule's ``choose``), with
+  every kernel placed already; a sample is appended to every GPU before each timing, so each
+  includes working out every GPU's load again (the first decision after a poll);
+- rebalance pass: the views of every GPU (``GpuLoad.views``) and the rule's ``rebalance``
+  over every resident kernel, with a quarter of the GPUs contended; and the rule alone.
+
+    python benchmarks/placement_cost.py [--gpus 64] [--kernels 200] [--repeat 200] [--smoke]
+
+``--smoke``: 4 GPUs, 8 kernels, a few repeats: the whole path in seconds, no figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import Any
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from _server import machine, summary, table
+from tracker_poll import PER_KERNEL, FakeKernelManager, node_gpus, spawn_kernels, time_polls
+
+from jupyter_gpushare import clock
+from jupyter_gpushare.core.tracker import Tracker
+from jupyter_gpushare.node.gpu_load import GpuLoad
+from jupyter_gpushare.node.placement import Placer
+from jupyter_gpushare.policy.placement import Need, Resident, rebalance
+from jupyter_gpushare.sim.node import SimNode
+from jupyter_gpushare.telemetry.simulated import SimulatedTelemetry
+
+POLL = 2.0  # s between the synthetic history's samples (the default poll_interval)
+HISTORY = 1800.0  # s of history (the default history_seconds)
+WINDOW = 120.0  # s, the default load_window
+
+
+class Spec:
+    name = "python3"
+    display_name = "Python 3"
+    metadata: dict[str, Any] = {}
+
+
+def fill_history(tracker: Tracker, contended: set[int], now: float) -> None:
+    """Each GPU's ring as a long-running server holds it: a sample every POLL seconds."""
+    n = int(HISTORY / POLL) + 1
+    for g, rec in tracker.gpus.items():
+        busy = 100.0 if g in contended else 5.0
+        rec.history = deque(((now - (n - 1 - i) * POLL, rec.info.memory_used,
+                              busy if i % 3 else busy - 5.0) for i in range(n)),
+                            maxlen=tracker.history_len)
+
+
+def mark(tracker: Tracker, contended: set[int], now: float) -> None:
+    """Kernels on contended GPUs computed there within the window; others long ago."""
+    for rec in tracker.kernels.values():
+        for g in rec.gpu_bytes:
+            rec.computed[g] = now - (5.0 if g in contended else 3 * WINDOW)
+
+
+def new_sample(tracker: Tracker) -> None:
+    """One more sample on every GPU, as a poll appends: each GPU's load is worked out again
+    at the next decision (it is kept per sample), so every timing below includes it."""
+    for rec in tracker.gpus.values():
+        t, used, u = rec.history[-1]
+        rec.history.append((t + POLL, used, u))
+
+
+def timed(fn: Any, n: int, tracker: Tracker) -> list[float]:
+    out = []
+    for _ in range(n):
+        new_sample(tracker)
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def timed_async(fn: Any, n: int, tracker: Tracker) -> list[float]:
+    out = []
+    for _ in range(n):
+        new_sample(tracker)
+        t = time.perf_counter()
+        await fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], str]:
+    children = spawn_kernels(kernels)
+    try:
+        pids = [c.pid for c in children]
+        node = SimNode(node_gpus(kernels, gpus))
+        for i, pid in enumerate(pids):
+            node.alloc(pid, i % gpus, PER_KERNEL)
+        km = FakeKernelManager(pids)
+        telemetry = SimulatedTelemetry(node)
+        tracker = Tracker(km, telemetry, HISTORY, POLL)
+        polls = await time_polls(tracker, max(3, repeat // 10))  # also the records' first fill
+        now = clock.now()
+        contended = set(range(0, gpus, 4))
+        fill_history(tracker, contended, now)
+        mark(tracker, contended, now)
+        load = GpuLoad(lambda: tracker.gpus, lambda: tracker.kernels, WINDOW)
+        ids = km.list_kernel_ids()
+        for i, kid in enumerate(ids):  # every kernel placed by this server where it runs
+            load.place(kid, [i % gpus], Need(PER_KERNEL))
+        for i in range(max(1, gpus // 4)):  # and some still starting: pending load
+            load.place(f"starting-{i}", [(4 * i + 1) % gpus], Need(PER_KERNEL))
+
+        async def read_free(indices: list[int]) -> dict[int, int | None]:
+            return {g: telemetry.free_bytes(g) for g in indices}
+
+        placer = Placer(lambda: [r.info for r in tracker.gpus.values()], read_free, dict, dict,
+                        lambda: ids, min_room=512 << 20, load=load,
+                        recent=tracker.recent_peaks_of)
+
+        async def place() -> None:
+            got = await placer.place("new-kernel", Spec(), {})
+            assert got is not None and got.gpus
+            load.placed.pop("new-kernel")
+
+        residents = [Resident(kid, dict(rec.gpu_bytes), i % 2 == 0, idle_seconds=float(i))
+                     for i, (kid, rec) in enumerate(tracker.kernels.items())]
+        room = {g: telemetry.free_bytes(g) for g in range(gpus)}
+
+        def views() -> Any:
+            return load.views(room)
+
+        def pass_() -> None:
+            rebalance(residents, views())
+
+        seen = views()
+        moves = rebalance(residents, seen)
+        results: dict[str, list[float]] = {"poll": list(polls), "place": [], "pass": [], "rule": []}
+        rounds = 5  # interleaved, so drift hits every measure alike
+        for _ in range(rounds):
+            results["poll"] += await time_polls(tracker, max(1, repeat // 10 // rounds))
+            results["place"] += await timed_async(place, repeat // rounds, tracker)
+            results["pass"] += timed(pass_, repeat // rounds, tracker)
+            results["rule"] += timed(lambda: rebalance(residents, seen), repeat // rounds, tracker)
+        assert len(tracker.kernels) == kernels
+    finally:
+        for c in children:
+            c.stdin.close()  # type: ignore[union-attr]
+        for c in children:  # a loaded machine may take a while to even start them
+            try:
+                c.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait()
+    base = summary(results["poll"])["median"]
+    rows = []
+    for key, label in (("poll", f"baseline: one tracker poll, {kernels} kernels"),
+                       ("place", "one placement decision (Placer.place)"),
+                       ("pass", "one rebalance pass (views + rebalance)"),
+                       ("rule", "  the rule alone (rebalance)")):
+        s = summary(results[key])
+        rows.append([label, s["n"], f"{s['median'] * 1e3:.3f}", f"{s['p95'] * 1e3:.3f}",
+                     f"{s['median'] / base:.3f}"])
+    note = (f"{gpus} GPUs of {node.capacities[0] >> 30} GiB, {kernels} kernels, "
+            f"{len(contended)} GPUs contended; the pass planned {len(moves)} move(s)")
+    return rows, note
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gpus", type=int, default=64)
+    parser.add_argument("--kernels", type=int, default=200)
+    parser.add_argument("--repeat", type=int, default=200, help="timings of each measure")
+    parser.add_argument("--smoke", action="store_true", help="4 GPUs, 8 kernels: the path only")
+    args = parser.parse_args()
+    gpus, kernels, repeat = (4, 8, 10) if args.smoke else (args.gpus, args.kernels, args.repeat)
+    rows, note = asyncio.run(run(gpus, kernels, repeat))
+    print(machine())
+    print(table(["measure", "n", "median ms", "p95 ms", "x poll"], rows))
+    print(note + ("  (--smoke: no figures)" if args.smoke else ""))
+
+
+if __name__ == "__main__":
+    main()
