@@ -37,7 +37,7 @@ BANDWIDTH_STEPS = {
     "cold_start": ("a fresh process's import + cuInit: what each run of the cuda-checkpoint "
                    "binary pays and the in-process API does not", 30.0),
     "sizes": ("release/restore by each method at 64 MiB, 1 and 8 GiB against pinned copies: "
-              "GB/s, fraction of pinned, fixed overhead", 170.0),
+              "GB/s, fraction of pinned, fixed overhead", 150.0),
 }
 BANDWIDTH_LARGE_STEPS = {
     "sizes": ("release/restore by each method at 16 and 40 GiB against pinned copies", 240.0),

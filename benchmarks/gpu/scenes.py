@@ -279,13 +279,13 @@ TORCH_STEPS = {
     "start": ("a server (backend=nvml, release_method=auto) and a PyTorch kernel with its CUDA "
               "context", 60.0),
     "attribution": ("a model with Adam state (about 4 GiB): NVML attributes it within two polls",
-                    60.0),
+                    45.0),
     "driver_round_trip": ("driver method through the server: released, NVML shows it freed, the "
-                          "next cell restores through the gate, checksums equal", 90.0),
+                          "next cell restores through the gate, checksums equal", 60.0),
     "framework_round_trip": ("framework method, the same kernel: bitwise equal, id()s kept, an "
-                             "optimizer step after the round trip equals one without", 90.0),
+                             "optimizer step after the round trip equals one without", 75.0),
     "shutdown_restored": ("shutting down the restored kernel returns, and a fresh CUDA process "
-                          "works after it", 60.0),
+                          "works after it", 50.0),
 }
 
 
