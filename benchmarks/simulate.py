@@ -4,9 +4,12 @@ The same program as ``jupyter gpushare simulate`` (``jupyter_gpushare/simulate/`
 discrete-event simulation of GPU machines shared by notebook users, every policy on the same
 workload (``exclusive``, ``static``, ``cull``, ``gpushare``, ``gpushare-hub``): the synthetic
 default workload and the shipped example replay, or ``--trace FILE`` (docs/trace-format.md).
-The headline: per policy, the fewest GPUs that serve every user and their GPU-hours against
-reserving GPUs per session, under the ``driver`` and ``pinned`` transfer models; then users
-per GPU; ``gpushare-simulate/simulate.json`` and a PNG per policy.
+gpushare runs as the product ships (release_policy ``needs``, the product's placement rule,
+restores that move, rebalance); the baselines are named options. The headline: per policy,
+the fewest GPUs that serve every user, as a multiple of the compute limit (the peak SM
+demand of the cells running at once, in GPUs), and their GPU-hours against reserving GPUs
+per session, under the ``driver`` and ``pinned`` transfer models; then users per GPU;
+``gpushare-simulate/simulate.json`` and a PNG per policy.
 
     python benchmarks/simulate.py [--quick] [any option of jupyter gpushare simulate --help]
 

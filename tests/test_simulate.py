@@ -168,6 +168,14 @@ def tiny() -> Workload:
 TINY_TRANSFER = TransferModel("tiny", 0.5, GiB, 0.5, GiB)  # 6 GiB move in 0.5 + 6 = 6.5 s
 
 
+def baseline(config: PolicyConfig, **kw) -> GPUShare:
+    """gpushare as the traces below were worked out by hand: releases at idle_timeout
+    (``proactive``) and no rebalance, named (the product's defaults: ``needs``, rebalance)."""
+    kw.setdefault("release_policy", "proactive")
+    kw.setdefault("rebalance", False)
+    return GPUShare(config, **kw)
+
+
 def tiny_run(policy) -> dict:
     sim = Simulation(tiny(), policy, 10 * GiB, 1, TINY_TRANSFER)
     return figures(sim.run())
@@ -191,7 +199,7 @@ def test_tiny_trace_gpushare_by_hand():
     427 s x 0.6 GPU -> 0.07117 GPU-h. SM: 4 cells x 10 s x 50 % / 500 s = 4 %.
     """
     cfg = PolicyConfig(idle_timeout=100, pressure_free_fraction=0, pressure_idle_timeout=50)
-    f = tiny_run(GPUShare(cfg, poll_interval=0.001))
+    f = tiny_run(baseline(cfg, poll_interval=0.001))
     assert f["cells"] == 4 and f["cells_delayed"] == 2 and f["oom_failures"] == 0
     assert f["delay_max_s"] == pytest.approx(78.0, abs=0.01)
     assert f["delay_p50_s"] == pytest.approx((78.0 + 6.5) / 2, abs=0.01)
@@ -203,18 +211,20 @@ def test_tiny_trace_gpushare_by_hand():
 
 
 def test_make_room_takes_the_same_users_idle_kernel_by_hand():
-    """One user, two kernels of 6 GiB on one 10 GiB GPU; cells that do not use the GPU;
-    idle_timeout 100 s, pressure_idle_timeout 50 s, no pressure releases.
+    """One user, two kernels of 6 GiB on one 10 GiB GPU; cells on the GPU that compute nothing
+    (each kernel allocates at its first); idle_timeout 100 s, pressure_idle_timeout 50 s, no
+    pressure releases.
 
     a2 allocates at 0 (cell 0-1), is released at 101 (free at 107.5). a1 allocates at 110
     (cell 110-111). a2's next cell comes at 171: it needs 6 GiB, 4 are free; make_room takes
     a1 (same server, idle 60 s >= 50, quiet): release 171-177.5, then restore a2 177.5-184.
     The cell starts at 184: delay 13 s = one release plus one restore.
     """
-    a1 = KernelWork("a1", "A", 6 * GiB, (Session(110.0, (Cell(0, 1, 0),)),))
-    a2 = KernelWork("a2", "A", 6 * GiB, (Session(0.0, (Cell(0, 1, 0), Cell(170, 1, 0))),))
+    a1 = KernelWork("a1", "A", 6 * GiB, (Session(110.0, (Cell(0, 1, 0, gpus=1),)),))
+    a2 = KernelWork("a2", "A", 6 * GiB, (Session(0.0, (Cell(0, 1, 0, gpus=1),
+                                                        Cell(170, 1, 0, gpus=1))),))
     cfg = PolicyConfig(idle_timeout=100, pressure_free_fraction=0, pressure_idle_timeout=50)
-    sim = Simulation(Workload(200.0, (a1, a2), "one user"), GPUShare(cfg, poll_interval=0.001),
+    sim = Simulation(Workload(200.0, (a1, a2), "one user"), baseline(cfg, poll_interval=0.001),
                      10 * GiB, 1, TINY_TRANSFER).run()
     assert sim.counters.release_reasons == {"idle": 1, "making room": 1}
     assert [round(r.delay, 2) for r in sim.cells] == [0.0, 0.0, 13.0]
@@ -225,16 +235,17 @@ def test_tiny_trace_exclusive_and_cull_by_hand():
     (500 + 345) * 6 / (2 * 10 * 500) = 50.7 % allocated.
 
     Cull after 100 s idle, checked every 40 s: A (idle from 10) is culled at the 120 s tick,
-    having run 10 s. B allocates at 155. A's second cell at 200 needs 6 GiB, 4 free: out of
-    memory, the cell fails; A's next cell comes 150 s later, at 350. B (idle from 165) is
-    culled at 280. At 350 A starts again (10 free) and its 10 s of lost work count; it runs
-    350-360 and is culled at the 480 s tick. Culls 3, one restart, 10 s of work lost, no delay.
+    having run 10 s. B allocates at 155. A's second cell at 200 starts A again (its 10 s of
+    lost work count) and its first allocation needs 6 GiB, 4 free: out of memory, the cell
+    fails; A's next cell comes 150 s later, at 350. B (idle from 165) is culled at 280, A
+    (idle from 200, holding nothing) at 320. At 350 A starts again (10 free), runs 350-360 and
+    is culled at the 480 s tick. Culls 4, two restarts, 10 s of work lost, no delay.
     """
     f = tiny_run(Exclusive())
     assert f["gpus"] == 2 and f["cells_delayed"] == 0 and f["oom_failures"] == 0
     assert f["mean_allocation_pct"] == pytest.approx(50.7)
     f = tiny_run(Cull(cull_after=100, cull_interval=40))
-    assert (f["oom_failures"], f["culls"], f["restarts"], f["cells"]) == (1, 3, 1, 3)
+    assert (f["oom_failures"], f["culls"], f["restarts"], f["cells"]) == (1, 4, 2, 3)
     assert f["work_lost_gpu_hours"] == pytest.approx(10 / 3600)
     assert f["cells_delayed"] == 0
 
@@ -367,10 +378,12 @@ def tail_trace(duration: float = 500.0) -> Workload:
     return Workload(duration, (c, a, b), "tail", ("C", "A", "B"))
 
 
+# releases at idle_timeout, as the tiny trace was worked out by hand (a baseline, named)
 TAIL = Settings(gpus=1, gpu_gib=10.0, transfer=TINY_TRANSFER, poll_interval=0.001,
                 config=PolicyConfig(idle_timeout=100, pressure_free_fraction=0,
                                     pressure_idle_timeout=50),
-                delay_bound=1.0, max_users_per_gpu=3)
+                delay_bound=1.0, max_users_per_gpu=3, release_policy="proactive",
+                rebalance=False)
 
 
 def test_figures_name_the_worst_cell_and_count_the_tail():
@@ -419,6 +432,8 @@ GPUSHARE_BY_HAND = PolicyConfig(idle_timeout=100, pressure_free_fraction=0, pres
 
 
 def by_hand(workload: Workload, policy, gpus: int = 1, gpu_gib: float = 10.0, **kw) -> Simulation:
+    """A hand-worked run: round-robin placement (each user's turn) unless ``placement`` says."""
+    kw.setdefault("placement", "round-robin")
     return Simulation(workload, policy, int(gpu_gib * GiB), gpus, TINY_TRANSFER, **kw).run()
 
 
@@ -447,7 +462,8 @@ def test_a_two_gpu_kernel_moves_both_gpus_in_parallel_and_its_cells_wait_for_bot
 
     sim_ref: list[Simulation] = []
     sim = Simulation(Workload(500.0, (x, y), "two GPUs", ("A", "B")),
-                     GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), 10 * GiB, 2, TINY_TRANSFER,
+                     baseline(GPUSHARE_BY_HAND, poll_interval=0.001), 10 * GiB, 2, TINY_TRANSFER,
+                     placement="round-robin",
                      observer=watch)
     sim_ref.append(sim)
     sim.run()
@@ -504,7 +520,7 @@ def test_a_cell_that_allocates_grows_the_kernel_and_one_that_frees_shrinks_it():
     k2 = KernelWork("k", "A", 2 * GiB, (Session(0.0, (Cell(0, 1, 50, gpus=1, nbytes=5 * GiB),
                                                       Cell(200, 1, 50, gpus=1))),))
     sim = by_hand(Workload(400.0, (k2,), "grown restore", ("A",)),
-                  GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001))
+                  baseline(GPUSHARE_BY_HAND, poll_interval=0.001))
     restored = [r for r in sim.cells if r.restore_seconds > 0]
     assert [r.restore_seconds for r in restored] == [pytest.approx(TINY_TRANSFER.restore_seconds(5 * GiB))]
 
@@ -519,7 +535,7 @@ def lazy_trace() -> Workload:
 
 @pytest.mark.parametrize("mode", ["eager", "lazy"])
 def test_cpu_only_cells_skip_the_restore_in_lazy_mode(mode):
-    sim = by_hand(lazy_trace(), GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), restore_mode=mode)
+    sim = by_hand(lazy_trace(), baseline(GPUSHARE_BY_HAND, poll_interval=0.001), restore_mode=mode)
     _, cpu, gpu = sorted(sim.cells, key=lambda r: r.arrival)
     assert cpu.gpus == 0 and gpu.gpus == 1 and cpu.arrival == pytest.approx(200.0)
     if mode == "eager":  # the CPU-only cell waits for the restore; the GPU cell finds it back
@@ -587,12 +603,12 @@ def test_exclusive_is_charged_only_while_a_users_kernels_live():
     assert run(w, "cull", Settings(gpus=2, gpu_gib=10.0))["gpu_hours"] == pytest.approx(2 * 2000 / 3600)
 
 
-def test_load_aware_placement_counts_held_and_reserved_bytes():
-    """Two GPUs of 10 GiB. A (GPU 0 by turn) holds 5 GiB and B (GPU 1) 3 GiB; both are
-    released at 110 (idle 100 s): their bytes are reserved where they were. C starts at 200:
-    round-robin puts it on GPU 0 (its turn); load-aware on GPU 1 (10 - 3 reserved = 7 against
-    10 - 5 = 5 on GPU 0). D starts at 300 while C computes on GPU 1: GPU 0 has 10 - 5 = 5,
-    GPU 1 10 - 2 held - 3 reserved = 5: the same, so the least SM load: GPU 0."""
+def test_room_placement_counts_reserved_bytes_and_load():
+    """Two GPUs of 10 GiB. A holds 5 GiB on GPU 0; B, placed while A was, on GPU 1 (and
+    round-robin's turn), 3 GiB; both are released at 110 (idle 100 s): their bytes are
+    reserved where they were. C starts at 200: round-robin puts it on GPU 0 (its turn); the
+    product's rule on GPU 1 (both idle and empty, 10 - 3 reserved = 7 of room against 5).
+    D starts at 300 while C computes on GPU 1 (50 % SM): GPU 0, the idle one."""
     def kernel(name, user, gib, start, cell):
         return KernelWork(name, user, int(gib * GiB), (Session(start, (cell,)),))
 
@@ -601,12 +617,12 @@ def test_load_aware_placement_counts_held_and_reserved_bytes():
                          kernel("c", "C", 2, 200.0, Cell(0, 200, 50)),
                          kernel("d", "D", 2, 300.0, Cell(0, 10, 50))), "placement",
                  ("A", "B", "C", "D"))
-    policy = GPUShare(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
+    policy = baseline(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
     rr = by_hand(w, policy, gpus=2)
     assert [k.gpus for k in rr.kernels] == [[0], [1], [0], [1]]
-    policy = GPUShare(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
-    la = by_hand(w, policy, gpus=2, placement="load-aware")
-    assert [k.gpus for k in la.kernels] == [[0], [1], [1], [0]]
+    policy = baseline(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
+    room = by_hand(w, policy, gpus=2, placement="room")
+    assert [k.gpus for k in room.kernels] == [[0], [1], [1], [0]]
 
 
 # -- the trace format (docs/trace-format.md) ---------------------------------------------------
@@ -781,7 +797,7 @@ def test_a_restore_ahead_of_the_returning_persons_cell(gpus, lead, wait):
         if what == "restored":
             restored.append((t, data["trigger"]))
 
-    sim = by_hand(returning(gpus), GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), gpus=gpus,
+    sim = by_hand(returning(gpus), baseline(GPUSHARE_BY_HAND, poll_interval=0.001), gpus=gpus,
                   observer=watch, ahead_lead=lead)
     second = sim.cells[1]
     assert second.arrival == pytest.approx(200.0)
@@ -811,7 +827,7 @@ def test_a_restore_ahead_yields_room_to_a_cells_restore():
             restored.append((k.id, t, data["trigger"]))
 
     w = Workload(600.0, (y, x, z), "yield", ("A", "B", "C"))
-    sim = by_hand(w, GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), gpu_gib=12.0,
+    sim = by_hand(w, baseline(GPUSHARE_BY_HAND, poll_interval=0.001), gpu_gib=12.0,
                   observer=watch, ahead_lead=40.0)
     assert restored[0] == ("y", pytest.approx(258.5, abs=0.01), "cell")
     assert restored[1] == ("x", pytest.approx(373.5, abs=0.01), "cell")
@@ -823,7 +839,7 @@ def test_a_restore_ahead_yields_room_to_a_cells_restore():
     assert sim.counters.ahead_requests == 2 and sim.counters.ahead_restores == 0
     # without Y's cell waiting, the same activity restores X ahead, and its cell waits 0 s
     alone = by_hand(Workload(600.0, (x, z), "alone", ("A", "C")),
-                    GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001), gpu_gib=12.0, ahead_lead=40.0)
+                    baseline(GPUSHARE_BY_HAND, poll_interval=0.001), gpu_gib=12.0, ahead_lead=40.0)
     assert alone.counters.ahead_restores == 1 and alone.cells[-1].delay == 0
 
 
@@ -840,7 +856,7 @@ def test_a_restore_ahead_with_no_cell_within_ahead_grace_is_released_again():
         if what == "released":
             released.append((round(t - data["seconds"], 3), data["reason"].split(":")[0]))
 
-    policy = GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001, ahead_grace=60.0)
+    policy = baseline(GPUSHARE_BY_HAND, poll_interval=0.001, ahead_grace=60.0)
     sim = by_hand(w, policy, observer=watch, ahead_lead=300.0)
     assert [r for _, r in released] == ["idle for 100 s, idle_timeout 100 s", "ahead grace"]
     assert released[1][0] == pytest.approx(266.5, abs=0.01)
@@ -848,7 +864,7 @@ def test_a_restore_ahead_with_no_cell_within_ahead_grace_is_released_again():
     assert (c.ahead_restores, c.ahead_released_again, c.ahead_used, c.restores) == (1, 1, 0, 2)
     assert sim.cells[1].delay == pytest.approx(6.5)
     released.clear()
-    sim = by_hand(w, GPUShare(GPUSHARE_BY_HAND, poll_interval=0.001, ahead_grace=400.0),
+    sim = by_hand(w, baseline(GPUSHARE_BY_HAND, poll_interval=0.001, ahead_grace=400.0),
                   observer=watch, ahead_lead=300.0)
     assert sim.counters.ahead_released_again == 0
     assert released[1] == (pytest.approx(306.5, abs=0.01), "idle for 100 s, idle_timeout 100 s")
@@ -877,7 +893,7 @@ def test_needs_based_release_keeps_idle_kernels_until_a_restore_waits(release_po
         if what == "released":
             released.setdefault(k.id, (round(t - data["seconds"], 2), data["reason"]))
 
-    policy = GPUShare(cfg, poll_interval=0.001, release_policy=release_policy, long_idle=200.0)
+    policy = baseline(cfg, poll_interval=0.001, release_policy=release_policy, long_idle=200.0)
     sim = by_hand(needs_trace(), policy, gpu_gib=12.0, observer=watch)
     b2 = [r for r in sim.cells if r.kernel == 1][1]
     assert sim.counters.oom_failures == 0

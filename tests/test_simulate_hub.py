@@ -21,12 +21,16 @@ Cell, KernelWork, Session, Workload = workload.Cell, workload.KernelWork, worklo
 
 TINY_TRANSFER = TransferModel("tiny", 0.5, GiB, 0.5, GiB)  # 6 GiB move in 0.5 + 6 = 6.5 s
 CFG = PolicyConfig(idle_timeout=100, pressure_free_fraction=0, pressure_idle_timeout=50)
+# as these traces were worked out by hand: releases at idle_timeout, named (the product's
+# default release policy is needs)
+BY_HAND = {"poll_interval": 0.001, "release_policy": "proactive"}
 
 
 def tiny() -> Workload:
     a = KernelWork("a", "A", 6 * GiB, (Session(0.0, (Cell(0, 10, 50), Cell(190, 10, 50),
                                                       Cell(150, 10, 50))),))
-    b = KernelWork("b", "B", 6 * GiB, (Session(155.0, (Cell(0, 10, 0),)),))  # no GPU use
+    # on the GPU (it allocates there) but computing nothing
+    b = KernelWork("b", "B", 6 * GiB, (Session(155.0, (Cell(0, 10, 0, gpus=1),)),))
     return Workload(500.0, (a, b), "tiny", ("A", "B"))
 
 
@@ -43,13 +47,13 @@ def test_the_service_takes_another_users_idle_kernel_by_hand():
       idle release at 265).
     - 343: A released (idle 100 s). 393: A's third cell: restore 393-399.5. Delay 6.5 s.
     """
-    f = figures(Simulation(tiny(), GPUShareHub(CFG, poll_interval=0.001), 10 * GiB, 1,
+    f = figures(Simulation(tiny(), GPUShareHub(CFG, **BY_HAND), 10 * GiB, 1,
                            TINY_TRANSFER).run())
     assert f["cells"] == 4 and f["cells_delayed"] == 2 and f["oom_failures"] == 0
     assert f["delay_max_s"] == pytest.approx(33.0, abs=0.01)
     assert f["release_reasons"] == {"idle": 2, "making room": 1}
     assert (f["releases"], f["restores"]) == (3, 2)
-    alone = figures(Simulation(tiny(), GPUShare(CFG, poll_interval=0.001), 10 * GiB, 1,
+    alone = figures(Simulation(tiny(), GPUShare(CFG, **BY_HAND), 10 * GiB, 1,
                                TINY_TRANSFER).run())
     assert alone["delay_max_s"] == pytest.approx(78.0, abs=0.01)
 
@@ -58,7 +62,7 @@ def test_a_busy_kernel_of_another_user_is_never_taken():
     # B computes 155-455 (a long cell): A's second cell at 200 waits until B's own end
     a = KernelWork("a", "A", 6 * GiB, (Session(0.0, (Cell(0, 10, 50), Cell(190, 10, 50))),))
     b = KernelWork("b", "B", 6 * GiB, (Session(155.0, (Cell(0, 300, 50),)),), shutdown_at=460.0)
-    sim = Simulation(Workload(600.0, (a, b), "busy", ("A", "B")), GPUShareHub(CFG, poll_interval=0.001),
+    sim = Simulation(Workload(600.0, (a, b), "busy", ("A", "B")), GPUShareHub(CFG, **BY_HAND),
                      10 * GiB, 1, TINY_TRANSFER).run()
     assert "making room" not in sim.counters.release_reasons
     assert max(r.delay for r in sim.cells) >= 455.0 - 200.0

@@ -32,7 +32,17 @@ def kernel(name: str, user: str, gib: float, start: float, *cells, gpus: int = 1
 
 
 def by_hand(w, policy, gpus: int, observer=None):
-    return Simulation(w, policy, 10 * GiB, gpus, TINY_TRANSFER, observer=observer).run()
+    """A hand-worked run: round-robin placement (each user's turn), a baseline."""
+    return Simulation(w, policy, 10 * GiB, gpus, TINY_TRANSFER, observer=observer,
+                      placement="round-robin").run()
+
+
+def baseline(cls=None, config: PolicyConfig | None = None, **kw):
+    """gpushare as these traces were worked out by hand: releases at idle_timeout
+    (``proactive``) and no rebalance, named (the product's defaults: ``needs``, rebalance)."""
+    kw.setdefault("release_policy", "proactive")
+    kw.setdefault("rebalance", False)
+    return (cls or GPUShare)(config or CFG, **kw)
 
 
 def one_gpu_full() -> Workload:
@@ -64,8 +74,9 @@ def test_a_waiting_restore_moves_onto_the_gpu_with_room_after_move_after(cls):
             held.append((t, *(g.used for g in k_sim[0].node.gpus)))
 
     k_sim: list = []
-    policy = cls(CFG, poll_interval=0.001, move_after=30.0)
-    sim = Simulation(one_gpu_full(), policy, 10 * GiB, 2, TINY_TRANSFER, observer=watch)
+    policy = baseline(cls, poll_interval=0.001, move_after=30.0)
+    sim = Simulation(one_gpu_full(), policy, 10 * GiB, 2, TINY_TRANSFER, observer=watch,
+                     placement="round-robin")
     k_sim.append(sim)
     sim.run()
     a = sim.kernels[0]
@@ -87,7 +98,7 @@ def test_a_waiting_restore_moves_onto_the_gpu_with_room_after_move_after(cls):
 def test_without_moves_the_restore_waits_for_room_on_its_own_gpu():
     """move_after 0: A's cell waits until C, idle from 550, is released at 650 (8 GiB: done
     at 658.5), then its 6.5 s restore: it runs at 665 on GPU 0, where A stays."""
-    sim = by_hand(one_gpu_full(), GPUShare(CFG, poll_interval=0.001, move_after=0.0), 2)
+    sim = by_hand(one_gpu_full(), baseline(poll_interval=0.001, move_after=0.0), 2)
     second = [r for r in sim.cells if r.kernel == 0][1]
     assert second.start == pytest.approx(665.0, abs=0.01)
     assert sim.kernels[0].gpus == [0] and sim.counters.moves == 0
@@ -96,7 +107,7 @@ def test_without_moves_the_restore_waits_for_room_on_its_own_gpu():
 
 def test_a_restore_that_finds_room_before_move_after_stays_home():
     """move_after 600: C is released at 650, so A restores on GPU 0 as without moves."""
-    sim = by_hand(one_gpu_full(), GPUShare(CFG, poll_interval=0.001, move_after=600.0), 2)
+    sim = by_hand(one_gpu_full(), baseline(poll_interval=0.001, move_after=600.0), 2)
     assert [r for r in sim.cells if r.kernel == 0][1].start == pytest.approx(665.0, abs=0.01)
     assert sim.kernels[0].gpus == [0] and sim.counters.moves == 0
 
@@ -119,13 +130,13 @@ def test_a_multi_gpu_kernel_moves_all_or_nothing():
     2), X's two states have one place to go: X does not move, and its cell is still waiting
     at the trace's end. With room on both (GPU 3: 9 GiB free), at 230 both states move, the
     larger free first (GPU 0's to GPU 3, GPU 1's to GPU 2), restored in parallel: 6.5 s."""
-    stuck = by_hand(two_gpu_kernel(2, 8), GPUShare(CFG, poll_interval=0.001), 4)
+    stuck = by_hand(two_gpu_kernel(2, 8), baseline(poll_interval=0.001), 4)
     x = stuck.kernels[0]
     assert x.gpus == [0, 1] and stuck.counters.moves == 0
     assert x.pending is not None and x.pending.arrival == pytest.approx(200.0)
     assert len([r for r in stuck.cells if r.kernel == 0]) == 1
 
-    moved = by_hand(two_gpu_kernel(2, 1), GPUShare(CFG, poll_interval=0.001), 4)
+    moved = by_hand(two_gpu_kernel(2, 1), baseline(poll_interval=0.001), 4)
     x = moved.kernels[0]
     assert x.gpus == [3, 2] and moved.counters.moves == 1
     second = [r for r in moved.cells if r.kernel == 0][1]
@@ -136,7 +147,7 @@ def test_a_multi_gpu_kernel_moves_all_or_nothing():
 def test_a_multi_gpu_kernel_keeps_its_gpus_that_have_room():
     """As the product's ``move_plan``: only the GPU without room moves (GPU 1 has 8 GiB free
     with E at 2 GiB): X's state on GPU 0 goes to GPU 3, the one on GPU 1 stays."""
-    sim = by_hand(two_gpu_kernel(2, 1, second_full=False), GPUShare(CFG, poll_interval=0.001), 4)
+    sim = by_hand(two_gpu_kernel(2, 1, second_full=False), baseline(poll_interval=0.001), 4)
     assert sim.kernels[0].gpus == [3, 1] and sim.counters.moves == 1
 
 
@@ -155,12 +166,15 @@ def test_move_after_must_not_be_negative(capsys):
 
 
 def test_the_placement_table_has_its_rows_fits_and_is_written(tmp_path, capsys):
-    """The issue's three configurations (round-robin, load-aware, load-aware + moves), and
-    round-robin + moves, which tells the moves' share from the placement's."""
+    """Round-robin (the baseline) without and with moves, then the product's placement
+    without moves, with them, and with rebalance too (the product's defaults), each with its
+    fewest GPUs against the compute limit."""
     from jupyter_gpushare.cli import main
+    from jupyter_gpushare.simulate.report import placement_table
 
     args = ["simulate", "--quick", "--policies", "exclusive,gpushare", "--no-capacity",
-            "--no-png", "--out", str(tmp_path), "--placement-table", "--move-after", "20"]
+            "--no-png", "--out", str(tmp_path), "--placement-table", "--move-after", "20",
+            "--users-per-gpu", "1"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert all(len(line) <= 100 for line in out.splitlines())
@@ -169,9 +183,12 @@ def test_the_placement_table_has_its_rows_fits_and_is_written(tmp_path, capsys):
     doc = json.loads((tmp_path / "simulate.json").read_text())
     for trace in doc["traces"]:
         rows = trace["placement_table"]["rows"]
-        assert [(r["configuration"], r["placement"], r["move_after_s"]) for r in rows] == [
-            ("round-robin", "round-robin", 0.0), ("round-robin + move 20 s", "round-robin", 20.0),
-            ("load-aware", "load-aware", 0.0), ("load-aware + move 20 s", "load-aware", 20.0)]
+        assert [(r["configuration"], r["placement"], r["move_after_s"], r["rebalance"])
+                for r in rows] == [
+            ("round-robin", "round-robin", 0.0, False),
+            ("round-robin + move 20 s", "round-robin", 20.0, False),
+            ("room", "room", 0.0, False), ("room + move 20 s", "room", 20.0, False),
+            ("room + move + rebalance", "room", 20.0, True)]
         assert rows[0]["moves"] == rows[2]["moves"] == 0
         assert set(rows[0]["fewest_gpus"]) == {"driver", "pinned"}
         first = max(len(r["configuration"]) for r in rows)
@@ -179,16 +196,18 @@ def test_the_placement_table_has_its_rows_fits_and_is_written(tmp_path, capsys):
             printed = f"{r['configuration']:<{first}}  {r['cell_delay_p99_s']:.2f}"
             assert any(line.startswith(printed) for line in out.splitlines()), printed
         assert trace["reference"]["gpushare"]["move_after_s"] == 20.0
-    assert main([*args, "--wide"]) == 0
-    wide = capsys.readouterr().out
-    assert "fewest GPUs (driver)" in wide and "moves there" in wide
+        limit = trace["compute_limit"]
+        assert limit["gpus"] >= 1 and f"compute limit: {limit['gpus']} GPUs" in out
+        wide = placement_table(rows, wide=True, limit=limit)
+        assert "fewest GPUs (driver)" in wide and "moves there" in wide
+        assert "x compute limit" in wide
 
 
 def test_the_worst_cell_says_where_it_waited_and_where_its_restore_moved_it():
     from jupyter_gpushare.simulate.figures import figures
     from jupyter_gpushare.simulate.report import tail_note
 
-    sim = by_hand(one_gpu_full(), GPUShare(CFG, poll_interval=0.001), 2)
+    sim = by_hand(one_gpu_full(), baseline(poll_interval=0.001), 2)
     f = figures(sim)
     assert f["moves"] == 1 and f["move_after_s"] == 30.0
     cell = f["worst_cell"]
@@ -197,5 +216,5 @@ def test_the_worst_cell_says_where_it_waited_and_where_its_restore_moved_it():
     note = tail_note("gpushare", {"figures": f, "users": 3}, 1.0)
     assert note is not None and ("waited 30 s for room on its GPU, then 6.5 s for its restore "
                                  "onto GPU 1") in note
-    stay = figures(by_hand(one_gpu_full(), GPUShare(CFG, poll_interval=0.001, move_after=0), 2))
+    stay = figures(by_hand(one_gpu_full(), baseline(poll_interval=0.001, move_after=0), 2))
     assert stay["worst_cell"]["moved_to"] is None and stay["moves"] == 0

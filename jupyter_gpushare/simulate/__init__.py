@@ -8,6 +8,9 @@ the fewest GPUs that serve every user and their GPU-hours against reserving GPUs
 users per GPU, cell delays and slowdowns, work lost, allocation against utilization.
 
 The ``gpushare`` policy calls :mod:`jupyter_gpushare.policy` unchanged, with candidates built
-the way :mod:`jupyter_gpushare.core.controller` builds them, so what it predicts is what the
-product does. Entry points: ``jupyter gpushare simulate`` and ``benchmarks/simulate.py``.
+the way :mod:`jupyter_gpushare.core.controller` builds them, and places kernels, chooses
+restores' GPUs, rebalances and lands servers on machines by
+:mod:`jupyter_gpushare.policy.placement` unchanged, with the product's defaults read from its
+options (``defaults.py``), so what it predicts is what the product does. Entry points:
+``jupyter gpushare simulate`` and ``benchmarks/simulate.py``.
 """

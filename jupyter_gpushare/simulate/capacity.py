@@ -12,10 +12,12 @@ does not hold (round-robin placement can jump) it shows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from .defaults import MOVE_AFTER
 from .engine import Simulation
 from .figures import figures
 from .policies import RELEASE_POLICIES
@@ -24,16 +26,22 @@ from .transfer import TransferModel
 from .workload import GiB, Workload
 
 AHEAD_LEADS = (0.0, 2.0, 5.0, 10.0, 30.0)  # s: the sensitivity table's leads
-DEFAULT_MOVE_AFTER = 30.0  # s: the product's restore_move_after, where the settings say 0
+DEFAULT_MOVE_AFTER = MOVE_AFTER  # s: the product's restore_move_after, where the settings say 0
 
 
-def placements(s: Settings) -> list[tuple[str, str, float]]:
-    """The placement table's configurations: (name, placement, move_after): each placement
-    without moves and with them (``s.move_after``, or the product's default where it is 0)."""
+def placements(s: Settings) -> list[tuple[str, dict[str, Any]]]:
+    """The placement table's configurations: (name, settings): round-robin (servers too)
+    without and with moves (``s.move_after``, or the product's default where it is 0); the
+    product's placement without moves, with them, and with rebalance too (the product)."""
     after = s.move_after if s.move_after > 0 else DEFAULT_MOVE_AFTER
-    return [(f"{placement}{suffix}", placement, moves)
-            for placement in ("round-robin", "load-aware")
-            for suffix, moves in (("", 0.0), (f" + move {after:g} s", after))]
+    rr = {"placement": "round-robin", "servers": "round-robin", "rebalance": False}
+    room = {"placement": "room", "servers": "rule", "rebalance": False}
+    move = f" + move {after:g} s"
+    return [("round-robin", {**rr, "move_after": 0.0}),
+            (f"round-robin{move}", {**rr, "move_after": after}),
+            ("room", {**room, "move_after": 0.0}),
+            (f"room{move}", {**room, "move_after": after}),
+            ("room + move + rebalance", {**room, "move_after": after, "rebalance": True})]
 
 
 def run(workload: Workload, policy: str, s: Settings, series: bool = False,
@@ -42,8 +50,18 @@ def run(workload: Workload, policy: str, s: Settings, series: bool = False,
     sim = Simulation(workload, POLICIES[policy](s), int(s.gpu_gib * GiB), s.gpus, s.transfer,
                      nodes=s.nodes, bin_seconds=s.bin_seconds, restore_mode=s.restore_mode,
                      placement=s.placement, total_gpus=total_gpus, ahead_lead=s.ahead_lead,
-                     ahead_share=s.ahead_share, seed=s.seed)
+                     ahead_share=s.ahead_share, seed=s.seed, servers=s.servers,
+                     load_window=s.load_window)
     return figures(sim.run(), series=series)
+
+
+def compute_limit(workload: Workload, s: Settings) -> dict[str, Any]:
+    """The fewest GPUs compute alone allows: the peak of the SM % asked by the cells running
+    at once (summed over GPUs, each cell its SM % on each of its GPUs), as each user's own
+    GPUs run them (``exclusive``: no cell waits), in GPUs: ceil(peak / 100). No placement
+    can serve every user on fewer without slowing cells down."""
+    peak = run(workload, "exclusive", s)["peak_sm_demand_pct"]
+    return {"gpus": max(1, math.ceil(peak / 100.0 - 1e-9)), "peak_sm_demand_pct": peak}
 
 
 def why_not(f: dict[str, Any], s: Settings) -> list[str]:
@@ -186,14 +204,13 @@ def ahead_sensitivity(policy: str, workload: Workload, s: Settings,
 
 def placement_comparison(policy: str, workload: Workload, s: Settings,
                          models: list[TransferModel]) -> list[dict[str, Any]]:
-    """``policy`` on ``workload`` under each of :func:`placements`: round-robin and
-    load-aware placement, each without and with restores that move onto other GPUs after
-    ``move_after``. At the node's GPUs: the delays and moves; and the fewest GPUs that serve
+    """``policy`` on ``workload`` under each of :func:`placements`: round-robin and the
+    product's placement, without and with restores that move and rebalance. At the node's GPUs: the delays and moves; and the fewest GPUs that serve
     every user under each of ``models`` (every count below the bisection's tried: placement
     is not monotonic), with the delays and moves there and the larger counts that fail."""
     rows = []
-    for name, placement, after in placements(s):
-        at = replace(s, placement=placement, move_after=after)
+    for name, config in placements(s):
+        at = replace(s, **config)
         f = run(workload, policy, at)
         fewest = {}
         for m in models:
@@ -204,8 +221,8 @@ def placement_comparison(policy: str, workload: Workload, s: Settings,
                               "cells_delayed_pct": there.get("cells_delayed_pct"),
                               "moves": there.get("moves"), "fails_above": c["fails_above"],
                               "probes": c["probes"]}
-        rows.append({"configuration": name, "placement": placement, "move_after_s": after,
-                     "gpus": f["gpus"],
+        rows.append({"configuration": name, "placement": at.placement, "servers": at.servers,
+                     "move_after_s": at.move_after, "rebalance": at.rebalance, "gpus": f["gpus"],
                      **{k: f[k] for k in ("cell_delay_p99_s", "delay_max_s", "cells_delayed_pct",
                                           "cells_still_waiting_at_end", "releases", "restores",
                                           "moves")},

@@ -6,38 +6,46 @@ instead (a directory of ``NAME.history.json`` and ``NAME.events.jsonl`` files; s
 docs/admin-guide.md). With ``--trace FILE`` (repeatable): a trace in the documented format
 (JSON or CSV; docs/trace-format.md), written from any source.
 
+gpushare runs as the product ships, by default: release_policy ``needs``, kernels placed by
+the product's placement rule (room, then SM load over a window), restores that move after
+``--move-after`` s, idle kernels moved off contended GPUs (rebalance); the baselines are named
+options (``--release-policy proactive``, ``--placement round-robin``, ``--servers
+round-robin``, ``--move-after 0``, ``--no-rebalance``).
+
 The headline: for each policy, the fewest GPUs that serve all the workload's users, and the
 GPU-hours they cost against reserving GPUs for each user's sessions; under the transfer
-model chosen and the other of ``driver`` / ``pinned``. Then the most users per GPU on the
-node, as a second table. ``--ahead-sensitivity``: gpushare's delays and fewest GPUs for leads
-of 0-30 s between a person's first activity and their cell (restores ahead), under
-both release policies (``--release-policy``). ``--placement-table``: gpushare's delays, moves
-and fewest GPUs with round-robin and load-aware placement, each without and with restores that
-move onto other GPUs after ``--move-after`` s.
+model chosen and the other of ``driver`` / ``pinned``; with the compute limit (the peak SM
+demand of the cells running at once, in GPUs) and the fewest GPUs as a multiple of it. Then
+the most users per GPU on the node, as a second table. ``--ahead-sensitivity``: gpushare's
+delays and fewest GPUs for leads of 0-30 s between a person's first activity and their cell
+(restores ahead), under both release policies. ``--placement-table``: gpushare's delays,
+moves and fewest GPUs with the product's placement and round-robin, each without and with
+restores that move onto other GPUs after ``--move-after`` s and rebalance.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..policy import PolicyConfig
-from . import report
+from . import defaults, report
 from .calibration import trace_statistics
 from .capacity import (
     AHEAD_LEADS,
-    DEFAULT_MOVE_AFTER,
     ahead_sensitivity,
+    compute_limit,
     fewest_gpus,
     most_users,
     placement_comparison,
     run,
 )
-from .engine import PLACEMENTS, RESTORE_MODES
+from .engine import PLACEMENTS, RESTORE_MODES, SERVERS
 from .generator import generate
 from .policies import RELEASE_POLICIES, GPUShare
 from .replay import read_replay
@@ -52,8 +60,13 @@ EXAMPLE = Path(__file__).parent / "example_trace"
 MULTI_GPU_EXAMPLE = Path(__file__).parent / "example_multigpu.json"  # docs/trace-format.md
 
 
+def plain(text: str | None) -> str:
+    """``text`` as a terminal shows it: without the docstring's literal markup."""
+    return re.sub(r"``(.+?)``", r"\1", text or "", flags=re.S)
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="jupyter gpushare simulate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="jupyter gpushare simulate", description=plain(__doc__),
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="a smaller default workload (4 GPUs, 2 days) and search: under a minute")
@@ -67,45 +80,86 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--restore-mode", choices=RESTORE_MODES, default="eager",
                     help="eager: every cell restores a released kernel first; lazy: cells that "
                          "use no GPU run without a restore (default eager)")
-    ap.add_argument("--placement", choices=PLACEMENTS, default="round-robin",
-                    help="where sharing policies put a kernel: round-robin by user, or "
-                         "load-aware (most free memory after held and reserved bytes, then "
-                         "least SM load) at its start (default round-robin)")
-    ap.add_argument("--move-after", type=float, default=DEFAULT_MOVE_AFTER, metavar="SECONDS",
+    ap.add_argument("--placement", choices=PLACEMENTS, default="room",
+                    help="where sharing policies put a kernel at its start: room (the "
+                         "product's placement rule: GPUs with room for what the kernel is "
+                         "expected to need, the least SM load over --load-window first, "
+                         "counting kernels placed there that have not computed yet) or "
+                         "round-robin (a baseline: user i on GPU i mod G) (default room)")
+    ap.add_argument("--servers", choices=SERVERS, default="rule",
+                    help="the machine each user's server runs on, chosen at their first "
+                         "kernel's start: rule (the machines ranked by the same placement "
+                         "rule, as the hub service ranks nodes) or round-robin (a baseline: "
+                         "the machine of the user's round-robin GPU); with --placement "
+                         "round-robin, round-robin (default rule)")
+    ap.add_argument("--load-window", type=float, default=defaults.LOAD_WINDOW, metavar="SECONDS",
+                    help="s of SM history a GPU's load is the mean of, for placement, "
+                         f"restores and rebalance (default {defaults.LOAD_WINDOW:g}, the product's)")
+    ap.add_argument("--no-rebalance", action="store_true",
+                    help="never move idle kernels off GPUs whose SMs are contended (a "
+                         "baseline; the product rebalances by default)")
+    ap.add_argument("--rebalance-idle", type=float, default=defaults.REBALANCE_IDLE,
+                    metavar="SECONDS",
+                    help="s a resident kernel must have been idle before rebalance may move it "
+                         f"(default {defaults.REBALANCE_IDLE:g}, the product's)")
+    ap.add_argument("--rebalance-per-hour", type=int, default=defaults.REBALANCE_PER_HOUR,
+                    metavar="N", help="moves per kernel per hour, at most (default "
+                                      f"{defaults.REBALANCE_PER_HOUR}, the product's)")
+    ap.add_argument("--move-after", type=float, default=defaults.MOVE_AFTER, metavar="SECONDS",
                     help="s a restore waits for room on its kernel's own GPUs before it goes "
-                         "onto other GPUs of the machine that have room, the kernel then "
-                         "living there (the product's restore_move_after; default "
-                         f"{DEFAULT_MOVE_AFTER:g}; 0: never move)")
+                         "onto other GPUs of the machine where the placement rule says, the "
+                         "kernel then living there; a restore whose own GPUs' SMs are "
+                         "contended goes onto a quieter one at once (the product's "
+                         f"restore_move_after; default {defaults.MOVE_AFTER:g}; 0: never move)")
     ap.add_argument("--placement-table", action="store_true",
                     help="a table of gpushare's delays, moves and fewest GPUs with round-robin "
-                         "and load-aware placement, each without and with restores that move "
-                         "(--move-after)")
+                         "and the product's placement, without and with restores that move "
+                         "(--move-after) and rebalance")
     node = ap.add_argument_group("the node")
     node.add_argument("--gpus", type=int, help="GPUs per node (default 8; a replay's trace.json may say)")
     node.add_argument("--gpu-gib", type=float, help="GiB per GPU (default 80)")
-    node.add_argument("--nodes", type=int, default=1)
+    node.add_argument("--nodes", type=int, default=1,
+                      help="machines of --gpus GPUs each (default 1); the fewest-GPUs search "
+                           "adds machines as it needs")
     load = ap.add_argument_group("the synthetic workload")
     load.add_argument("--users-per-gpu", type=float, default=3.0,
                       help="load of the side-by-side table (default 3, the goal's)")
     load.add_argument("--days", type=int, default=5, help="from a Monday; weekdays work (default 5)")
-    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--seed", type=int, default=0,
+                      help="seeds the synthetic workload, copies of a trace's users and the "
+                           "servers' poll phases: the same seed gives the same figures "
+                           "(default 0)")
     search = ap.add_argument_group("what serves: no OOM, both bounds, no cell unfinished")
     search.add_argument("--delay-bound", type=float, default=1.0,
                         help="p99 cell delay (s) within which users count as served (default 1)")
     search.add_argument("--slowdown-bound", type=float, default=1.1,
                         help="p99 slowdown of GPU cells from sharing SMs within which users "
                              "count as served (default 1.1)")
-    search.add_argument("--max-users-per-gpu", type=int, default=12)
+    search.add_argument("--max-users-per-gpu", type=int, default=12,
+                        help="the users-per-GPU search stops here (default 12; --quick: 8)")
     search.add_argument("--no-capacity", action="store_true",
                         help="only the side-by-side table (no fewest GPUs, no users per GPU)")
     gs = ap.add_argument_group("the gpushare policy (the product's options, same defaults)")
-    defaults = PolicyConfig()
-    gs.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout)
-    gs.add_argument("--idle-utilization", type=float, default=defaults.idle_utilization)
-    gs.add_argument("--min-release-bytes", type=int, default=defaults.min_release_bytes)
-    gs.add_argument("--pressure-free-fraction", type=float, default=defaults.pressure_free_fraction)
-    gs.add_argument("--pressure-idle-timeout", type=float, default=defaults.pressure_idle_timeout)
-    gs.add_argument("--poll-interval", type=float, default=2.0)
+    config = PolicyConfig()
+    gs.add_argument("--idle-timeout", type=float, default=config.idle_timeout, metavar="SECONDS",
+                    help="s without a cell before a kernel counts as idle (default "
+                         f"{config.idle_timeout:g}; 0: never released for idleness)")
+    gs.add_argument("--idle-utilization", type=float, default=config.idle_utilization,
+                    metavar="PERCENT", help="SM %% at or below which a kernel counts as idle "
+                                            f"(default {config.idle_utilization:g})")
+    gs.add_argument("--min-release-bytes", type=int, default=config.min_release_bytes,
+                    metavar="BYTES", help="a kernel holding less is never released (default "
+                                          f"{config.min_release_bytes})")
+    gs.add_argument("--pressure-free-fraction", type=float,
+                    default=config.pressure_free_fraction, metavar="FRACTION",
+                    help="a GPU with less free is under memory pressure: its idle kernels are "
+                         f"released (default {config.pressure_free_fraction:g}; 0: never)")
+    gs.add_argument("--pressure-idle-timeout", type=float,
+                    default=config.pressure_idle_timeout, metavar="SECONDS",
+                    help="s idle before a kernel is released under memory pressure or to make "
+                         f"room (default {config.pressure_idle_timeout:g})")
+    gs.add_argument("--poll-interval", type=float, default=2.0, metavar="SECONDS",
+                    help="s between two polls of each user's server (default 2)")
     tm = ap.add_argument_group("release / restore time: overhead + bytes / bandwidth")
     tm.add_argument("--restore-model", choices=sorted(PRESETS), default="driver",
                     help="driver: the line through cuda-checkpoint's two published H100 points "
@@ -132,21 +186,22 @@ def parser() -> argparse.ArgumentParser:
                     help="a table of gpushare's delays and fewest GPUs for leads of "
                          f"{', '.join(f'{x:g}' for x in AHEAD_LEADS)} s, under both release "
                          "policies")
-    ah.add_argument("--release-policy", choices=RELEASE_POLICIES, default="proactive",
-                    help="proactive: release at idle_timeout; needs (the product's default "
-                         "release_policy): release an idle kernel only when its GPU is below "
-                         "the pressure threshold or a restore waits there, or after --long-idle "
-                         "(default proactive, the baseline the figures compare against)")
-    ah.add_argument("--long-idle", type=float, default=7200.0, metavar="SECONDS",
+    ah.add_argument("--release-policy", choices=RELEASE_POLICIES, default=defaults.RELEASE_POLICY,
+                    help="needs (the product's release_policy): release an idle kernel only "
+                         "when its GPU is below the pressure threshold or a restore waits "
+                         "there, or after --long-idle; proactive (a baseline): release at "
+                         f"idle_timeout (default {defaults.RELEASE_POLICY}, the product's)")
+    ah.add_argument("--long-idle", type=float, default=defaults.LONG_IDLE, metavar="SECONDS",
                     help="under --release-policy needs: released anyway after this long idle "
-                         "(default 7200)")
+                         f"(default {defaults.LONG_IDLE:g}, the product's long_idle)")
     cull = ap.add_argument_group("the cull policy")
     cull.add_argument("--cull-after", type=float, default=3600.0, help="s idle (default 3600)")
     cull.add_argument("--cull-interval", type=float, default=300.0, help="s (jupyter_server's default)")
     out = ap.add_argument_group("output")
     out.add_argument("--out", default="gpushare-simulate",
                      help="directory for simulate.json and the PNGs (default ./gpushare-simulate)")
-    out.add_argument("--no-png", action="store_true")
+    out.add_argument("--no-png", action="store_true",
+                     help="write no PNGs (they need matplotlib: the simulate extra)")
     out.add_argument("--wide", action="store_true",
                      help=f"every table in full, one line per row (default: tables fit "
                           f"{report.WIDTH} columns, with a legend for the units)")
@@ -173,6 +228,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     cull_interval=args.cull_interval, delay_bound=args.delay_bound,
                     slowdown_bound=args.slowdown_bound, restore_mode=args.restore_mode,
                     placement=args.placement,
+                    servers="round-robin" if args.placement == "round-robin" else args.servers,
+                    load_window=args.load_window, rebalance=not args.no_rebalance,
+                    rebalance_idle=args.rebalance_idle,
+                    rebalance_per_hour=args.rebalance_per_hour,
                     max_users_per_gpu=min(args.max_users_per_gpu, 8) if args.quick else args.max_users_per_gpu,
                     seed=args.seed, ahead_lead=args.ahead_lead, ahead_share=args.ahead_share,
                     ahead_grace=args.ahead_grace, release_policy=args.release_policy,
@@ -224,6 +283,8 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
     if recorded is not None:
         result["recorded_events"] = recorded
     moving = [p for p in policies if moves_state(p, s)]
+    if capacity or (moving and (ahead or placement)):
+        result["compute_limit"] = compute_limit(workload_for(reference_users), s)
     if ahead and moving:
         result["ahead_sensitivity"] = {"policy": moving[0], "rows": ahead_sensitivity(
             moving[0], workload_for(reference_users), s, compared_models(s))}
@@ -231,7 +292,8 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
         result["placement_table"] = {"policy": moving[0], "rows": placement_comparison(
             moving[0], workload_for(reference_users), s, compared_models(s))}
     if capacity:
-        result["fewest_gpus"] = headline(workload_for(reference_users), s, policies)
+        result["fewest_gpus"] = {**headline(workload_for(reference_users), s, policies),
+                                 "compute_limit": result["compute_limit"]}
         result["capacity"] = {p: most_users(p, workload_for, s) for p in policies}
         result["goal"] = report.goal(result["capacity"], s.delay_bound)
         result["tails"] = {p: report.tail_note(p, c, s.delay_bound)
@@ -248,9 +310,12 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
     print()
     say(f"== {r['name']}: {r['source']}")
     say(f"node: {node['nodes']} x {node['gpus_per_node']} GPUs of {node['gpu_gib']:g} GiB; "
-        f"restore mode {s.restore_mode}; placement {s.placement}; "
-        + (f"restores move after {s.move_after:g} s; " if s.move_after > 0
-           else "restores never move; ") + s.transfer.describe())
+        f"restore mode {s.restore_mode}; release policy {s.release_policy}; placement "
+        f"{s.placement}" + (f", servers by {s.servers}" if s.placement != "round-robin" else "")
+        + "; " + (f"restores move after {s.move_after:g} s; " if s.move_after > 0
+                  else "restores never move; ")
+        + (f"rebalance after {s.rebalance_idle:g} s idle; " if s.rebalance else "no rebalance; ")
+        + s.transfer.describe())
     if r["statistics"]:
         print("\nthe workload against the published figures the generator is calibrated to:")
         print(report.statistics_table(r["statistics"], wide))
@@ -277,14 +342,14 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
         say(f"restores ahead of the person (--ahead-lead) and the release policy: {a['policy']}, "
             f"{r['reference_users']} users; at the node's {node['nodes'] * node['gpus_per_node']}"
             f" GPUs, then at the fewest that serve them (transfer model {s.transfer.name} first):")
-        print(report.ahead_table(a["rows"], wide))
+        print(report.ahead_table(a["rows"], wide, r.get("compute_limit")))
     if "placement_table" in r:
         p = r["placement_table"]
         print()
         say(f"placement and restores that move (--placement, --move-after): {p['policy']}, "
             f"{r['reference_users']} users; at the node's {node['nodes'] * node['gpus_per_node']}"
             f" GPUs, then at the fewest that serve them (transfer model {s.transfer.name} first):")
-        print(report.placement_table(p["rows"], wide))
+        print(report.placement_table(p["rows"], wide, r.get("compute_limit")))
     if "capacity" in r:
         print()
         say(f"most users per GPU on the node with no out-of-memory failure, p99 cell delay <= "

@@ -15,11 +15,18 @@ notebook, editing a cell) comes ``ahead_lead`` s before a cell; where the kernel
 then, the policy hears of it (:meth:`~.policies.Policy.on_activity`) and may restore it before
 the cell arrives (``ahead_share``: the share of cells the lab sees activity before, drawn per
 cell from ``seed``).
-Placement: ``round-robin`` (user ``i``'s kernels on GPU ``i mod G``, and the next ones for a
-kernel of several GPUs) or ``load-aware`` (at each kernel's start, the GPUs of its user's
-machine with the most memory free after what is held and what released kernels placed there
-will take back, then the least SM load). A policy may move a released kernel onto other GPUs
-of its machine before it restores it (:meth:`Simulation.move`): the kernel then lives there.
+Kernels start (are placed) when their first session starts and allocate at their first cell
+that uses the GPU: in between they are placed but not yet computing, as in the product from a
+kernel's launch to its first GPU cell, and placement counts them (``pending``).
+Placement: ``room`` (the product's: at each kernel's start, the GPUs of its user's machine
+ranked by :mod:`jupyter_gpushare.policy.placement` unchanged, from :meth:`Simulation.views`)
+or ``round-robin`` (a baseline: user ``i``'s kernels on GPU ``i mod G``, and the next ones for
+a kernel of several GPUs). The machine a user's server runs on: ``servers`` ``rule`` (at its
+first kernel's start, by the same rule's ``rank_groups`` over the machines) or
+``round-robin`` (a baseline: the machine of the user's round-robin GPU). A policy may move a
+released kernel onto other GPUs of its machine before it restores it
+(:meth:`Simulation.move`), or move an idle resident one (:meth:`Simulation.relocate`): the
+kernel then lives there.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import functools
 import heapq
 import itertools
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..policy import placement as rule
+from .defaults import LOAD_WINDOW, MIN_ROOM, REBALANCE_WINDOW
 from .meter import Meter
 from .node import Node
 from .transfer import TransferModel
@@ -50,12 +59,14 @@ CULLED = "culled"  # killed by the culler; the next cell starts it again and re-
 ENDED = "ended"  # shut down by its person
 
 RESTORE_MODES = ("eager", "lazy")
-PLACEMENTS = ("round-robin", "load-aware")
+PLACEMENTS = ("room", "round-robin")  # the product's, then the baseline
+SERVERS = ("rule", "round-robin")  # where a user's server runs: the cluster rule, the baseline
 
 
 def reason_kind(reason: str) -> str:
     """The policy module's reason without its numbers: idle, memory pressure, making room."""
-    for kind in ("memory pressure", "making room", "idle", "long idle", "ahead grace"):
+    for kind in ("memory pressure", "making room", "idle", "long idle", "ahead grace",
+                 "rebalance"):
         if reason.startswith(kind):
             return kind
     return reason
@@ -92,6 +103,9 @@ class Kernel:
     ahead_since: float | None = None  # its person's activity no cell has followed yet
     ahead_restore: bool = False  # its restore (in flight or done) was asked by activity, unused
     restore_end: float = 0.0  # when its restore in flight ends
+    allocated: bool = False  # it has allocated on its GPUs since it started (placed, else)
+    need: rule.Need | None = None  # what its placement expected it to need
+    moved_at: list[float] = field(default_factory=list)  # when rebalance moved it
     policy_state: dict = field(default_factory=dict)  # a policy's own bookkeeping
 
     @property
@@ -157,21 +171,28 @@ class Counters:
     ahead_released_again: int = 0  # no cell within ahead_grace: released again
     ahead_cancelled: int = 0  # no room found within ahead_grace: never restored ahead
     moves: int = 0  # restores onto other GPUs than those the kernel was released from
+    rebalances: int = 0  # of which: idle resident kernels moved off contended GPUs
 
 
 class Simulation:
     def __init__(self, workload: Workload, policy: Policy, gpu_bytes: int, gpus_per_node: int,
                  transfer: TransferModel, nodes: int = 1, bin_seconds: float = 600.0,
                  observer: Observer | None = None, restore_mode: str = "eager",
-                 placement: str = "round-robin", total_gpus: int | None = None,
-                 ahead_lead: float = 0.0, ahead_share: float = 1.0, seed: int = 0):
+                 placement: str = "room", total_gpus: int | None = None,
+                 ahead_lead: float = 0.0, ahead_share: float = 1.0, seed: int = 0,
+                 servers: str = "rule", load_window: float = LOAD_WINDOW):
         """``total_gpus``: that many GPUs in machines of ``gpus_per_node`` (the last one
         partly filled), instead of ``nodes`` full machines. ``ahead_lead``: s between a
-        person's first activity and their cell (0: no activity is seen, cells alone restore)."""
+        person's first activity and their cell (0: no activity is seen, cells alone restore).
+        ``load_window``: s of SM history a GPU's load and busy kernels are judged over."""
         if restore_mode not in RESTORE_MODES:
             raise ValueError(f"restore mode {restore_mode!r}: one of {', '.join(RESTORE_MODES)}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r}: one of {', '.join(PLACEMENTS)}")
+        if servers not in SERVERS:
+            raise ValueError(f"servers {servers!r}: one of {', '.join(SERVERS)}")
+        self.servers = servers
+        self.load_window = load_window
         self.restore_mode = restore_mode
         self.placement = placement
         self.ahead_lead = ahead_lead
@@ -199,7 +220,13 @@ class Simulation:
         if wide > min(gpus_per_node, n_gpus) and policy.name != "exclusive":
             raise ValueError(f"a kernel of {wide} GPUs cannot run on machines of "
                              f"{min(gpus_per_node, n_gpus)} GPUs")
-        self.node = Node([gpu_bytes] * n_gpus, self.duration, bin_seconds, self.schedule)
+        self.node = Node([gpu_bytes] * n_gpus, self.duration, bin_seconds, self.schedule,
+                         load_window, keep=max(load_window, REBALANCE_WINDOW))
+        self.machine_of: dict[int, range] = {}  # user -> the machine their server runs on
+        self.placed: list[set[int]] = [set() for _ in range(n_gpus)]  # placed, not allocated
+        self.computed: list[dict[int, float]] = [{} for _ in range(n_gpus)]  # kernel -> last
+        self._keep = max(load_window, REBALANCE_WINDOW)  # s of that kept
+        self.peaks: dict[int, dict[int, int]] = {}  # user -> kernel -> most bytes per GPU held
         self.reclaimed = Meter(bin_seconds, self.duration)  # bytes off the GPU of live kernels
         self._reclaimed_bytes = 0
         self.cells: list[CellRecord] = []
@@ -210,6 +237,7 @@ class Simulation:
             k.held = k.work.gpu_bytes
             if k.work.sessions:
                 s = k.work.sessions[0]
+                self.schedule(s.start, functools.partial(self._launch, k))
                 self.schedule(s.start + s.cells[0].gap, functools.partial(self._arrive, k))
 
     # -- the loop -----------------------------------------------------------------------------
@@ -285,29 +313,58 @@ class Simulation:
         elif k.state != RESTORING:  # RESTORING: the cell starts when the restore is done
             self.policy.on_needs_gpu(self, k)
 
+    def _launch(self, k: Kernel) -> None:
+        """Its first session starts: the kernel is launched (placed) before its first cell."""
+        if k.state == NEW:
+            self._start_kernel(k)
+
     def _start_kernel(self, k: Kernel) -> None:
-        k.held = k.work.gpu_bytes  # a (re)started process holds what it allocates at start
-        k.gpus = self.policy.place_at_start(self, k)
-        if not self.policy.fits(self, k):
-            self.counters.oom_failures += 1  # the cell fails; the person tries the next one
-            pending, k.pending = k.pending, None
-            assert pending is not None
-            self._next_cell(k, self.now)
-            return
-        self._allocate(k)
+        """Launch (or, after a cull, restart) ``k``: placed on its GPUs, nothing allocated
+        until its first cell that uses the GPU."""
         if k.state == CULLED:
             self._reclaim(-k.total_bytes)
             self.counters.restarts += 1
             self.counters.work_lost_seconds += k.lost_on_restart  # re-run on this next use
             k.lost_on_restart = 0.0
+        k.need = self.expected_need(k)
+        k.gpus = self.policy.place_at_start(self, k)
+        k.held, k.allocated = 0, False
+        for g in k.gpus:
+            self.placed[g].add(k.index)
         k.state = RESIDENT
         k.compute_since_start = 0.0
-        self._start_cell(k)
+        self.note(k, "placed", gpus=list(k.gpus))
+        if k.pending is not None:
+            self._start_cell(k)
+
+    def _first_allocation(self, k: Kernel, nbytes: int) -> bool:
+        """A placed kernel's first GPU cell: it allocates ``nbytes`` per GPU (a (re)started
+        process holds what it allocates at start); False: not there (out of memory)."""
+        k.held = nbytes
+        if not self.policy.fits(self, k):
+            k.held = 0
+            return False
+        self._allocate(k)
+        k.allocated = True
+        self._unplace(k)
+        return True
+
+    def _unplace(self, k: Kernel) -> None:
+        for g in k.gpus:
+            self.placed[g].discard(k.index)
 
     def _start_cell(self, k: Kernel) -> None:
         w = k.pending
         assert w is not None
         cell = w.cell
+        if k.state == RESIDENT and not k.allocated and cell.uses_gpu:
+            if not self._first_allocation(k, max(k.work.gpu_bytes, cell.nbytes or 0)):
+                self.counters.oom_failures += 1  # the cell fails; the person tries the next one
+                k.pending = None
+                k.last_activity = self.now
+                self._next_cell(k, self.now)
+                self.policy.on_idle(self, k)
+                return
         if k.state == RESIDENT and cell.nbytes is not None and cell.nbytes > k.held:
             if not self._grow(k, cell.nbytes):  # CUDA out of memory: the cell fails
                 self.counters.oom_failures += 1
@@ -329,10 +386,18 @@ class Simulation:
             self.schedule(end, lambda: self._end_cell(k, rec, end))
             return
         left = [len(on)]  # a cell of several GPUs ends when its slowest GPU's share ends
+        computing = cell.utilization > 0
+        if computing:
+            for g in on:
+                self.computed[g][k.index] = float("inf")
+            self.policy.on_compute(self, on)
 
         def part_done(t: float) -> None:
             left[0] -= 1
             if not left[0]:
+                for g in on:
+                    if computing:
+                        self.computed[g][k.index] = t
                 self._end_cell(k, rec, t)
 
         for g in on:
@@ -347,6 +412,7 @@ class Simulation:
             self.node.allocate(self.now, g, delta)
             self._peak(g)
         k.held = nbytes
+        self._user_peak(k)
         self.note(k, "memory", nbytes=k.total_bytes)
         for g in k.gpus:
             self.policy.on_allocated(self, g)
@@ -394,6 +460,7 @@ class Simulation:
             self._free(k)
         elif k.state in (RELEASED, CULLED):
             self._reclaim(-k.total_bytes)
+        self._unplace(k)
         k.state = ENDED
         self.note(k, "ended")
         self._freed(k)
@@ -403,6 +470,7 @@ class Simulation:
         for g in k.gpus:
             self.node.allocate(self.now, g, k.held)
             self._peak(g)
+        self._user_peak(k)
         self.note(k, "memory", nbytes=k.total_bytes)
         for g in k.gpus:
             self.policy.on_allocated(self, g)
@@ -411,6 +479,10 @@ class Simulation:
         used = self.node.gpus[g].used
         if used > self.counters.peak_used.get(g, 0):
             self.counters.peak_used[g] = used
+
+    def _user_peak(self, k: Kernel) -> None:
+        peaks = self.peaks.setdefault(k.user_index, {})
+        peaks[k.index] = max(peaks.get(k.index, 0), k.held)
 
     def _free(self, k: Kernel) -> None:
         for g in k.gpus:
@@ -440,7 +512,7 @@ class Simulation:
     # -- what policies may do -------------------------------------------------------------------
     def release(self, k: Kernel, reason: str, then: Callable[[], None] | None = None) -> bool:
         """Move a resident, idle kernel's GPU state to host memory; False if it cannot now."""
-        if k.state != RESIDENT or k.busy:
+        if k.state != RESIDENT or k.busy or not k.allocated:
             return False
         k.state = RELEASING
         if k.ahead_restore:  # restored ahead and released before its cell: asked no more
@@ -476,20 +548,21 @@ class Simulation:
         self.counters.moves += 1
         self.note(k, "moved", gpus_from=was, gpus_to=list(gpus))
 
-    def restore(self, k: Kernel) -> None:
+    def restore(self, k: Kernel, rebalance: bool = False) -> None:
         """Bring a released kernel back onto all its GPUs at once (in parallel, one copy per
-        GPU), for the cell that waits or, ahead of it, for its person's activity; the caller
-        has checked that it fits on every one of them."""
-        assert k.state == RELEASED and (k.pending is not None or k.ahead_since is not None)
+        GPU), for the cell that waits or, ahead of it, for its person's activity, or (``rebalance``)
+        onto the GPUs it was moved to; the caller has checked that it fits on every one of them."""
+        assert k.state == RELEASED and (k.pending is not None or k.ahead_since is not None
+                                        or rebalance)
         self._allocate(k)
         self._reclaim(-k.total_bytes)
         k.state = RESTORING
         seconds = self.transfer.restore_seconds(k.held)
         k.restore_end = self.now + seconds
-        trigger = "cell" if k.pending is not None else "activity"
+        trigger = "cell" if k.pending is not None else "rebalance" if rebalance else "activity"
         if k.pending is not None:
             k.pending.restore_seconds = seconds
-        else:
+        elif not rebalance:
             k.ahead_restore = True
             self.counters.ahead_restores += 1
 
@@ -500,16 +573,32 @@ class Simulation:
             self.note(k, "restored", seconds=seconds, trigger=trigger)
             if k.pending is not None:
                 self._start_cell(k)
-            else:  # restored ahead: resident and idle until the cell comes
+            else:  # restored ahead (or moved): resident and idle until the cell comes
                 self.policy.on_idle(self, k)
-                self.policy.on_ahead_restored(self, k)
+                if trigger == "activity":
+                    self.policy.on_ahead_restored(self, k)
 
         self.schedule(self.now + seconds, restored)
+
+    def relocate(self, k: Kernel, gpus: list[int], reason: str) -> bool:
+        """Move an idle resident kernel onto ``gpus`` (of its machine): released, moved, and
+        restored there at once where it fits (else it stays released, and its next cell
+        restores it there as any); False if it cannot be released now."""
+        def land() -> None:
+            if k.state != RELEASED:
+                return
+            self.move(k, gpus)
+            self.counters.rebalances += 1
+            if k.pending is None and all(self.node.free(g) >= k.held for g in k.gpus):
+                self.restore(k, rebalance=True)
+
+        return self.release(k, reason, then=land)
 
     def cull(self, k: Kernel) -> None:
         """Kill an idle kernel: its memory is freed and its work since it started is lost."""
         assert k.state == RESIDENT and not k.busy
         self._free(k)
+        self._unplace(k)
         self._reclaim(k.total_bytes)
         k.state = CULLED
         k.lost_on_restart = k.compute_since_start
@@ -520,6 +609,66 @@ class Simulation:
     def fits_now(self, k: Kernel) -> bool:
         """Whether ``k``'s state fits on every one of its GPUs now."""
         return all(self.node.free(g) >= k.held for g in k.gpus)
+
+    # -- what placement sees -----------------------------------------------------------------
+    def machines(self) -> list[range]:
+        return [self.node_gpus(first) for first in range(0, len(self.node.gpus), self.gpus_per_node)]
+
+    def expected_need(self, k: Kernel) -> rule.Need:
+        """What the product could expect ``k`` to need per GPU: the most its person's kernels
+        held before (not what the workload will make it allocate), else the floor."""
+        recent = list(self.peaks.get(k.user_index, {}).values())
+        return rule.expected_need(None, None, recent, MIN_ROOM)
+
+    def busy(self, gpu: int, window: float | None = None) -> int:
+        """Kernels that computed on ``gpu`` within ``window`` s (the load window where None),
+        or compute there now."""
+        last = self.computed[gpu]
+        since = self.now - (self.load_window if window is None else window)
+        n = 0
+        old = []
+        for i, t in last.items():
+            if t >= since:
+                n += 1
+            elif t < self.now - self._keep:
+                old.append(i)
+        for i in old:  # out of every window: forgotten
+            del last[i]
+        return n
+
+    def views(self, gpus: Iterable[int], exclude: Kernel | None = None,
+              window: float | None = None) -> dict[int, rule.GpuView]:
+        """The placement rule's view of ``gpus``, built as the product builds it: room = free
+        memory less what released kernels placed there will take back and what placed kernels
+        are expected to allocate; load = SM % over the load window; pending = the expected SM
+        load of kernels placed there that have not allocated yet; kernels placed or resident
+        there; kernels that computed there within the window. ``exclude``: a kernel whose own
+        bytes are not counted as promised (the one being placed or restored). ``window``: s
+        (the load window where None; rebalance judges over its own)."""
+        gpus = list(gpus)
+        promised = dict.fromkeys(gpus, 0)
+        pending = dict.fromkeys(gpus, 0.0)
+        count = dict.fromkeys(gpus, 0)
+        for g in gpus:
+            for i in self.placed[g]:
+                o = self.kernels[i]
+                if o is exclude or o.need is None:
+                    continue
+                promised[g] += o.need.bytes
+                pending[g] += o.need.load
+        for o in self.kernels:
+            if o is exclude or o.state in (NEW, CULLED, ENDED):
+                continue
+            for g in o.gpus:
+                if g in count:
+                    if o.state == RELEASED:
+                        promised[g] += o.held
+                    else:
+                        count[g] += 1
+        return {g: rule.GpuView(g, self.node.free(g) - promised[g],
+                                self.node.load(g, self.now, window), pending[g], count[g],
+                                self.busy(g, window))
+                for g in gpus}
 
     def node_gpus(self, gpu: int) -> range:
         """The GPUs of the machine ``gpu`` is on (a server sees its own machine's GPUs)."""

@@ -60,6 +60,9 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         "cpu_only_cells": sum(1 for r in sim.cells if not r.gpus),
         "restore_mode": sim.restore_mode,
         "placement": sim.placement,
+        "servers": sim.servers,
+        # SM % asked by the cells running at once, summed over GPUs: the compute needed
+        "peak_sm_demand_pct": sim.node.peak_demand,
         "cells_delayed": len(delayed),
         "cells_delayed_pct": 100.0 * len(delayed) / max(1, len(delays)),
         "cells_still_waiting_at_end": len(c.still_waiting),
@@ -83,6 +86,7 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         "ahead_cancelled": c.ahead_cancelled,
         "move_after_s": getattr(sim.policy, "move_after", None),
         "moves": c.moves,  # restores onto other GPUs than the kernel's own
+        "rebalances": c.rebalances,  # of which: idle kernels moved off contended GPUs
         "culls": c.culls,
         "restarts": c.restarts,
         "work_lost_gpu_hours": c.work_lost_seconds / HOUR,  # GPU cells' time x their GPUs

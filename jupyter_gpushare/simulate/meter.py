@@ -6,6 +6,10 @@ are constant, so their mean over any window is an exact integral, not a sample.
 
 from __future__ import annotations
 
+from collections import deque
+
+from ..policy.placement import window_mean
+
 
 class Meter:
     def __init__(self, bin_seconds: float, duration: float):
@@ -38,3 +42,23 @@ class Meter:
 
     def bin_means(self) -> list[float]:
         return [v / self.bin_seconds for v in self.bins]
+
+
+class Recent:
+    """The last ``keep`` s of a piecewise-constant value, for a mean over a window that ends
+    now (a GPU's SM load as the product judges it: busy over a window, not one reading)."""
+
+    def __init__(self, keep: float):
+        self.keep = keep
+        self.samples: deque[tuple[float, float]] = deque([(0.0, 0.0)])
+
+    def set(self, t: float, value: float) -> None:
+        if self.samples[-1][0] == t:
+            self.samples.pop()
+        self.samples.append((t, value))
+        while len(self.samples) >= 2 and self.samples[1][0] <= t - self.keep:
+            self.samples.popleft()  # the one before the window stays: it holds into it
+
+    def mean(self, now: float, window: float) -> float:
+        """Time-weighted mean over [now - window, now] (the product's ``window_mean``)."""
+        return window_mean(self.samples, now - window, now)

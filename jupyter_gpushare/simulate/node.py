@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .meter import Meter
+from .meter import Meter, Recent
 
 
 class OverCapacity(AssertionError):
@@ -51,11 +51,17 @@ class Node:
     """One or more machines' GPUs, indexed 0..n-1 across machines."""
 
     def __init__(self, capacities: list[int], duration: float, bin_seconds: float,
-                 schedule: Callable[[float, Callable[[], None]], None]):
+                 schedule: Callable[[float, Callable[[], None]], None],
+                 load_window: float = 120.0, keep: float | None = None):
         self.gpus = [GPU(i, c) for i, c in enumerate(capacities)]
         self.schedule = schedule
         self.memory = [Meter(bin_seconds, duration) for _ in self.gpus]
         self.sm = [Meter(bin_seconds, duration) for _ in self.gpus]
+        self.load_window = load_window
+        # SM %, capped at 100, kept for the longest window asked (``keep``)
+        self.recent = [Recent(max(load_window, keep or 0.0)) for _ in self.gpus]
+        self.demand = 0.0  # SM % asked by every running cell on every GPU, uncapped
+        self.peak_demand = 0.0  # its highest: the compute a workload needs at once
         self._next_token = 0
 
     # -- memory -------------------------------------------------------------------------------
@@ -76,6 +82,11 @@ class Node:
         return self.gpus[gpu].free()
 
     # -- SMs ----------------------------------------------------------------------------------
+    def load(self, gpu: int, now: float, window: float | None = None) -> float:
+        """SM % of ``gpu`` over the last ``window`` s (``load_window`` where None): the mean
+        of min(100, demand)."""
+        return self.recent[gpu].mean(now, self.load_window if window is None else window)
+
     def run(self, now: float, gpu: int, duration: float, utilization: float,
             done: Callable[[float], None]) -> None:
         """Run ``duration`` s of work at ``utilization`` SM %; ``done(t)`` when it finishes."""
@@ -85,8 +96,9 @@ class Node:
         g = self.gpus[gpu]
         self._catch_up(now, g)
         self._next_token += 1
+        was = g.demand()
         g.running[self._next_token] = Running(duration, utilization, done)
-        self._reschedule(now, g)
+        self._reschedule(now, g, was)
 
     def _catch_up(self, now: float, g: GPU) -> None:
         elapsed = (now - g.updated) * g.speed()
@@ -94,8 +106,12 @@ class Node:
             r.remaining -= elapsed
         g.updated = now
 
-    def _reschedule(self, now: float, g: GPU) -> None:
-        self.sm[g.index].set(now, min(100.0, g.demand()))
+    def _reschedule(self, now: float, g: GPU, was: float = 0.0) -> None:
+        demand = g.demand()
+        self.sm[g.index].set(now, min(100.0, demand))
+        self.recent[g.index].set(now, min(100.0, demand))
+        self.demand += demand - was
+        self.peak_demand = max(self.peak_demand, self.demand)
         g.version += 1
         if not g.running:
             return
@@ -108,8 +124,9 @@ class Node:
         if version != g.version:
             return  # the set of running cells changed since: a newer event took over
         self._catch_up(now, g)
+        was = g.demand()
         done = g.running.pop(token).done
-        self._reschedule(now, g)
+        self._reschedule(now, g, was)
         done(now)
 
     def close(self, now: float) -> None:

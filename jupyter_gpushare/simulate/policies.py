@@ -41,9 +41,21 @@ import math
 import random
 from dataclasses import replace
 from functools import partial
+from typing import cast
 
 from .. import policy as product
-from ..policy.room import lacking, move_plan
+from ..policy import placement as rule
+from ..policy.room import lacking
+from .defaults import (
+    AHEAD_GRACE,
+    LONG_IDLE,
+    MOVE_AFTER,
+    REBALANCE,
+    REBALANCE_IDLE,
+    REBALANCE_PER_HOUR,
+    REBALANCE_WINDOW,
+    RELEASE_POLICY,
+)
 from .engine import RELEASED, RESIDENT, Kernel, Simulation, reason_kind
 from .workload import Workload
 
@@ -72,15 +84,33 @@ class Policy:
         return [machine.start + (home - machine.start + j) % size for j in range(k.work.gpus)]
 
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
-        """Where a kernel that starts (or restarts after a cull) now runs."""
-        if sim.placement != "load-aware":
+        """Where a kernel that starts (or restarts after a cull) now runs: ``room``, the
+        product's rule (:func:`jupyter_gpushare.policy.placement.choose`) over its server's
+        machine, its device 0 first; ``round-robin``: its user's turn."""
+        if sim.placement == "round-robin":
             return k.gpus
-        machine = sim.node_gpus(self.place(sim, k)[0])  # its user's machine
+        assert k.need is not None
+        machine = self.machine(sim, k)
+        views = sim.views(machine, exclude=k)
+        return [cast(int, v.gpu) for v in rule.choose(views.values(), k.need, k.work.gpus)]
 
-        def load(g: int) -> tuple[int, float, int]:
-            return (-(sim.node.free(g) - sim.reserved(g)), sim.node.gpus[g].demand(), g)
-
-        return sorted(sorted(machine, key=load)[:k.work.gpus])
+    def machine(self, sim: Simulation, k: Kernel) -> range:
+        """The machine ``k``'s user's server runs on, chosen at its first kernel's start:
+        ``servers`` ``rule``, the machine the product's rule ranks first
+        (:func:`jupyter_gpushare.policy.placement.rank_groups`, for the user's widest kernel);
+        ``round-robin``, the machine of their round-robin turn."""
+        m = sim.machine_of.get(k.user_index)
+        if m is None:
+            if sim.servers == "round-robin":
+                m = sim.node_gpus(self.home(sim, k.user_index))
+            else:
+                assert k.need is not None
+                width = max(o.work.gpus for o in sim.by_user[k.user_index])
+                groups = {f"{g.start:08d}": list(sim.views(g, exclude=k).values())
+                          for g in sim.machines()}
+                m = sim.node_gpus(int(rule.rank_groups(groups, k.need, width)[0]))
+            sim.machine_of[k.user_index] = m
+        return m
 
     def fits(self, sim: Simulation, k: Kernel) -> bool:
         """Whether a kernel starting now gets its memory (else: out of memory)."""
@@ -104,6 +134,9 @@ class Policy:
 
     def on_allocated(self, sim: Simulation, gpu: int) -> None:
         pass
+
+    def on_compute(self, sim: Simulation, gpus: list[int]) -> None:
+        """A cell starts computing on ``gpus``."""
 
     def describe(self) -> str:
         return self.name
@@ -164,7 +197,8 @@ class Cull(Policy):
         return f"cull: kill kernels idle {self.cull_after:.0f} s (checked every {self.cull_interval:.0f} s)"
 
 
-RELEASE_POLICIES = ("proactive", "needs")
+RELEASE_POLICIES = ("needs", "proactive")  # the product's default first
+REBALANCE_TICK = 10.0  # s between two rebalance passes over a machine (the product: each poll)
 
 
 class GPUShare(Policy):
@@ -173,8 +207,10 @@ class GPUShare(Policy):
     name = "gpushare"
 
     def __init__(self, config: product.PolicyConfig, poll_interval: float = 2.0, seed: int = 0,
-                 release_policy: str = "proactive", long_idle: float = 7200.0,
-                 ahead_grace: float = 300.0, move_after: float = 30.0):
+                 release_policy: str = RELEASE_POLICY, long_idle: float = LONG_IDLE,
+                 ahead_grace: float = AHEAD_GRACE, move_after: float = MOVE_AFTER,
+                 rebalance: bool = REBALANCE, rebalance_idle: float = REBALANCE_IDLE,
+                 rebalance_per_hour: int = REBALANCE_PER_HOUR):
         if release_policy not in RELEASE_POLICIES:
             raise ValueError(f"release policy {release_policy!r}: one of "
                              f"{', '.join(RELEASE_POLICIES)}")
@@ -187,6 +223,9 @@ class GPUShare(Policy):
         if not move_after >= 0:  # NaN too
             raise ValueError(f"move_after {move_after!r}: seconds, 0 (never move) or more")
         self.move_after = move_after
+        self.rebalance = rebalance
+        self.rebalance_idle = rebalance_idle
+        self.rebalance_per_hour = rebalance_per_hour
 
     def setup(self, sim: Simulation) -> None:
         # servers poll on their own clocks, not in step: a phase per user
@@ -197,6 +236,7 @@ class GPUShare(Policy):
         self.waiting_ahead: dict[int, list[Kernel]] = {}  # the same for restores ahead of a cell
         self.making_room: set[int] = set()  # kernels whose restore waits for make-room releases
         self.short_since: dict[int, float] = {}  # kernel -> when its restore first lacked room
+        self.rebalancing: set[int] = set()  # machines (first GPU) whose passes are scheduled
 
     # -- the server's view ----------------------------------------------------------------------
     def server_kernels(self, sim: Simulation, k: Kernel) -> list[Kernel]:
@@ -378,9 +418,11 @@ class GPUShare(Policy):
             self._wait(sim, k, ahead)
             return
         if sim.fits_now(k):  # on every one of its GPUs: a cell of several runs on all or none
-            self._stop_waiting(k)
-            self.short_since.pop(k.index, None)
-            sim.restore(k)
+            # home, unless its SMs are contended and a quieter GPU has room (the rule's)
+            if not (self.move_after > 0 and self._move(sim, k, ahead, lacks=False)):
+                self._stop_waiting(k)
+                self.short_since.pop(k.index, None)
+                sim.restore(k)
             return
         if self.move_after > 0:
             since = self.short_since.get(k.index)
@@ -406,17 +448,24 @@ class GPUShare(Policy):
         if k.state == RELEASED and self.short_since.get(k.index) == since:
             self._try_restore(sim, k)
 
-    def _move(self, sim: Simulation, k: Kernel, ahead: bool) -> bool:
-        """Restore ``k`` onto other GPUs of its machine with room, if each GPU of its own that
-        lacks room has one to go to (the product's ``move_plan``: free memory now, the most
-        first); False: it stays where it is and waits. A restore ahead leaves alone the GPUs
-        where a cell's restore waits for room."""
+    def _move(self, sim: Simulation, k: Kernel, ahead: bool, lacks: bool = True) -> bool:
+        """Restore ``k`` onto other GPUs of its machine where the product's rule says
+        (:func:`jupyter_gpushare.policy.placement.restore_target`): each GPU of its own that
+        lacks room (``lacks``) or whose SMs are contended onto the best-ranked GPU with room,
+        all of them or none; False: it stays where it is (and, lacking room, waits). A restore
+        ahead leaves alone the GPUs where a cell's restore waits for room."""
         want = {g: k.nbytes for g in k.gpus}
-        free: dict[int, int | None] = {g: sim.node.free(g) for g in sim.node_gpus(k.gpu)}
+        views = sim.views(sim.node_gpus(k.gpu), exclude=k)
+        free = {g: sim.node.free(g) for g in want}
+        for g in want:  # its own GPUs: what is free now is what its restore may take
+            views[g] = replace(views[g], room=free[g])
         if ahead:
-            free.update({g: None for g in free if g not in want and self.waiting.get(g)})
-        plan = move_plan(want, lacking(want, free), free)
-        if plan is None:
+            for g in views:
+                if g not in want and self.waiting.get(g):
+                    views[g] = replace(views[g], room=None)
+        short = lacking(want, dict(free)) if lacks else []
+        plan = rule.restore_target(want, views, lacking=short)
+        if not plan:
             return False
         self._stop_waiting(k)  # from the queues of the GPUs it leaves
         self.short_since.pop(k.index, None)
@@ -464,6 +513,55 @@ class GPUShare(Policy):
         for k in [*self.waiting.get(gpu, ()), *self.waiting_ahead.get(gpu, ())]:
             self.schedule_check(sim, k.user_index, sim.now)  # its server notices at its next poll
 
+    # -- rebalance: idle kernels off contended GPUs ----------------------------------------------
+    def on_compute(self, sim: Simulation, gpus: list[int]) -> None:
+        """A cell computes on ``gpus``: the rebalance passes over their machine run from now
+        on, for as long as a GPU of it has computed within the load window (before and after
+        that, nothing there can be contended)."""
+        if not self.rebalance:
+            return
+        machine = sim.node_gpus(gpus[0])
+        if machine.start not in self.rebalancing:
+            self.rebalancing.add(machine.start)
+            at = math.ceil(sim.now / REBALANCE_TICK + 1e-9) * REBALANCE_TICK
+            sim.schedule(at, partial(self._rebalance_tick, sim, machine))
+
+    def _rebalance_tick(self, sim: Simulation, machine: range) -> None:
+        self._rebalance(sim, machine)
+        if (any(sim.busy(g, REBALANCE_WINDOW) for g in machine)
+                and sim.now + REBALANCE_TICK <= sim.duration):
+            sim.schedule(sim.now + REBALANCE_TICK, partial(self._rebalance_tick, sim, machine))
+        else:
+            self.rebalancing.discard(machine.start)
+
+    def _rebalance(self, sim: Simulation, machine: range) -> None:
+        """One pass of the product's rebalance over ``machine``
+        (:func:`jupyter_gpushare.policy.placement.rebalance` unchanged), judged over the
+        product rebalancer's window: a kernel may move when its person is away (no cell
+        running or waiting, idle ``rebalance_idle`` s) and it has moved fewer than
+        ``rebalance_per_hour`` times in the last hour."""
+        w = REBALANCE_WINDOW
+        if not any(sim.busy(g, w) >= 2 and sim.node.load(g, sim.now, w) >= rule.CONTENDED_LOAD
+                   for g in machine):
+            return  # no GPU can be contended (the rule's test, on the two inputs it reads)
+        views = sim.views(machine, window=w)
+        residents = []
+        for o in sim.kernels:
+            if o.state != RESIDENT or not o.allocated or o.gpu not in machine:
+                continue
+            idle = 0.0 if o.busy else sim.now - o.last_activity
+            moves = sum(1 for t in o.moved_at if t > sim.now - 3600.0)
+            movable = (not o.busy and o.pending is None and idle >= self.rebalance_idle
+                       and moves < self.rebalance_per_hour)
+            residents.append(rule.Resident(str(o.index), {g: o.held for g in o.gpus}, movable,
+                                           idle))
+        for kernel, plan in rule.rebalance(residents, views):
+            o = sim.kernels[int(kernel)]
+            was = ", ".join(str(g) for g in plan)
+            if sim.relocate(o, [plan.get(g, g) for g in o.gpus],
+                            f"rebalance: GPU {was} contended"):
+                o.moved_at.append(sim.now)
+
     def describe(self) -> str:
         c = self.config
         release = ("" if self.release_policy == "proactive" else
@@ -472,4 +570,6 @@ class GPUShare(Policy):
                 f"{c.pressure_free_fraction:.0%} free after {c.pressure_idle_timeout:.0f} s idle, "
                 f"poll {self.poll_interval:g} s{release}, ahead_grace {self.ahead_grace:.0f} s, "
                 + (f"restores move after {self.move_after:g} s" if self.move_after > 0
-                   else "restores never move"))
+                   else "restores never move")
+                + (f", rebalance after {self.rebalance_idle:g} s idle" if self.rebalance
+                   else ", no rebalance"))

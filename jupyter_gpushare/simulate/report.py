@@ -135,12 +135,14 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
     GPU-hours against reserving GPUs per user's sessions, and the run's delays and slowdown;
     then the fewest GPUs under each other transfer model."""
     first, others = h["models"][0], h["models"][1:]
+    limit = h.get("compute_limit")
     rows = []
     for name, c in h["by_model"][first].items():
         f = c["figures"] or {}
         served = c["gpus"] is not None
         rows.append([
-            name, c["gpus"] if served else "none", _n(c["gpu_hours"]) if served else "-",
+            name, c["gpus"] if served else "none", _times(c["gpus"], limit),
+            _n(c["gpu_hours"]) if served else "-",
             _n(c["reserved_gpu_hours"]), _ratio(c["gpu_hours"], c["reserved_gpu_hours"]) if served else "-",
             _s(f.get("cell_delay_p99_s", 0.0)) if served else "-",
             _s(f.get("delay_max_s", 0.0)) if served else "-",
@@ -154,12 +156,13 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
             last = c["probes"][-1]
             notes.append(f"{name} at {last['gpus']} GPUs: {', '.join(last['why_not'])}")
     if wide:
-        heads = ["policy", "fewest GPUs", "GPU-h", "reserved GPU-h", "x reserved",
+        heads = ["policy", "fewest GPUs", "x compute limit", "GPU-h", "reserved GPU-h", "x reserved",
                  "p99 delay s", "worst delay s", "GPU-cell slowdown p99", "work lost GPU-h",
                  *[f"fewest GPUs ({m})" for m in others]]
-        return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes])
-    heads = ["policy", "GPUs", "GPU-h", "reserved", "x res.", "p99", "worst", "slowdown", "lost",
-             *others]
+        return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes]
+                         + [limit_line(limit)])
+    heads = ["policy", "GPUs", "x limit", "GPU-h", "reserved", "x res.", "p99", "worst",
+             "slowdown", "lost", *others]
     legend = (f"GPUs: the fewest that serve every user under transfer model {first} (none: not "
               "even exclusive's count does); GPU-h: those GPUs for the whole trace (exclusive: "
               "each user's own GPUs only while a kernel of theirs is alive); reserved: GPU-h of "
@@ -169,11 +172,28 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
               "time alone; lost: GPU-h of GPU cells to re-run after a cull. "
               + ", ".join(others) + ": the fewest GPUs under that transfer model.")
     return "\n".join([table(heads, rows, WIDTH)] + [wrap(f"none: {n}.") for n in notes]
-                     + [wrap(legend)])
+                     + [wrap(legend), limit_line(limit)])
 
 
 def _gpus(c: dict[str, Any]) -> str:
     return "none" if c["gpus"] is None else str(c["gpus"])
+
+
+def _times(gpus: int | None, limit: dict[str, Any] | None) -> str:
+    """``gpus`` as a multiple of the compute limit's GPUs."""
+    if gpus is None or not limit or not limit.get("gpus"):
+        return "-"
+    return f"{gpus / limit['gpus']:.2f}x"
+
+
+def limit_line(limit: dict[str, Any] | None) -> str:
+    """The compute limit, said once above a table that shows the fewest GPUs against it."""
+    if not limit:
+        return ""
+    return wrap(f"compute limit: {limit['gpus']} GPUs (the peak SM demand of the cells running "
+                f"at once, {limit['peak_sm_demand_pct']:.0f} % of one GPU, rounded up; no "
+                "policy serves on fewer without slowing cells); x limit: the fewest GPUs as a "
+                "multiple of it.")
 
 
 def tail_threshold(worst: float, bound: float) -> int | None:
@@ -264,6 +284,15 @@ def goal_line(g: dict[str, Any]) -> str:
     return wrap(text)
 
 
+def install_hint(extra: str = "simulate") -> str:
+    """How to add ``extra``'s packages: from the checkout this runs from (an editable
+    install), else from the package index."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "jupyter_gpushare").is_dir():
+        return f"pip install -e '{root}[{extra}]'"
+    return f"pip install 'jupyter-gpushare[{extra}]'"
+
+
 def plot(f: dict[str, Any], title: str, path: Path) -> str | None:
     """Allocation against utilization over time, as a PNG; a message instead if it cannot."""
     try:
@@ -272,7 +301,7 @@ def plot(f: dict[str, Any], title: str, path: Path) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "no PNGs: matplotlib is not installed (pip install 'jupyter-gpushare[simulate]')"
+        return f"no PNGs: matplotlib is not installed ({install_hint()})"
     series = f["series"]
     hours = [i * series["bin_seconds"] / 3600 for i in range(len(series["allocation_pct"]))]
     fig, ax = plt.subplots(figsize=(10, 3.6), dpi=100)
@@ -293,7 +322,8 @@ def plot(f: dict[str, Any], title: str, path: Path) -> str | None:
     return None
 
 
-def ahead_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+def ahead_table(rows: list[dict[str, Any]], wide: bool = False,
+                limit: dict[str, Any] | None = None) -> str:
     """The restore-ahead sensitivity: per release policy and lead, delays at the
     node's GPUs and the fewest GPUs under each transfer model, with the delays there."""
     models = list(rows[0]["fewest_gpus"]) if rows else []
@@ -305,30 +335,32 @@ def ahead_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
         out.append([r["release_policy"], f"{r['ahead_lead_s']:g}", _s(r["cell_delay_p99_s"]),
                     _s(r["delay_max_s"]), f"{r['cells_delayed_pct']:.2f}",
                     f"{r['ahead_restores']:,}", f"{r['releases']:,}",
-                    there.get("gpus") if served else "none",
+                    there.get("gpus") if served else "none", _times(there.get("gpus"), limit),
                     f"{_s(there['cell_delay_p99_s'])} / {_s(there['delay_max_s'])}" if served else "-",
                     f"{there['cells_delayed_pct']:.2f}" if served else "-",
                     *[_gpus(r["fewest_gpus"][m]) for m in models[1:]]])
     if wide:
         return table(["release policy", "ahead lead s", "p99 all cells s", "worst delay s",
                       "delayed %", "restores ahead", "releases", f"fewest GPUs ({first})",
-                      "p99 / worst there s", "delayed % there",
-                      *[f"fewest GPUs ({m})" for m in models[1:]]], out)
+                      "x compute limit", "p99 / worst there s", "delayed % there",
+                      *[f"fewest GPUs ({m})" for m in models[1:]]], out) + "\n" + limit_line(limit)
     return "\n".join([
         table(["release", "lead", "p99", "worst", "delayed %", "ahead", "releases", first,
-               "p99 / worst", "delayed %", *models[1:]], out, WIDTH),
+               "x limit", "p99 / worst", "delayed %", *models[1:]], out, WIDTH),
         wrap(f"lead: s from the person's first activity to their cell; at the node's GPUs: p99 "
              f"delay over every cell and worst wait in s, share of cells delayed, restores "
              f"started ahead of a cell, releases. {first}: the fewest GPUs that serve every user "
              f"under that transfer model, with p99 / worst delay and delayed % at that count; "
              + ", ".join(models[1:]) + ": the fewest GPUs under that model."),
+        limit_line(limit),
     ])
 
 
-def placement_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
-    """Placement and migration: per configuration (round-robin and load-aware placement, each
-    without and with restores that move), delays and moves at the node's GPUs, and the fewest
-    GPUs under each transfer model, with the delays and moves there."""
+def placement_table(rows: list[dict[str, Any]], wide: bool = False,
+                    limit: dict[str, Any] | None = None) -> str:
+    """Placement and migration: per configuration (round-robin and the product's placement,
+    without and with restores that move and rebalance), delays and moves at the node's GPUs,
+    and the fewest GPUs under each transfer model, with the delays and moves there."""
     models = list(rows[0]["fewest_gpus"]) if rows else []
     first = models[0] if models else ""
 
@@ -341,23 +373,33 @@ def placement_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
         served = there.get("gpus") is not None
         out.append([r["configuration"], _s(r["cell_delay_p99_s"]), _s(r["delay_max_s"]),
                     f"{r['cells_delayed_pct']:.2f}", f"{r['moves']:,}", fewest(there),
+                    _times(there.get("gpus"), limit) if wide else None,
                     f"{_s(there['cell_delay_p99_s'])} / {_s(there['delay_max_s'])}" if served else "-",
                     f"{there['moves']:,}" if served else "-",
                     *[fewest(r["fewest_gpus"][m]) for m in models[1:]]])
+    if not wide:  # the multiple beside the count: the table fits
+        for row in out:
+            x = row.pop(6)
+            row[5] = row[5] if x in (None, "-") else f"{row[5]} ({x})"
     if wide:
         return table(["configuration", "p99 all cells s", "worst delay s", "delayed %", "moves",
-                      f"fewest GPUs ({first})", "p99 / worst there s", "moves there",
-                      *[f"fewest GPUs ({m})" for m in models[1:]]], out)
+                      f"fewest GPUs ({first})", "x compute limit", "p99 / worst there s",
+                      "moves there", *[f"fewest GPUs ({m})" for m in models[1:]]], out) \
+            + "\n" + limit_line(limit)
     return "\n".join([
-        table(["configuration", "p99", "worst", "delayed %", "moves", first, "p99 / worst",
-               "moves", *models[1:]], out, WIDTH),
-        wrap(f"round-robin: each user's kernels on their turn's GPUs; load-aware: at a kernel's "
-             f"start, the GPUs of its machine with the most memory free after held and reserved "
-             f"bytes; + move: a restore whose own GPUs lack room that long goes onto GPUs with "
-             f"room, and the kernel stays there (without it: never moved). At the node's GPUs: "
+        table(["configuration", "p99", "worst", "delayed %", "moves", f"{first} (x limit)",
+               "p99 / worst", "moves", *models[1:]], out, WIDTH),
+        wrap(f"round-robin: each user's kernels on their turn's GPUs (a baseline); room: the "
+             f"product's placement rule, at a kernel's start, over its server's machine (chosen "
+             f"by the same rule); + move: a restore whose own GPUs lack room that long, or whose "
+             f"SMs are contended, goes where the rule says, and the kernel stays there (without "
+             f"it: never moved); + rebalance: idle kernels move off contended GPUs (the "
+             f"product's defaults are the last row). At the node's GPUs: "
              f"p99 delay over every cell and worst wait in s, share of cells delayed, restores "
              f"moved. {first}: the fewest GPUs that serve every user under that transfer model "
-             f"(every count tried), with p99 / worst delay and moves at that count; "
+             f"(every count tried) and their multiple of the compute limit, with p99 / worst "
+             f"delay and moves at that count; "
              + ", ".join(models[1:]) + ": the fewest GPUs under that model. *: a larger count "
              "tried does not serve (where kernels land changes with the count of GPUs)."),
+        limit_line(limit),
     ])

@@ -1,4 +1,8 @@
-"""One run's settings, and the policies by name (one more policy = one more entry)."""
+"""One run's settings, and the policies by name (one more policy = one more entry).
+
+Every default is the product's as shipped (``defaults.py`` reads its options); the baselines
+(``proactive`` releases, ``round-robin`` placement or servers, no moves, no rebalance) are
+named settings."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..policy import PolicyConfig
+from . import defaults
 from .hub_policy import GPUShareHub
 from .policies import Cull, Exclusive, GPUShare, Policy, Static
 from .transfer import PRESETS, TransferModel
@@ -24,16 +29,21 @@ class Settings:
     delay_bound: float = 1.0  # s: p99 cell delay allowed for a run to "serve"
     slowdown_bound: float = 1.1  # p99 stretch of GPU cells from sharing SMs allowed to "serve"
     restore_mode: str = "eager"  # eager | lazy (engine.RESTORE_MODES)
-    placement: str = "round-robin"  # round-robin | load-aware (engine.PLACEMENTS)
+    placement: str = "room"  # the product's rule | round-robin (engine.PLACEMENTS)
+    servers: str = "rule"  # the machine a user's server runs on: rule | round-robin
     max_users_per_gpu: int = 12
     seed: int = 0
     bin_seconds: float = 600.0
     ahead_lead: float = 0.0  # s between a person's first activity and their cell (0: none seen)
     ahead_share: float = 1.0  # of cells, the share with activity the lab sees before them
-    ahead_grace: float = 300.0  # s a kernel restored ahead waits for its cell (the product's)
-    release_policy: str = "proactive"  # proactive | needs (policies.RELEASE_POLICIES)
-    long_idle: float = 7200.0  # s: under ``needs``, released however much room there is
-    move_after: float = 30.0  # s a restore waits for its own GPUs before others (0: never)
+    ahead_grace: float = defaults.AHEAD_GRACE  # s a kernel restored ahead waits for its cell
+    release_policy: str = defaults.RELEASE_POLICY  # needs | proactive (policies.RELEASE_POLICIES)
+    long_idle: float = defaults.LONG_IDLE  # s: under ``needs``, released however much room
+    move_after: float = defaults.MOVE_AFTER  # s a restore waits for its own GPUs (0: never)
+    rebalance: bool = defaults.REBALANCE  # idle kernels move off contended GPUs
+    rebalance_idle: float = defaults.REBALANCE_IDLE  # s idle before a kernel may be moved
+    rebalance_per_hour: int = defaults.REBALANCE_PER_HOUR  # moves per kernel per hour, at most
+    load_window: float = defaults.LOAD_WINDOW  # s of SM history a GPU's load is judged over
 
     @property
     def total_gpus(self) -> int:
@@ -51,4 +61,6 @@ POLICIES: dict[str, Callable[[Settings], Policy]] = {
 
 def _release(s: Settings) -> dict:
     return {"release_policy": s.release_policy, "long_idle": s.long_idle,
-            "ahead_grace": s.ahead_grace, "move_after": s.move_after}
+            "ahead_grace": s.ahead_grace, "move_after": s.move_after,
+            "rebalance": s.rebalance, "rebalance_idle": s.rebalance_idle,
+            "rebalance_per_hour": s.rebalance_per_hour}
