@@ -15,7 +15,8 @@ server cannot reach the service; poll_interval 10 s, the default).
 
     python benchmarks/hub_room_latency.py [--quick]
 
-``--smoke``: one round of each, the service polling every 2 s: the whole path, no figures.
+``--smoke``: one round of each, 80 MiB states on a 128 MiB GPU, the service polling every
+2 s: the whole path, no figures.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from jupyter_gpushare.demo import hub as demo_hub
 from jupyter_gpushare.sim.shared import SharedSimNode
 
 MiB = 1 << 20
-SIZE = 640  # MiB per kernel; two do not fit on the 1 GiB GPU
+SIZE, GPU = 640, 1024  # MiB per kernel, MiB of the GPU: two kernels do not fit (--smoke: 80, 128)
 
 EXTRA = """
 c.JupyterHub.services.append({{"name": "bench", "api_token": {token!r}}})
@@ -60,8 +61,8 @@ c.GPUShareHub.pressure_idle_timeout = 1
 c.GPUShareHub.min_release_bytes = 0
 """
 HOLD = ("from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
-        f"x = simgpu.array(np.arange({SIZE} * MiB // 4, dtype=np.uint32), copy=False)\n"
-        "x_sum = x.checksum()").replace("MiB", str(MiB))
+        "x = simgpu.array(np.arange({nbytes} // 4, dtype=np.uint32), copy=False)\n"
+        "x_sum = x.checksum()")
 
 
 class Hub:
@@ -149,12 +150,12 @@ class Kernel:
 
 async def round_(hub: Hub, waiter: str, owner: str) -> tuple[float, float]:
     a = await Kernel(hub, waiter).start()
-    await a.run(HOLD)
+    await a.run(HOLD.format(nbytes=SIZE * MiB))
     while (await hub.status(waiter, a.id))["gpu_memory_bytes"] < SIZE * MiB:
         await asyncio.sleep(0.1)  # a poll of its server counts the memory
     await hub.call(f"/user/{waiter}/api/gpushare/kernels/{a.id}/release", "POST")
     b = await Kernel(hub, owner).start()
-    await b.run(HOLD)
+    await b.run(HOLD.format(nbytes=SIZE * MiB))
     while (await hub.status(owner, b.id))["idle_seconds"] < 1.5:
         await asyncio.sleep(0.1)
     seen = await a.run("assert x.checksum() == x_sum")
@@ -183,7 +184,7 @@ async def bench(hub: Hub, rounds: int, baseline_rounds: int) -> None:
             1, (await hub.metric("gpushare_hub_room_seconds_count")) - before_n)
         rows[label] = ([r[0] for r in results], [r[1] for r in results], service)
     push_median = statistics.median(rows["push (alice)"][0])
-    print(f"waiting restore -> room made by another user's release ({SIZE} MiB states, 1 GiB GPU)")
+    print(f"waiting restore -> room made by another user's release ({SIZE} MiB states, {GPU} MiB GPU)")
     for label, (latency, release, service) in rows.items():
         overhead = [t - r for t, r in zip(latency, release, strict=True)]
         print(f"  {label:<18} {summary(latency)}  {statistics.median(latency) / push_median:5.1f}x push")
@@ -195,16 +196,20 @@ async def bench(hub: Hub, rounds: int, baseline_rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 + 2 rounds instead of 20 + 5")
-    parser.add_argument("--smoke", action="store_true", help="1 + 1 rounds, polls every 2 s")
+    parser.add_argument("--smoke", action="store_true",
+                        help="1 + 1 rounds of 80 MiB on 128 MiB, polls every 2 s")
     args = parser.parse_args()
     rounds = (1, 1) if args.smoke else (5, 2) if args.quick else (20, 5)
+    if args.smoke:
+        global SIZE, GPU
+        SIZE, GPU = 80, 128
     why = demo_hub.missing()
     if why:
         sys.exit(why)
     directory = Path(tempfile.mkdtemp(prefix="ghb-", dir="/tmp"))
     port = demo_hub.free_port()
     token = secrets.token_hex(16)
-    SharedSimNode(directory / "simulated-node.sqlite", (1024 * MiB,)).close()  # before the demo's
+    SharedSimNode(directory / "simulated-node.sqlite", (GPU * MiB,)).close()  # before the demo's
     config, env = demo_hub.prepare(directory, port, idle_timeout=3600)
     with config.open("a", encoding="utf-8") as f:
         f.write(EXTRA.format(token=token))
