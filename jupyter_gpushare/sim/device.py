@@ -612,7 +612,8 @@ class SimDevice:
         return {src: dst for src, dst in gpu_mapping.items() if src != dst}
 
     # -- host copies kept while running: pre-copy, budget ------------------------------
-    def precopy(self, stop: threading.Event | None = None) -> dict[str, Any]:
+    def precopy(self, stop: threading.Event | None = None,
+                after_copy: Callable[[Any], None] | None = None) -> dict[str, Any]:
         """Copy to host, while the process runs, every array written since its host copy was
         made (or that has none), one array at a time, each at ``transfer_rate``.
 
@@ -620,7 +621,8 @@ class SimDevice:
         background thread. It ends at once when ``stop`` is set or the device is locked; a
         copy whose array was written meanwhile stays stale (its version says so) and is
         copied again by the next pre-copy or checkpoint. Returns what it copied and whether
-        it stopped early."""
+        it stopped early. ``after_copy(array)`` (tests) runs once each copy exists, before
+        it is recorded: a cell's write at the worst moment."""
         stop = stop or threading.Event()
         with self._cond:
             arrays = [a for a, b in list(self._blocks.items()) if b.on_device]
@@ -636,6 +638,8 @@ class SimDevice:
             version = array._version
             dev = array._dev
             copy = dev.copy()
+            if after_copy is not None:
+                after_copy(array)
             if not self._pace(copy.nbytes, stop):
                 stopped = True
                 break
@@ -835,7 +839,7 @@ class SimDevice:
             array._commit_device(array._copy_to_device(), keep=self.keep_host_copy)
         moved.append(array)  # list.append is atomic: GPUs' threads share this list
         rate = self.transfer_rate
-        if rate:
+        if rate and nbytes:
             due = nbytes / rate
             while True:
                 elapsed = time.monotonic() - started

@@ -47,6 +47,7 @@ class SimArray:
         self._kept: np.ndarray | None = None
         self._kept_version = -1
         self._kept_at = 0.0  # time.monotonic() the kept copy was made (dropped oldest first)
+        self._host_was_kept = False  # the last checkpoint took the kept copy as it was
         # last, so a checkpoint never finds a registered array without its bytes; raises
         # OutOfMemoryError (and the bytes are dropped with the object) when it does not fit
         get_device().register(self, device, int(data.nbytes))
@@ -67,12 +68,17 @@ class SimArray:
         return self._dev.copy()  # a real copy: the cost of moving bytes off the GPU
 
     def _commit_host(self, copy: np.ndarray) -> None:
+        self._host_was_kept = copy is self._kept
         self._host, self._dev, self._kept = copy, None, None
 
     def _undo_host(self) -> None:
         """Undo :meth:`_commit_host`: the host copy (the very same bytes) is the device's
-        again; a kept copy is not kept (it may be that very buffer)."""
-        self._dev, self._host, self._kept = self._host, None, None
+        again. If it was the kept copy, it stays the kept copy too: shared with the device
+        buffer, it is current only until the next write (which moves the version), and a
+        stale kept copy is never read, only replaced."""
+        host, self._host = self._host, None
+        self._dev = host
+        self._kept = host if self._host_was_kept else None
 
     def _copy_to_device(self) -> np.ndarray:
         assert self._host is not None, "array is not in host memory"
