@@ -198,6 +198,24 @@ def test_a_scene_stopped_by_its_time_box_records_the_step_it_was_in(tmp_path):
     assert any("hang" in s for s in rec["figures"]["stuck_at"])
 
 
+def test_a_scene_process_that_died_or_was_killed_leaves_its_step_recorded_once(tmp_path):
+    out = tmp_path / "stage1.jsonl"
+    report.append(out, {"kind": "run", "schema": report.SCHEMA, "stage": "1", "mode": "gpu",
+                        "started": "t", "why": "test", "deadline_s": 280, "host": "h"})
+    state = {"current": "framework_round_trip", "started": time.time() - 5, "pids": []}
+    prove.record_unfinished(out, "torch", state, False, -11, 300)
+    prove.record_unfinished(out, "torch", state, True, -9, 300)  # already recorded: not again
+    prove.record_unfinished(out, "torch", {"current": None}, True, -9, 300)
+    prove.record_unfinished(out, "torch", {**state, "current": "shutdown_restored"}, True, -9, 30)
+    steps = report.steps_of(report.read(out))
+    assert [(r["step"], r["status"]) for r in steps] == [("framework_round_trip", "failed"),
+                                                         ("shutdown_restored", "timeout")]
+    assert steps[0]["reason"] == "the scene's process died during this step (exit -11)"
+    assert steps[1]["reason"] == "the scene's process was stopped (time box 30 s)"
+    assert steps[0]["title"] == prove.scene_table()["torch"][0]["framework_round_trip"][0]
+    assert report.validate(report.read(out)) == []
+
+
 def test_the_fit_finds_the_overhead_and_the_bandwidth():
     gib = report.GiB
     f = report.fit([(n * gib, 0.04 + n * gib / 20e9) for n in (1, 4, 16, 40)])

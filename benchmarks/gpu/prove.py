@@ -136,9 +136,11 @@ def run_scene(name: str, stage: str, mode: str, out: Path, box: float, work: Pat
            "--mode", mode, "--out", str(out), "--state", str(state), "--seconds", f"{box:.1f}",
            "--scale", str(SIM_SCALE if mode == "simulated" else 1.0)]
     proc = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)
+    stopped = False
     try:
         proc.wait(timeout=box + 5)
     except subprocess.TimeoutExpired:
+        stopped = True
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)  # the scene records the step it was in
         try:
@@ -152,16 +154,25 @@ def run_scene(name: str, stage: str, mode: str, out: Path, box: float, work: Pat
     except (OSError, ValueError):
         st = {}
     _kill(st.get("pids", []))
-    jsonl = out / f"stage{stage}.jsonl"
-    current = st.get("current")
-    if current and not any(r.get("kind") == "step" and r["scene"] == name and r["step"] == current
-                           for r in report.read(jsonl)):
-        title, timeout_s = scene_table()[name][0][current]
-        report.append(jsonl, {
-            "kind": "step", "scene": name, "step": current, "title": title, "status": "timeout",
-            "reason": f"the scene's process was stopped (time box {box:.0f} s, exit "
-                      f"{proc.returncode})", "seconds": round(time.time() - st.get("started", 0), 1),
-            "timeout_s": timeout_s, "at": report.now_iso(), "checks": [], "figures": {}})
+    record_unfinished(out / f"stage{stage}.jsonl", name, st, stopped, proc.returncode, box)
+
+
+def record_unfinished(jsonl: Path, name: str, state: dict[str, Any], stopped: bool,
+                      returncode: int | None, box: float) -> None:
+    """The step a scene's process was in when it was stopped (or died), where the process
+    could not record it itself."""
+    current = state.get("current")
+    if not current or any(r.get("kind") == "step" and r["scene"] == name and r["step"] == current
+                          for r in report.read(jsonl)):
+        return
+    title, timeout_s = scene_table()[name][0][current]
+    report.append(jsonl, {
+        "kind": "step", "scene": name, "step": current, "title": title,
+        "status": "timeout" if stopped else "failed",
+        "reason": (f"the scene's process was stopped (time box {box:.0f} s)" if stopped else
+                   f"the scene's process died during this step (exit {returncode})"),
+        "seconds": round(time.time() - state.get("started", 0), 1),
+        "timeout_s": timeout_s, "at": report.now_iso(), "checks": [], "figures": {}})
 
 
 def _kill(pids: list[list[float]]) -> None:
