@@ -28,6 +28,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -100,6 +101,12 @@ def emulate(port: int, servers: int) -> None:
     ioloop.IOLoop.current().start()
 
 
+def tail(log: Any) -> str:
+    """What a service logged (warnings and errors: it runs at --log-level=WARN)."""
+    log.seek(0)
+    return "\n" + log.read().decode(errors="replace")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,10 +136,13 @@ def main() -> None:
     emulator = subprocess.Popen([sys.executable, __file__, "--emulate", str(emu_port),
                                  "--servers", str(servers)], stdout=subprocess.PIPE, text=True, env=env)
     services = []
+    logs: list[Any] = []
     try:
         assert emulator.stdout is not None and emulator.stdout.readline().strip() == "ready", \
             "the emulator did not start"
         for poll in (10.0, 2.0):
+            # its log to a file: a pipe nobody reads would stall it once full
+            logs.append(tempfile.TemporaryFile())
             port = free_port()
             services.append((poll, port, subprocess.Popen(
                 [sys.executable, "-m", "jupyter_gpushare.hub", f"--GPUShareHub.poll_interval={poll}",
@@ -140,7 +150,7 @@ def main() -> None:
                  f"--GPUShareHub.proxy_url=http://127.0.0.1:{emu_port}", "--GPUShareHub.api_token=bench",
                  f"--GPUShareHub.service_url=http://127.0.0.1:{port}", "--GPUShareHub.metrics_public=True",
                  "--GPUShareHub.config_file=", "--log-level=WARN"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+                env=env, stdout=subprocess.DEVNULL, stderr=logs[-1])))
         for _, port, proc in services:
             # up, and every server's status read (none refused as off-contract): each node's
             # two waiting restores show (a poll reads what answers within its deadline, the
@@ -151,7 +161,7 @@ def main() -> None:
                     if metric(port, "gpushare_hub_poll_seconds_count") >= 1:
                         waits = metric(port, "gpushare_hub_waiting_restores")
                 except OSError:
-                    assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+                    assert proc.poll() is None, tail(logs[len(services) - 1])
                 assert time.monotonic() < deadline, \
                     f"in 300 s the service saw {waits:g} waiting restores, not {2 * nodes}"
                 time.sleep(0.1)
@@ -171,6 +181,9 @@ def main() -> None:
         for _, _, p in services:
             p.wait(10)
         emulator.wait(10)
+    warnings = [tail(log).count("\n[W ") + tail(log).count("\n[E ") for log in logs]
+    for log in logs:
+        log.close()
 
     def cpu(i: int) -> float:
         used = (after[i].user - before[i].user) + (after[i].system - before[i].system)
@@ -186,6 +199,7 @@ def main() -> None:
               f"{polls[i]:>7.0f}{mean:>9.0f} ms{rss[i] / 2**20:>6.0f} MiB")
     print(f"{f'emulated Hub + {servers} servers (baseline)':<38}{base:>16.2f}{'1.0':>11}x{'':>7}{'':>11}"
           f"{rss[2] / 2**20:>6.0f} MiB")
+    print(f"warnings and errors the services logged: {warnings[0]} (poll 10 s), {warnings[1]} (poll 2 s)")
 
 
 if __name__ == "__main__":
