@@ -29,8 +29,10 @@ Start JupyterLab with jupyter-gpushare on this machine's GPUs or, where there is
 simulated node of two 16 GiB GPUs (it says which), with a demo notebook open. Idle kernels
 are released after --idle-timeout seconds, so you can watch it happen in the GPU share panel.
 
-The demo notebook is written to --dir the first time; after that your copy is kept as you
-left it (--reset writes a fresh one)."""
+The demo's files (its notebook; with --hub the Hub's database, cookie secret and the users'
+homes) go in --dir, by default gpushare-demo in Jupyter's data directory, never the current
+directory. The notebook is written the first time; after that your copy is kept as you left
+it (--reset writes a fresh one)."""
 
 DEMO_EPILOG = """\
 JupyterLab's own options go after these, as --Class.option=value (for example
@@ -38,7 +40,8 @@ JupyterLab's own options go after these, as --Class.option=value (for example
 examples:
   jupyter gpushare demo
   jupyter gpushare demo --no-browser --port 8890 --dir /tmp/demo
-  jupyter gpushare demo --backend simulated --reset"""
+  jupyter gpushare demo --backend simulated --reset
+  jupyter gpushare demo --hub           JupyterHub, three users (needs configurable-http-proxy)"""
 
 #: a traitlets option for JupyterLab: --Class.option or --Class.option=value
 JUPYTER_OPTION = re.compile(r"--[A-Za-z_]\w*\.\w+(=.*)?\Z", re.DOTALL)
@@ -51,9 +54,11 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=selection.backend_names(), default="auto",
                         help="where GPU numbers come from (default: auto = the real GPUs when "
                              "NVML sees one, else a simulated node)")
-    parser.add_argument("--dir", default="gpushare-demo",
-                        help="where the demo notebook goes and JupyterLab opens (default: "
-                             "./gpushare-demo)")
+    from .demo import default_dir
+
+    parser.add_argument("--dir", default=None,
+                        help="where the demo's files go and JupyterLab opens (default: "
+                             f"{default_dir()}, in Jupyter's data directory)")
     parser.add_argument("--reset", action="store_true",
                         help="write a fresh demo notebook over the one in --dir")
     parser.add_argument("--idle-timeout", type=float, default=120.0, metavar="SECONDS",
@@ -85,11 +90,15 @@ def jupyter_options(extra: list[str], parser: argparse.ArgumentParser) -> list[s
 
 
 def demo(args: argparse.Namespace, lab_args: list[str]) -> int:
+    from .demo import NAME, default_dir, lab_config, write_demo
+
+    directory = Path(args.dir).resolve() if args.dir else default_dir()
+    print(f"jupyter-gpushare demo: its files are in {directory} (--dir puts them elsewhere)",
+          flush=True)
     if args.hub:  # a local JupyterHub of three users on one shared simulated node
         from .demo.hub import run
 
-        return run(Path(args.dir).resolve(), args.port, args.idle_timeout)
-    from .demo import NAME, write_demo
+        return run(directory, args.port, args.idle_timeout)
 
     if args.backend == "auto":
         import logging
@@ -104,7 +113,6 @@ def demo(args: argparse.Namespace, lab_args: list[str]) -> int:
         backend, why = args.backend, "asked for on the command line"
     simulated = backend == selection.SIMULATED
     print(f"jupyter-gpushare demo: {'a simulated 2-GPU node' if simulated else 'the real GPUs'} ({why})")
-    directory = Path(args.dir).resolve()
     kept = (directory / NAME).exists() and not args.reset
     notebook = write_demo(directory, simulated, overwrite=args.reset)
     if kept:
@@ -131,6 +139,7 @@ def demo(args: argparse.Namespace, lab_args: list[str]) -> int:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         argv.append("--allow-root")  # these machines run as root; Jupyter refuses otherwise
     os.environ[selection.BACKEND_ENV] = backend
+    os.environ["JUPYTER_CONFIG_PATH"] = lab_config(directory)  # the demo's lab defaults
     from jupyterlab.labapp import LabApp
 
     LabApp.launch_instance(argv=argv + lab_args)

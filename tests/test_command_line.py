@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -16,14 +17,16 @@ from jupyter_gpushare import cli
 from jupyter_gpushare.demo import NAME, write_demo
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, timeout: float = 120,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jupyter", "gpushare", *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 @pytest.mark.parametrize("argv, words", [
     (["--help"], ["demo", "doctor", "COMMAND --help"]),
-    (["demo", "--help"], ["--reset", "--idle-timeout SECONDS", "--Class.option=value", "examples:"]),
+    (["demo", "--help"], ["--reset", "--idle-timeout SECONDS", "--Class.option=value", "examples:",
+                          "in Jupyter's data directory", "configurable-http-proxy"]),
     (["doctor", "--help"], ["--json", "--backend {auto,nvml,simulated}", "--release-method",
                             "JUPYTER_GPUSHARE_BACKEND", "examples:"]),
 ])
@@ -95,3 +98,23 @@ def test_the_demo_keeps_an_edited_notebook_and_reset_writes_a_fresh_one(tmp_path
     assert "kept" not in out.stdout
     fresh = nbformat.read(tmp_path / NAME, as_version=4)
     assert "my own cell" not in "".join(c.source for c in fresh.cells)
+
+
+def test_the_demo_keeps_its_files_in_jupyters_data_directory_and_says_so_first(tmp_path):
+    """Not in the current directory (a checkout, where they would show in `git status`): in
+    Jupyter's data directory, said on the demo's first line."""
+    data, here = tmp_path / "data", tmp_path / "checkout"
+    here.mkdir()
+    env = {"JUPYTER_DATA_DIR": str(data), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
+    out = run_cli("demo", "--backend", "simulated", "--no-browser", "--ServerApp.port=not-a-port",
+                  env=env, cwd=here)
+    assert out.returncode != 0 and "not-a-port" in out.stderr  # stopped by JupyterLab at once
+    demo = data / "gpushare-demo"
+    assert out.stdout.splitlines()[0] == (f"jupyter-gpushare demo: its files are in {demo} "
+                                          "(--dir puts them elsewhere)")
+    assert (demo / NAME).exists()
+    overrides = demo / ".jupyter-config" / "labconfig" / "default_setting_overrides.json"
+    assert json.loads(overrides.read_text()) == {
+        "@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+    assert list(here.iterdir()) == []

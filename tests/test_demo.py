@@ -13,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import nbformat
 
@@ -66,6 +67,14 @@ def test_demo_command_serves_lab_with_the_extension_on_a_simulated_node(tmp_path
         extensions = json.load(urllib.request.urlopen(req, timeout=30))
         assert any(e["name"] == "jupyter-gpushare" and e["enabled"] for e in extensions)
         assert (tmp_path / "demo" / "gpushare-demo.ipynb").exists()
+        # no "get notified about Jupyter news?" prompt over the demo's notifications
+        req = urllib.request.Request(
+            f"{base}/lab/api/settings/@jupyterlab/apputils-extension:notification",
+            headers={"Authorization": f"token {token}"})
+        settings = json.load(urllib.request.urlopen(req, timeout=30))
+        # the demo's default (the schema's, as served: a person's own setting would still win)
+        assert settings["schema"]["properties"]["fetchNews"]["default"] == "false"
+        assert "fetchNews" not in settings["settings"]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -105,11 +114,15 @@ def test_hub_demo_starts_a_hub_with_three_users_and_the_service(tmp_path):
     )
     lines: list[str] = []
     try:
-        while len(lines) < 7:
+        while not lines or "Ctrl-C stops" not in lines[-1]:
             lines.append(proc.stdout.readline())
+            assert lines[-1], "the demo exited: " + "".join(lines)
         text = "".join(lines)
+        assert lines[0] == f"jupyter-gpushare demo: its files are in {tmp_path / 'hub'} (--dir puts them elsewhere)\n"
         assert f"JupyterHub at http://127.0.0.1:{port}" in text
-        assert "log in as alice (an admin), bob, carol; every password is 'gpushare'" in text
+        admin = (tmp_path / "hub" / "admin_password").read_text().strip()
+        assert "log in as bob or carol with the password 'gpushare', or as alice (an admin) with" in text
+        assert repr(admin) in text
         assert f"http://127.0.0.1:{port}/services/gpushare/" in text
         for user in ("alice", "bob", "carol"):
             assert (tmp_path / "hub" / "home" / user / "gpushare-demo.ipynb").exists()
@@ -130,3 +143,54 @@ def test_hub_demo_starts_a_hub_with_three_users_and_the_service(tmp_path):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_hub_demo_config_logs_in_the_current_way_and_quiets_the_service_polls(tmp_path):
+    """The Hub's config the demo writes, loaded as JupyterHub loads it: its authenticator
+    (JupyterHub's shared-password one, not the deprecated DummyAuthenticator.password) lets
+    bob and carol in with 'gpushare' and alice, the admin, with her own password only; and
+    the gpushare service's routine requests (every few seconds) leave no access-log line."""
+    import asyncio
+    import logging
+
+    import pytest
+
+    pytest.importorskip("jupyterhub")
+    from jupyterhub.authenticators.shared import SharedPasswordAuthenticator
+    from traitlets.config.loader import PyFileConfigLoader
+
+    from jupyter_gpushare.demo import hub
+
+    access = logging.getLogger("tornado.access")
+    filters = list(access.filters)
+    try:
+        config_file, _ = hub.prepare(tmp_path, free_port(), 120)
+        config = PyFileConfigLoader(config_file.name, str(config_file.parent)).load_config()
+        assert config.JupyterHub.authenticator_class == "shared-password"
+        assert "DummyAuthenticator" not in config
+        auth = SharedPasswordAuthenticator(config=config)
+        admin = (tmp_path / "admin_password").read_text().strip()
+        assert len(admin) >= 32 and (tmp_path / "admin_password").stat().st_mode & 0o077 == 0
+
+        def login(user: str, password: str):
+            return asyncio.run(auth.authenticate(None, {"username": user, "password": password}))
+
+        assert login("bob", "gpushare") == {"name": "bob", "admin": False, "groups": []}
+        assert login("alice", admin)["admin"] is True
+        assert login("alice", "gpushare") is None and login("bob", admin) is None
+
+        def logged(level: int, message: str) -> bool:
+            return access.filter(logging.LogRecord("tornado.access", level, "", 0, message, None, None))
+
+        assert not logged(logging.INFO, "200 GET /hub/api/users?state=[secret] (gpushare@127.0.0.1) 5.20ms")
+        assert logged(logging.INFO, "302 POST /hub/login?next= -> /hub/spawn (bob@127.0.0.1) 50.00ms")
+        assert logged(logging.WARNING, "403 GET /hub/api/users (gpushare@127.0.0.1) 3.00ms")
+
+        # the users' servers load the same filter: the demo's config folder is on their path
+        env = config.Spawner.environment.get_value({})  # what the Hub gives every server
+        server_config = Path(env["JUPYTER_CONFIG_PATH"].split(os.pathsep)[0]) / "jupyter_server_config.py"
+        access.filters[:] = filters
+        exec(compile(server_config.read_text(), str(server_config), "exec"), {})
+        assert not logged(logging.INFO, "200 GET /user/bob/api/gpushare/status (gpushare@127.0.0.1) 2.00ms")
+    finally:
+        access.filters[:] = filters

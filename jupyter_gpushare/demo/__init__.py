@@ -1,7 +1,9 @@
-"""The demo notebook that `jupyter gpushare demo` opens."""
+"""The demo notebook that `jupyter gpushare demo` opens, and where the demo keeps its files."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import nbformat
@@ -51,3 +53,36 @@ def write_demo(directory: Path, simulated: bool, overwrite: bool = True) -> Path
     directory.mkdir(parents=True, exist_ok=True)
     nbformat.write(nb, path)
     return path
+
+
+#: JupyterLab settings the demo changes from their defaults (a person's own settings still
+#: win): no "get notified about Jupyter news?" prompt stacked over the demo's notifications
+LAB_DEFAULTS = {"@jupyterlab/apputils-extension:notification": {"fetchNews": "false"}}
+
+
+def default_dir() -> Path:
+    """Where the demo keeps its files unless told (``--dir``): ``gpushare-demo`` in Jupyter's
+    data directory (``JUPYTER_DATA_DIR``, else ~/.local/share/jupyter on Linux), never the
+    current directory, which may be a git checkout (the hub demo's files include its cookie
+    secret)."""
+    from jupyter_core.paths import jupyter_data_dir
+
+    return Path(jupyter_data_dir()) / "gpushare-demo"
+
+
+def config_dir(directory: Path) -> Path:
+    """The demo's own Jupyter configuration folder, under ``directory`` (hidden: not in the
+    file browser)."""
+    return directory / ".jupyter-config"
+
+
+def lab_config(directory: Path) -> str:
+    """Write the demo's JupyterLab defaults (:data:`LAB_DEFAULTS`) in :func:`config_dir` and
+    return the ``JUPYTER_CONFIG_PATH`` that adds them to this environment's, for the server
+    the demo starts."""
+    config = config_dir(directory)
+    labconfig = config / "labconfig"
+    labconfig.mkdir(parents=True, exist_ok=True)
+    (labconfig / "default_setting_overrides.json").write_text(
+        json.dumps(LAB_DEFAULTS, indent=2) + "\n", encoding="utf-8")
+    return os.pathsep.join(filter(None, [str(config), os.environ.get("JUPYTER_CONFIG_PATH")]))
