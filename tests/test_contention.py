@@ -5,6 +5,8 @@ waiting."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -50,3 +52,23 @@ async def test_status_and_metrics_show_a_contended_gpu_and_who_shares_it(
     status = await get_json(jp_fetch, "api", "gpushare", "status")
     gpu0 = status["gpus"][0]
     assert (gpu0["contended"], gpu0["computing"]) == (False, []) and gpu0["load"] < 10, gpu0
+
+
+def test_the_sliding_load_is_the_trackers_window_mean_at_every_poll():
+    """The rebalancer keeps each GPU's load up poll by poll; it says what the tracker's own
+    window mean says, samples uneven, unreadable or dropped by the ring included."""
+    from collections import deque
+
+    from jupyter_gpushare.core.rebalance import SlidingLoad
+    from jupyter_gpushare.core.tracker import GPURecord
+    from jupyter_gpushare.telemetry import GPUInfo
+
+    rng = random.Random(7)
+    rec = GPURecord(GPUInfo(index=0, uuid="", name="g", memory_total=1, memory_used=0,
+                            utilization=0.0), deque(maxlen=40))
+    sliding, t = SlidingLoad(60.0), 1000.0
+    for i in range(200):
+        t += rng.choice([0.5, 2.0, 2.0, 7.0, 130.0])
+        rec.history.append((t, 0, None if i % 17 == 0 else rng.uniform(0, 100)))
+        sliding.fold(rec.history)
+        assert sliding.recent_load(60.0) == pytest.approx(rec.recent_load(60.0), abs=1e-6), i

@@ -82,7 +82,7 @@ async def test_an_idle_kernel_on_a_contended_gpu_moves_to_a_quiet_one_and_comput
     jp_fetch, kernels, gpushare_app, events
 ):
     a, b, cell = await away_on_busy_gpu(jp_fetch, kernels, gpushare_app)
-    await wait_for(lambda: moves(events, a), what="a's move")
+    await wait_for(lambda: moves(events, a), what="a's move", timeout=90)
     (moved,) = moves(events, a)
     assert moved["from_gpus"] == [0] and moved["to_gpus"] == [1], moved
     assert moved["reason"] == "GPU 0 busy" and moved["method"] == "simulated"
@@ -124,7 +124,7 @@ async def test_a_kernel_running_a_cell_is_never_moved(jp_fetch, kernels, gpushar
     await gpushare_app.poll_once()
     assert not moves(events, a)  # just used
     clock.advance(AWAY)
-    await wait_for(lambda: moves(events, a), what="a's move once it is idle")
+    await wait_for(lambda: moves(events, a), what="a's move once it is idle", timeout=90)
     assert pid_bytes(gpushare_app, a) == {1: 256 * MiB}
     await a.run(intact("a"))
     await interrupt(jp_fetch, b, long_b)
@@ -133,7 +133,7 @@ async def test_a_kernel_running_a_cell_is_never_moved(jp_fetch, kernels, gpushar
 @pytest.mark.parametrize("gpushare_config", [{**NODE, "rebalance_max_per_hour": 1}])
 async def test_moves_per_kernel_per_hour_are_bounded(jp_fetch, kernels, gpushare_app, events):
     a, b, cell_b = await away_on_busy_gpu(jp_fetch, kernels, gpushare_app)
-    await wait_for(lambda: moves(events, a), what="a's first move")
+    await wait_for(lambda: moves(events, a), what="a's first move", timeout=90)
     assert pid_bytes(gpushare_app, a) == {1: 256 * MiB}
 
     # GPU 1 gets contended too: kernel c trains there on and on, a trained there, went away
@@ -153,7 +153,7 @@ async def test_moves_per_kernel_per_hour_are_bounded(jp_fetch, kernels, gpushare
     clock.advance(3600)  # an hour later it may move again (after training there once more)
     await trained(gpushare_app, a, 1)
     clock.advance(AWAY)
-    await wait_for(lambda: len(moves(events, a)) == 2, what="a's second move")
+    await wait_for(lambda: len(moves(events, a)) == 2, what="a's second move", timeout=90)
     assert moves(events, a)[-1]["to_gpus"] == [2]  # GPU 0 is still busy with b's training
     assert pid_bytes(gpushare_app, a) == {2: 256 * MiB}
     await a.run(intact("a"))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,10 +60,64 @@ class Contention:
     contended: bool
 
 
-def contention(tracker: Tracker, now: float, window: float = LOAD_WINDOW) -> dict[int, Contention]:
-    """Per GPU: its SM load over the window (the tracker's samples), this server's kernels
-    that computed there within it, and whether it is contended. O(GPUs x the window's samples
-    + kernels x their GPUs)."""
+class SlidingLoad:
+    """One GPU's SM load over its last ``window`` seconds of samples, kept up as the tracker's
+    samples come: O(new samples) a poll, where ``GPURecord.recent_load`` reads the whole
+    window's samples at each new sample (the pass asks at every poll, over a longer window
+    than placement's). The same figure: each sample's utilization is the busy fraction since
+    the sample before it, and the window shrinks to the samples there are."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.spans: deque[tuple[float, float, float]] = deque()  # (from, to, SM %), oldest first
+        self.total = 0.0  # sum of SM % x seconds over spans
+        self.history: Any = None  # the ring folded in (another one: start over)
+        self.upto: float | None = None  # time of the last sample folded in
+        self.last = 0.0  # its SM %
+
+    def fold(self, history: deque[tuple[float, int | None, float | None]]) -> None:
+        """Take in the samples of ``history`` newer than the last one folded in; forget the
+        spans that ended before the window."""
+        if history is not self.history or (history and self.upto is not None
+                                           and history[0][0] > self.upto):
+            self.spans.clear()  # a new ring, or it wrapped past us: start over
+            self.total, self.history, self.upto = 0.0, history, None
+        new = []
+        for row in reversed(history):
+            if self.upto is not None and row[0] <= self.upto:
+                break
+            new.append(row)
+        for t, _, u in reversed(new):
+            value = float(u or 0.0)
+            if self.upto is not None and t > self.upto:
+                self.spans.append((self.upto, t, value))
+                self.total += value * (t - self.upto)
+            self.upto, self.last = t, value
+        if self.upto is not None:
+            since = self.upto - self.window
+            while self.spans and self.spans[0][1] <= since:
+                a, b, v = self.spans.popleft()
+                self.total -= v * (b - a)
+
+    def recent_load(self, window: float) -> float:
+        """Mean SM % over the last ``window`` seconds of samples (at most this one's window)."""
+        if self.upto is None:
+            return 0.0
+        if not self.spans:
+            return self.last
+        since = self.upto - min(window, self.window)
+        first, _, v0 = self.spans[0]
+        span = self.upto - max(since, first)
+        if span <= 0:
+            return self.last
+        return max(0.0, (self.total - v0 * max(0.0, since - first)) / span)
+
+
+def contention(tracker: Tracker, now: float, loads: Mapping[int, SlidingLoad],
+               window: float = LOAD_WINDOW) -> dict[int, Contention]:
+    """Per GPU: its SM load over the window (``loads``, folded up to the last poll), this
+    server's kernels that computed there within the window, and whether it is contended.
+    O(GPUs + kernels x their GPUs)."""
     since = now - window
     who: dict[int, list[str]] = {}
     for kid, rec in tracker.kernels.items():
@@ -71,7 +126,7 @@ def contention(tracker: Tracker, now: float, window: float = LOAD_WINDOW) -> dic
                 who.setdefault(g, []).append(kid)
     out = {}
     for g in sorted(tracker.gpus):
-        load = round(tracker.gpus[g].load(since, now), 1)
+        load = round(loads[g].recent_load(window), 1) if g in loads else 0.0
         names = tuple(sorted(who.get(g, ())))
         out[g] = Contention(load, names, contended(GpuView(g, None, load, busy=len(names))))
     return out
@@ -123,10 +178,10 @@ class Rebalancer:
         self.granted: dict[str, Grant] = {}  # kernel -> the restore grant onto its new GPUs
         self.last: dict[str, tuple[str, int]] = {}  # kernel -> (its last move, restores then)
         self.seen: dict[int, Contention] = {}
+        self.loads: dict[int, SlidingLoad] = {}  # GPU -> its load over the window
         # the placement rule's views, built as the placer and the restores build them and
         # with their placements (kernels placed, not computing yet, count), over this window
-        self.load = GpuLoad(lambda: controller.tracker.gpus, lambda: controller.tracker.kernels,
-                            window)
+        self.load = GpuLoad(lambda: self.loads, lambda: controller.tracker.kernels, window)
         self.load.placed = controller.room.load.placed  # one record of placements, shared
 
     @property
@@ -137,7 +192,11 @@ class Rebalancer:
     def tick(self, now: float) -> None:
         """Judge every GPU (the metrics show it) and start the moves the rule plans."""
         tracker = self.c.tracker
-        self.seen = contention(tracker, now, self.window)
+        for g in set(self.loads) - set(tracker.gpus):
+            del self.loads[g]
+        for g, rec in tracker.gpus.items():
+            self.loads.setdefault(g, SlidingLoad(self.window)).fold(rec.history)
+        self.seen = contention(tracker, now, self.loads, self.window)
         metrics.set_contention({g: (c.load, c.contended) for g, c in self.seen.items()})
         for kid in set(self.moves) - set(tracker.kernels):
             self.moves.pop(kid, None)
@@ -233,6 +292,10 @@ class Rebalancer:
             self.granted[st.kernel_id] = grant
         return grant
 
+    def contention(self, gpu: int) -> Contention:
+        """The GPU's compute as judged at the last poll."""
+        return self.seen.get(gpu) or Contention(0.0, (), False)
+
     def moved(self, kid: str) -> str | None:
         """The kernel's last move ("GPU 0 -> 3: GPU 0 busy") while it stays where it went
         (None once it was restored again, or never moved)."""
@@ -243,4 +306,4 @@ class Rebalancer:
         return last[0]
 
 
-__all__ = ["Contention", "Rebalancer", "contention", "room"]
+__all__ = ["Contention", "Rebalancer", "SlidingLoad", "contention", "room"]

@@ -11,7 +11,6 @@ from .. import clock
 from ..core import ahead
 from ..core.controller import Controller
 from ..core.lifecycle import Lifecycle
-from ..core.rebalance import contention
 from ..core.tracker import KernelRecord, Tracker
 from ..node.placement import placed_gpus
 
@@ -84,7 +83,6 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
         if st.held is not None:
             for g, n in st.released_gpus.items():
                 released_per_gpu[g] = released_per_gpu.get(g, 0) + n
-    compute = contention(tracker, clock.now())
     gpus = [
         {
             "index": g.info.index,
@@ -96,9 +94,9 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
             "released_bytes": released_per_gpu.get(g.info.index, 0),
             "mig": g.info.mig,
             # SM demand against 100 % over the window, and who shares the GPU
-            "load": compute[g.info.index].load,
-            "contended": compute[g.info.index].contended,
-            "computing": list(compute[g.info.index].computing),
+            "load": controller.rebalancer.contention(g.info.index).load,
+            "contended": controller.rebalancer.contention(g.info.index).contended,
+            "computing": list(controller.rebalancer.contention(g.info.index).computing),
         }
         for g in sorted(tracker.gpus.values(), key=lambda g: g.info.index)
     ]
