@@ -1,19 +1,33 @@
 /**
- * One GPU's live chart: memory held stacked by kernel (allocation, left axis, GiB) against
- * SM utilization (a line on the right axis, %), so "held but idle" shows as area under no line.
+ * One GPU's live chart: memory held stacked by kernel (allocation, left axis, from 0 to the
+ * GPU's total memory) against SM utilization (steps on the right axis, %), so "held but idle"
+ * shows as area under no line, and a GPU that looks full is full.
  *
  * The uPlot instance is reused between refreshes (`setData`); it is only rebuilt when the set
  * of kernels on the GPU changes (the series list changes) or the theme changes.
  */
 import uPlot from 'uplot';
 
-import { timeTickLabel } from './format';
-import { IStack } from './metrics';
+import { setAttr } from './dom';
+import { relativeTicks, relativeTimeLabel } from './format';
+import { IStack, slotPeaks } from './metrics';
 
 const GiB = 1024 ** 3;
 const HEIGHT = 130;
 /** The time axis' height: tick (4) + gap (3) + a 10 px line of text with its descenders. */
 const X_AXIS_SIZE = 22;
+/** The memory and utilization axes' widths (px): the plot is the chart's width less these. */
+const MEM_AXIS_SIZE = 36;
+const PCT_AXIS_SIZE = 38;
+/** Utilization is drawn in slots this wide (px) at least, each at its highest sample. */
+const SLOT_PX = 4;
+/** At most one time label per this many px. */
+const TICK_PX = 48;
+
+/** The plot area's width (px) for a chart `width` px wide. */
+export function plotWidth(width: number): number {
+  return Math.max(1, width - MEM_AXIS_SIZE - PCT_AXIS_SIZE);
+}
 
 export interface IChartData {
   /** Epoch seconds. */
@@ -65,17 +79,19 @@ export class GPUChart {
     this._window = data.window;
     this._total = data.total;
     const key = data.stack.ids.join(',');
+    const [from, to] = data.window;
+    const slotSeconds = ((to - from) / plotWidth(width)) * SLOT_PX;
     const aligned: uPlot.AlignedData = [
       data.x,
       ...data.stack.cumulative.map(series => series.map(v => v / GiB)),
       data.used.map(v => (v === null ? null : v / GiB)),
-      data.utilization
+      slotPeaks(data.x, data.utilization, slotSeconds)
     ];
     if (!this._plot || key !== this._key) {
       this._plot?.destroy();
       this._key = key;
+      this._width = width; // before uPlot is built: its time axis reads it
       this._plot = new uPlot(this._options(data.stack.ids, width), aligned, this._host);
-      this._width = width;
       return;
     }
     if (width !== this._width) {
@@ -95,6 +111,8 @@ export class GPUChart {
     const utilColor = cssVar(this._host, '--jp-warn-color0', '#e65100');
     const usedColor = cssVar(this._host, '--jp-ui-font-color1', '#424242');
     const font = `10px ${cssVar(this._host, '--jp-ui-font-family', 'sans-serif')}`;
+    // a light fill under the utilization steps, where the theme's color is a plain hex one
+    const utilFill = /^#[0-9a-f]{6}$/i.test(utilColor) ? utilColor + '33' : undefined;
     const axis = {
       stroke: axisColor,
       font,
@@ -131,7 +149,10 @@ export class GPUChart {
       label: 'SM utilization',
       scale: 'pct',
       stroke: utilColor,
-      width: 2,
+      fill: utilFill,
+      width: 1.5,
+      // steps, each slot at its peak (slotPeaks): a short burst keeps a visible width
+      paths: uPlot.paths.stepped!({ align: 1 }),
       points: { show: false }
     });
     return {
@@ -143,12 +164,14 @@ export class GPUChart {
       bands,
       scales: {
         x: { time: true, range: () => this._window },
-        // Scaled to what is held (with headroom) so 1 GiB on an 80 GiB card is still
-        // readable; never above the device's memory. The figures above give the total.
+        // From 0 to the GPU's memory: a chart that looks full is a GPU that is full. (Scaled
+        // to what is held, 3 GiB of a 16 GiB GPU filled the chart.) Unknown total: what is
+        // shown, with headroom.
         mem: {
           range: (_u, _min, max) => {
-            const top = Math.max((max || 0) * 1.25, 1);
-            return [0, this._total ? Math.min(top, this._total / GiB) : top];
+            const top = this._total ? this._total / GiB : Math.max((max || 0) * 1.25, 1);
+            setAttr(this._host, 'data-memory-axis-top', String(Math.round(top * GiB)));
+            return [0, top];
           }
         },
         pct: { range: [0, 100] }
@@ -156,28 +179,47 @@ export class GPUChart {
       axes: [
         {
           ...axis,
-          // One line that fits the axis' height: uPlot's default puts the date on a second
-          // line under the first label, below the canvas' edge, cut off.
+          // Ages at round steps back from now ("-4 min", "-2 min", "now"), several per
+          // chart: a clock time under a 10-minute chart said neither how old nor how long.
           size: X_AXIS_SIZE,
           gap: 3,
           ticks: { ...axis.ticks, size: 4 },
-          values: (_u, splits, _axis, _space, incr) => splits.map(t => timeTickLabel(t, incr))
+          splits: () => relativeTicks(this._window[0], this._window[1], this._maxTicks()),
+          values: (_u, splits) => {
+            const labels = splits.map(t => relativeTimeLabel(t, this._window[1]));
+            // what the canvas shows, for tests and scripts
+            setAttr(this._host, 'data-time-labels', labels.join(' | '));
+            return labels;
+          }
         },
         {
           ...axis,
           scale: 'mem',
+          size: MEM_AXIS_SIZE,
+          gap: 3,
+          ticks: { ...axis.ticks, size: 4 },
+          // 0, half and all of the GPU's memory
+          splits: (_u, _axis, min, max) => [min, (min + max) / 2, max],
           values: (_u, splits) => splits.map(v => `${+v.toFixed(1)}G`)
         },
         {
           ...axis,
           scale: 'pct',
           side: 1,
-          size: 44,
+          size: PCT_AXIS_SIZE,
+          gap: 3,
+          ticks: { ...axis.ticks, size: 4 },
           grid: { show: false },
+          splits: () => [0, 50, 100],
           values: (_u, splits) => splits.map(v => `${v}%`)
         }
       ]
     };
+  }
+
+  /** Time labels that fit the plot's width, each about TICK_PX apart at least. */
+  private _maxTicks(): number {
+    return Math.max(2, Math.floor(plotWidth(this._width) / TICK_PX) + 1);
   }
 
   private _host: HTMLElement;

@@ -1,7 +1,7 @@
 /**
  * Pure formatting helpers (no DOM) shared by the panel, the status bar and notifications.
  */
-import type { IKernel } from './contract';
+import type { IKernel, KernelState } from './contract';
 
 const GiB = 1024 ** 3;
 const MiB = 1024 ** 2;
@@ -133,18 +133,88 @@ export function splitForEllipsis(name: string, keep = 4): { head: string; tail: 
   return { head: name.slice(0, start), tail: name.slice(start) };
 }
 
+/** Tick spacings (seconds) a time axis may use, finest first. */
+const TICK_STEPS = [5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600];
+
 /**
- * A time axis label, on one line and short enough for a narrow panel: "3:45pm" on a minute
- * (or coarser) tick, ":30" between minutes when ticks are seconds apart. Local time, in
- * uPlot's own style; `incr` is the seconds between ticks.
+ * Where a chart's time axis puts its ticks: at `to` ("now") and every `step` seconds before
+ * it back to `from`, with the finest step from TICK_STEPS that gives at most `maxTicks`
+ * ticks, so each tick reads as a round age ("-2 min", "-4 min"). Oldest first.
  */
-export function timeTickLabel(epochSeconds: number, incr: number): string {
-  const d = new Date(Math.round(epochSeconds) * 1000);
-  const seconds = d.getSeconds();
-  if (incr < 60 && seconds !== 0) {
-    return `:${String(seconds).padStart(2, '0')}`;
+export function relativeTicks(from: number, to: number, maxTicks: number): number[] {
+  const span = Math.max(0, to - from);
+  const most = Math.max(2, Math.floor(maxTicks));
+  const step =
+    TICK_STEPS.find(s => Math.floor(span / s) + 1 <= most) ??
+    Math.ceil(span / (most - 1) / 3600) * 3600;
+  const ticks: number[] = [];
+  for (let k = Math.floor(span / step + 1e-9); k >= 0; k--) {
+    ticks.push(to - k * step);
   }
-  const h = d.getHours();
-  const m = String(d.getMinutes()).padStart(2, '0');
-  return `${h % 12 || 12}:${m}${h < 12 ? 'am' : 'pm'}`;
+  return ticks;
+}
+
+/**
+ * A time axis label as an age from `now`: "now", "-30 s", "-5 min", "-1 h 30 min". Short
+ * enough for a 250 px panel, and the same whatever the clock or time zone.
+ */
+export function relativeTimeLabel(t: number, now: number): string {
+  const ago = Math.round(now - t);
+  if (ago <= 0) {
+    return 'now';
+  }
+  return ago < 60 ? `-${ago} s` : `-${formatDuration(ago)}`;
+}
+
+/** The kernel fields `timingClauses` reads. */
+export type ITimingKernel = Pick<
+  IKernel,
+  | 'idle_seconds'
+  | 'pinned'
+  | 'release_in_seconds'
+  | 'release_policy'
+  | 'idle_timeout'
+  | 'method'
+  | 'last_restore_seconds'
+>;
+
+/**
+ * A kernel row's second line: how long it has been idle, when it will be released (by its
+ * own idle timeout when it has one, which `%gpushare idle-timeout` sets: the header only
+ * gives the server's), its method, and how long its last restore took.
+ * `serverIdleTimeout`: the server's idle_timeout (s).
+ */
+export function timingClauses(
+  k: ITimingKernel,
+  state: KernelState,
+  serverIdleTimeout: number
+): string[] {
+  const parts: string[] = [];
+  if (k.idle_seconds !== null && k.idle_seconds !== undefined) {
+    parts.push(`idle ${formatDuration(k.idle_seconds)}`);
+  }
+  if (state === 'active' || state === 'idle') {
+    const inSeconds = k.release_in_seconds;
+    if (k.pinned) {
+      parts.push('never released automatically');
+    } else if (inSeconds === null || inSeconds === undefined || !(k.idle_timeout > 0)) {
+      parts.push('no automatic release');
+    } else if (k.release_policy === 'proactive' || k.idle_timeout !== serverIdleTimeout) {
+      // the kernel's own timeout (or, proactive, the server's) decides
+      parts.push(
+        `release after ${formatDuration(k.idle_timeout)} idle (in ${formatDuration(inSeconds)})`
+      );
+    } else {
+      // "needs": released when its GPU needs the memory, else after the server's long_idle
+      parts.push(`release if GPU needs room, else in ${formatDuration(inSeconds)}`);
+    }
+  }
+  if (k.method) {
+    parts.push(`method ${k.method}`);
+  }
+  if (k.last_restore_seconds !== null && k.last_restore_seconds !== undefined) {
+    // a duration, not an age: "last restore 4.9 s" read as "4.9 s ago"
+    parts.push(`last restore took ${formatDuration(k.last_restore_seconds)}`);
+  }
+  return parts;
 }

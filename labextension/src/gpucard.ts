@@ -1,11 +1,13 @@
 /**
- * One GPU's card: title, memory and utilization figures, and its live chart.
+ * One GPU's card: title, memory and utilization figures, and its live chart. What the
+ * chart's areas and lines are is said once for all GPUs (the panel's legend), and what a
+ * figure means is in its tooltip, so a card is two lines of figures over its chart.
  */
 import { IGPU, IHistory } from './api';
 import { GPUChart, IChartStyle } from './chart';
 import { Attr, CSS } from './ids';
-import { el, setAttr, setClauses, setText } from './dom';
-import { efficiency, stackOnGPU } from './metrics';
+import { el, setAttr, setClauses, setHidden, setText } from './dom';
+import { efficiency, peak, stackOnGPU } from './metrics';
 import { formatBytes, formatPercent } from './format';
 
 export class GPUCard {
@@ -15,14 +17,17 @@ export class GPUCard {
     this._title = el('div', CSS.gpuTitle);
     this._stats = el('div', CSS.gpuStats);
     this._released = el('div', `${CSS.gpuStats} ${CSS.gpuStats}-released`);
+    this._released.title =
+      'Released to host: GPU memory of released kernels, held in host memory now. ' +
+      "Held while computing: the share of this GPU's memory-time held by kernels (over the " +
+      "chart's window) during which the kernel holding it computed on this GPU (SM above 0).";
     const chartHost = el('div', CSS.chart);
+    chartHost.title =
+      'Areas: GPU memory held, stacked by kernel (colors as in the legend). Dashed: GPU ' +
+      'memory used by every process. Steps: SM utilization, each step the highest of its ' +
+      "moment, so a short burst stays visible. Memory axis: 0 to the GPU's total.";
     this._chart = new GPUChart(chartHost, style);
-    this._legend = el(
-      'div',
-      `${CSS.chart}-legend`,
-      'areas: memory held, stacked by kernel · dashed: GPU memory used · line: SM utilization %'
-    );
-    this.node.append(this._title, this._stats, this._released, chartHost, this._legend);
+    this.node.append(this._title, this._stats, this._released, chartHost);
   }
 
   readonly node: HTMLDivElement;
@@ -38,7 +43,7 @@ export class GPUCard {
     order: string[],
     windowSeconds: number,
     chartWidth?: number
-  ): void {
+  ): string[] {
     // Raw figures as attributes: exact values for tests and scripts, whatever the formatting.
     setAttr(
       this.node,
@@ -52,17 +57,25 @@ export class GPUCard {
       : '';
     setText(this._title, `GPU ${gpu.index}${gpu.name ? ` · ${gpu.name}` : ''}${shared}`);
     setAttr(this.node, 'data-contended', gpu.contended ? 'true' : null);
-    const free =
-      gpu.memory_total !== null && gpu.memory_used !== null
-        ? gpu.memory_total - gpu.memory_used
-        : null;
-    setClauses(this._stats, [
-      `used ${formatBytes(gpu.memory_used)} of ${formatBytes(gpu.memory_total)}`,
-      `free ${formatBytes(free)}`,
-      `SM ${formatPercent(gpu.utilization)}`
-    ]);
-    const released = [`released to host now: ${formatBytes(gpu.released_bytes ?? 0)}`];
+    setAttr(this._title, 'title', gpu.uuid ? `UUID ${gpu.uuid}` : null);
     const key = String(gpu.index);
+    const series = history?.gpus[key];
+    const highest = series ? peak(series.utilization) : null;
+    setClauses(this._stats, [
+      `${formatBytes(gpu.memory_used)} of ${formatBytes(gpu.memory_total)} used`,
+      `SM ${formatPercent(gpu.utilization)}` +
+        (highest !== null ? ` (peak ${formatPercent(highest)})` : '')
+    ]);
+    setAttr(
+      this._stats,
+      'title',
+      "GPU memory used by every process, of the GPU's total; SM utilization now, and its " +
+        "highest over the chart's window"
+    );
+    const released: string[] = [];
+    if (gpu.released_bytes) {
+      released.push(`${formatBytes(gpu.released_bytes)} released to host`);
+    }
     if (history) {
       const eff = efficiency(history.kernels, history.interval, history.now, key);
       if (eff.ratio !== null) {
@@ -70,16 +83,17 @@ export class GPUCard {
       }
     }
     setClauses(this._released, released);
+    setHidden(this._released, released.length === 0);
 
-    const series = history?.gpus[key];
     if (!history || !series) {
-      return;
+      return [];
     }
     const maxGap = Math.max(1, history.interval * 2.5);
+    const stack = stackOnGPU(series.t, history.kernels, order, key, maxGap);
     this._chart.update(
       {
         x: series.t,
-        stack: stackOnGPU(series.t, history.kernels, order, key, maxGap),
+        stack,
         used: series.memory_used,
         utilization: series.utilization,
         total: gpu.memory_total,
@@ -92,6 +106,7 @@ export class GPUCard {
       },
       chartWidth
     );
+    return stack.ids;
   }
 
   invalidate(): void {
@@ -106,6 +121,5 @@ export class GPUCard {
   private _title: HTMLDivElement;
   private _stats: HTMLDivElement;
   private _released: HTMLDivElement;
-  private _legend: HTMLDivElement;
   private _chart: GPUChart;
 }

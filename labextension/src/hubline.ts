@@ -27,6 +27,7 @@ export class HubLine {
       return;
     }
     setText(this._text, shown.text);
+    setAttr(this._text, 'title', shown.title);
     setAttr(this.node, 'data-tone', shown.tone);
     setHidden(this._link, shown.adminUrl === null);
     setAttr(this._link, 'href', shown.adminUrl);

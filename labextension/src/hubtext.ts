@@ -8,11 +8,21 @@ import { formatBytes } from './format';
 export interface IHubText {
   /** One line: share, then memory held per GPU. */
   text: string;
+  /** What the line means, on hover. */
+  title: string;
   /** The admin page, for JupyterHub admins only. */
   adminUrl: string | null;
-  /** `over`: the person holds more than their share; `error`: the service is not reachable. */
+  /**
+   * `over`: the person holds more than the share they have; `error`: the service is not
+   * reachable. Having no share is `ok`: it is how a hub without shares runs, no alarm.
+   */
   tone: 'ok' | 'over' | 'error';
 }
+
+/** On hover, for a person without a share (shares off, or none given to them). */
+const NO_SHARE =
+  'No GPU memory is guaranteed to you (no fair share applies to you): when another ' +
+  "person's restore needs room, your idle kernels may be released for it.";
 
 export function hubText(hub: IHub | null | undefined): IHubText | null {
   if (!hub) {
@@ -21,6 +31,7 @@ export function hubText(hub: IHub | null | undefined): IHubText | null {
   if (!hub.connected) {
     return {
       text: `Hub service not reachable: ${hub.error ?? 'no answer yet'}`,
+      title: 'The JupyterHub gpushare service this server reports to did not answer.',
       adminUrl: null,
       tone: 'error'
     };
@@ -32,10 +43,23 @@ export function hubText(hub: IHub | null | undefined): IHubText | null {
         (u.guaranteed !== null ? ` of ${formatBytes(u.guaranteed)}` : '')
     )
     .join(' · ');
-  const share = hub.share ? `Your share: ${hub.share}` : 'No guaranteed share';
+  const holds = used ? `you hold ${used}` : '';
+  if (!hub.share) {
+    // Without a share "over it" is how things are, not news: said on hover only.
+    return {
+      text: holds ? holds[0].toUpperCase() + holds.slice(1) : 'No GPU memory held',
+      title: NO_SHARE,
+      adminUrl: hub.admin_url,
+      tone: 'ok'
+    };
+  }
   const over = hub.over_share ? ' (over it: your idle kernels are released first)' : '';
   return {
-    text: `${share}${over}${used ? ` — you hold ${used}` : ''}`,
+    text: `Your share: ${hub.share}${over}${holds ? ` — ${holds}` : ''}`,
+    title:
+      'GPU memory guaranteed to you, on each GPU (or node), and what your kernels hold now. ' +
+      "Over your share, your idle kernels are released first when someone else's restore " +
+      'needs room.',
     adminUrl: hub.admin_url,
     tone: hub.over_share ? 'over' : 'ok'
   };

@@ -6,7 +6,7 @@ import { isAheadText } from './ahead';
 import { allowedActions, displayedState, PendingAction } from './rules';
 import { Attr, CSS } from './ids';
 import { el, setAttr, setClauses, setDisabled, setHidden, setText, Sparkline } from './dom';
-import { formatBytes, formatDuration, formatUtilization, splitForEllipsis } from './format';
+import { formatBytes, formatUtilization, splitForEllipsis, timingClauses } from './format';
 
 export interface IRowActions {
   open(path: string): void;
@@ -22,6 +22,8 @@ export interface IRowView {
   /** The kernel's SM utilization history, oldest first. */
   utilization: (number | null)[];
   color: string;
+  /** The server's idle_timeout (s): the row says when the kernel's own differs. */
+  serverIdleTimeout: number;
   /** The request from this page in flight for the kernel, if any. */
   pending: PendingAction | null;
   error: string | null;
@@ -120,25 +122,7 @@ export class KernelRow {
     setAttr(this._usage, 'data-per-gpu', util.includes(' on GPU ') ? 'true' : null);
     this._spark.update(view.utilization);
 
-    const parts: string[] = [];
-    if (k.idle_seconds !== null && k.idle_seconds !== undefined) {
-      parts.push(`idle ${formatDuration(k.idle_seconds)}`);
-    }
-    if (state === 'active' || state === 'idle') {
-      if (k.pinned) {
-        parts.push('never released automatically');
-      } else if (k.release_in_seconds !== null && k.release_in_seconds !== undefined) {
-        parts.push(`release in ${formatDuration(k.release_in_seconds)}`);
-      } else {
-        parts.push('no automatic release');
-      }
-    }
-    if (k.method) {
-      parts.push(`method ${k.method}`);
-    }
-    if (k.last_restore_seconds !== null && k.last_restore_seconds !== undefined) {
-      parts.push(`last restore ${formatDuration(k.last_restore_seconds)}`);
-    }
+    const parts = timingClauses(k, state, view.serverIdleTimeout);
     if (k.moved && (state === 'active' || state === 'idle')) {
       parts.push(`moved ${k.moved}`); // "GPU 0 -> 3: GPU 0 busy" (off a contended GPU)
     } else if (k.restored_onto && (state === 'active' || state === 'idle')) {

@@ -94,6 +94,44 @@ export function sampleAndHold(
   return out;
 }
 
+/**
+ * Each sample's value replaced by the highest value in its slot of time, slots being
+ * `slotSeconds` long from the epoch (so they do not move as the window slides). Drawn as
+ * steps, a burst shorter than a slot still fills a whole slot at its full height: a 5 s burst
+ * in a 10-minute, 200 px chart would otherwise be a 2 px spike. Null where every sample of
+ * the slot is null; `slotSeconds` of 0 or less keeps the values as they are.
+ */
+export function slotPeaks(
+  x: number[],
+  values: (number | null)[],
+  slotSeconds: number
+): (number | null)[] {
+  if (!(slotSeconds > 0)) {
+    return x.map((_, i) => values[i] ?? null);
+  }
+  const slotOf = (t: number) => Math.floor(t / slotSeconds);
+  const peaks = new Map<number, number>();
+  x.forEach((t, i) => {
+    const v = values[i];
+    if (v !== null && v !== undefined) {
+      const slot = slotOf(t);
+      peaks.set(slot, Math.max(peaks.get(slot) ?? -Infinity, v));
+    }
+  });
+  return x.map(t => peaks.get(slotOf(t)) ?? null);
+}
+
+/** The highest known value, or null when none is known. */
+export function peak(values: readonly (number | null | undefined)[]): number | null {
+  let best: number | null = null;
+  for (const v of values) {
+    if (v !== null && v !== undefined && Number.isFinite(v) && (best === null || v > best)) {
+      best = v;
+    }
+  }
+  return best;
+}
+
 export interface IStack {
   /** Kernel ids in stacking order (bottom first). */
   ids: string[];

@@ -15,6 +15,7 @@ import { efficiency } from './metrics';
 import { formatDuration, formatGiBHours } from './format';
 import { GPUCard } from './gpucard';
 import { HubLine } from './hubline';
+import { ChartLegend } from './legend';
 import { IRowActions, KernelRow } from './kernelrow';
 import { GPUShareModel } from './model';
 import { ColorMap, kernelLabels, sortKernels } from './rules';
@@ -46,15 +47,14 @@ export class GPUSharePanel extends Widget {
     this._message.setAttribute('role', 'status');
     this._efficiency = el('div', CSS.efficiency);
     this._effValue = el('div', `${CSS.efficiency}-value`);
-    this._efficiency.append(
-      this._effValue,
-      el(
-        'div',
-        `${CSS.efficiency}-help`,
-        'held = integral of GPU bytes held by kernels over time; used = the same integral ' +
-          'counting only the time a kernel’s SM utilization on that GPU was above 0.'
-      )
-    );
+    this._efficiency.append(this._effValue);
+    this._efficiency.title =
+      'Held: GPU memory held by kernels, integrated over time. Used: the same, counting only ' +
+      'the time the kernel holding it computed on that GPU (SM utilization above 0).';
+    this._summary.title =
+      "The server's idle_timeout, for kernels without their own; a kernel's own " +
+      '(%gpushare idle-timeout, its kernelspec) shows in its row.';
+    this._legend = new ChartLegend();
     this._gpuList = el('div', CSS.gpuList);
     this._kernelTitle = el('h3', `${CSS.kernelList}-title`, 'Kernels');
     this._kernelList = el('div', CSS.kernelList);
@@ -63,6 +63,7 @@ export class GPUSharePanel extends Widget {
       header,
       this._message,
       this._efficiency,
+      this._legend.node,
       this._gpuList,
       this._kernelTitle,
       this._noKernels,
@@ -161,8 +162,8 @@ export class GPUSharePanel extends Widget {
       this._summary,
       `backend ${status.backend} · method ${status.method ?? '—'} · ` +
         (status.idle_timeout
-          ? `release after ${formatDuration(status.idle_timeout)} idle`
-          : 'automatic release off')
+          ? `idle timeout ${formatDuration(status.idle_timeout)} by default`
+          : 'no automatic release by default')
     );
 
     const history = model.history;
@@ -177,6 +178,7 @@ export class GPUSharePanel extends Widget {
 
     // GPU cards, keyed by index.
     const seenGpus = new Set<number>();
+    const charted = new Set<string>();
     status.gpus.forEach((gpu, i) => {
       seenGpus.add(gpu.index);
       let card = this._gpus.get(gpu.index);
@@ -190,7 +192,9 @@ export class GPUSharePanel extends Widget {
       if (this._gpuList.children[i] !== card.node) {
         this._gpuList.insertBefore(card.node, this._gpuList.children[i] ?? null);
       }
-      card.update(gpu, history, order, windowSeconds, chartWidth || undefined);
+      card
+        .update(gpu, history, order, windowSeconds, chartWidth || undefined)
+        .forEach(id => charted.add(id));
     });
     for (const [index, card] of this._gpus) {
       if (!seenGpus.has(index)) {
@@ -198,6 +202,15 @@ export class GPUSharePanel extends Widget {
         this._gpus.delete(index);
       }
     }
+
+    // Kernels are named so that two notebooks never look alike, in the legend as in the rows.
+    const labels = kernelLabels(status.kernels);
+    this._legend.update(
+      order
+        .filter(id => charted.has(id))
+        .map(id => ({ id, label: labels.get(id)!, color: this._colors.color(id) })),
+      history !== null && status.gpus.length > 0
+    );
 
     // Efficiency over the window, all GPUs together.
     if (history && status.gpus.length > 0) {
@@ -213,8 +226,7 @@ export class GPUSharePanel extends Widget {
       setHidden(this._efficiency, true);
     }
 
-    // Kernel rows, keyed by id, in `order`, named so that two notebooks never look alike.
-    const labels = kernelLabels(status.kernels);
+    // Kernel rows, keyed by id, in `order`.
     const seen = new Set<string>();
     order.forEach((id, i) => {
       const kernel = status.kernels.find(k => k.id === id)!;
@@ -232,6 +244,7 @@ export class GPUSharePanel extends Widget {
         label: labels.get(id)!,
         utilization: history?.kernels[id]?.sm_utilization ?? [],
         color: this._colors.color(id),
+        serverIdleTimeout: status.idle_timeout,
         pending: model.pendingAction(id),
         error: model.kernelError(id)
       });
@@ -282,6 +295,7 @@ export class GPUSharePanel extends Widget {
   private _hub: HubLine;
   private _message: HTMLDivElement;
   private _efficiency: HTMLDivElement;
+  private _legend: ChartLegend;
   private _effValue: HTMLDivElement;
   private _gpuList: HTMLDivElement;
   private _kernelTitle: HTMLHeadingElement;

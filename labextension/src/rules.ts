@@ -83,8 +83,9 @@ export type PendingAction = KernelAction;
 /**
  * The state a kernel's row shows: the server's, except while a release or restore asked from
  * this page is in flight, when it shows "releasing"/"restoring" at once rather than the state
- * before the click until the request returns (and "release in 1 min 49 s" meanwhile). A restore
- * asked during a release shows "restoring": the server restores as soon as the release ends.
+ * before the click until the request returns (and "release after … (in 1 min 49 s)"
+ * meanwhile). A restore asked during a release shows "restoring": the server restores as soon
+ * as the release ends.
  */
 export function displayedState(state: KernelState, pending: PendingAction | null): KernelState {
   if (pending === 'release' && ALLOWED_IN.release.includes(state)) {

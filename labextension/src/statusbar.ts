@@ -1,5 +1,5 @@
 /**
- * Status bar item for the current notebook's kernel: "GPU 1.2 GiB · 35 %",
+ * Status bar item for the current notebook's kernel: "GPU 1.2 GiB · 35 % SM",
  * "GPU released (4.0 GiB on host)", or a spinner while releasing/restoring.
  */
 import { ISessionContext } from '@jupyterlab/apputils';
@@ -39,7 +39,8 @@ export function statusText(kernel: IKernel | undefined): { text: string; busy: b
         return null;
       }
       return {
-        text: `GPU ${formatBytes(kernel.gpu_memory_bytes ?? 0)} · ${formatPercent(kernel.sm_utilization)}`,
+        // "SM": the figure is the kernel's SM utilization, not its share of memory
+        text: `GPU ${formatBytes(kernel.gpu_memory_bytes ?? 0)} · ${formatPercent(kernel.sm_utilization)} SM`,
         busy: false
       };
   }

@@ -13,7 +13,15 @@ import {
   formatPercent,
   formatUtilization
 } from '../src/format';
-import { efficiency, IHistoryLike, mergeHistory, sampleAndHold, stackOnGPU } from '../src/metrics';
+import {
+  efficiency,
+  IHistoryLike,
+  mergeHistory,
+  peak,
+  sampleAndHold,
+  slotPeaks,
+  stackOnGPU
+} from '../src/metrics';
 import { ALLOWED_IN, KernelState, KernelStateValues } from '../src/contract';
 import { allowedActions, ColorMap, IAllowed, kernelLabels, PALETTE } from '../src/rules';
 
@@ -154,6 +162,24 @@ test('sampleAndHold holds the latest sample for at most maxGap seconds', () => {
   assert.deepEqual(sampleAndHold([0, 1, 2, 3, 10], [1, 2], [5, 7], 2), [0, 5, 7, 7, 0]);
   assert.deepEqual(sampleAndHold([0, 1], [], [], 2), [0, 0]);
   assert.deepEqual(sampleAndHold([0, 1], [0, 1], [null, 3], 2), [0, 3]);
+});
+
+test('slotPeaks: a burst shorter than a slot fills its whole slot at its height', () => {
+  // 1 s samples, 4 s slots: the burst at t=5 (one sample) holds 4 to 7
+  const x = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9];
+  const util = [0, 0, 0, 0, 0, 90, 0, 0, 0, null];
+  assert.deepEqual(slotPeaks(x, util, 4), [0, 0, 0, 0, 90, 90, 90, 90, 0, 0]);
+  // slots from the epoch: the same sample keeps its slot however the window slides
+  assert.deepEqual(slotPeaks(x.slice(3), util.slice(3), 4), [0, 90, 90, 90, 90, 0, 0]);
+  // a slot of nothing known stays unknown; no slot keeps the values
+  assert.deepEqual(slotPeaks([0, 1], [null, null], 4), [null, null]);
+  assert.deepEqual(slotPeaks([0, 1], [3, null], 0), [3, null]);
+});
+
+test('peak: the highest known value', () => {
+  assert.equal(peak([0, null, 93, 5]), 93);
+  assert.equal(peak([null, undefined]), null);
+  assert.equal(peak([]), null);
 });
 
 test('stackOnGPU stacks in order and leaves out kernels holding nothing there', () => {

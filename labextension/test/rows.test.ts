@@ -5,7 +5,7 @@
 import { strict as assert } from 'node:assert';
 import { test } from 'node:test';
 
-import { splitForEllipsis, timeTickLabel } from '../src/format';
+import { relativeTicks, relativeTimeLabel, splitForEllipsis, timingClauses } from '../src/format';
 import { displayedState, sortKernels } from '../src/rules';
 import { KernelStateValues } from '../src/contract';
 
@@ -84,18 +84,82 @@ test('displayedState shows releasing/restoring from the click on, else the serve
   }
 });
 
-test('timeTickLabel: one short line, minutes on minute ticks, seconds between', () => {
-  const at = (h: number, m: number, s: number) => new Date(2025, 0, 1, h, m, s).getTime() / 1000;
-  assert.equal(timeTickLabel(at(15, 45, 0), 60), '3:45pm');
-  assert.equal(timeTickLabel(at(15, 45, 0), 300), '3:45pm');
-  assert.equal(timeTickLabel(at(0, 5, 0), 60), '12:05am');
-  assert.equal(timeTickLabel(at(12, 0, 0), 3600), '12:00pm');
-  assert.equal(timeTickLabel(at(15, 45, 30), 15), ':30');
-  assert.equal(timeTickLabel(at(15, 45, 5), 5), ':05');
-  // A minute within second ticks says which minute (uPlot's default wrote ":00").
-  assert.equal(timeTickLabel(at(15, 46, 0), 15), '3:46pm');
-  for (let t = at(0, 0, 0); t < at(24, 0, 0); t += 97) {
-    const label = timeTickLabel(t, 60);
-    assert.ok(!label.includes('\n') && label.length <= 7, label);
+test('relativeTicks: round ages back from now, as many as fit', () => {
+  const now = 1_000_000;
+  // 10 minutes, room for 6 labels: every 2 minutes
+  assert.deepEqual(
+    relativeTicks(now - 600, now, 6),
+    [-600, -480, -360, -240, -120, 0].map(d => now + d)
+  );
+  // room for 3: every 5 minutes
+  assert.deepEqual(relativeTicks(now - 600, now, 3), [now - 600, now - 300, now]);
+  // a young server's 40 s: every 10 s
+  assert.deepEqual(
+    relativeTicks(now - 40, now, 5),
+    [-40, -30, -20, -10, 0].map(d => now + d)
+  );
+  // always "now" and one before it, never more than asked
+  for (const span of [7, 61, 420, 3599, 7200, 86400]) {
+    for (const most of [2, 3, 5, 8]) {
+      const ticks = relativeTicks(now - span, now, most);
+      assert.equal(ticks[ticks.length - 1], now);
+      assert.ok(ticks.length >= 1 && ticks.length <= most, `${span} s, ${most}: ${ticks.length}`);
+      assert.ok(ticks[0] >= now - span, `${span} s: ${ticks[0]}`);
+    }
   }
+});
+
+test('relativeTimeLabel: "now" and ages, short enough for the panel', () => {
+  const now = 1_000_000;
+  assert.equal(relativeTimeLabel(now, now), 'now');
+  assert.equal(relativeTimeLabel(now + 0.2, now), 'now');
+  assert.equal(relativeTimeLabel(now - 5, now), '-5 s');
+  assert.equal(relativeTimeLabel(now - 30, now), '-30 s');
+  assert.equal(relativeTimeLabel(now - 300, now), '-5 min');
+  assert.equal(relativeTimeLabel(now - 5400, now), '-1 h 30 min');
+  for (const step of [5, 10, 30, 60, 120, 300, 600, 1800, 3600]) {
+    assert.ok(relativeTimeLabel(now - 4 * step, now).length <= 8);
+  }
+});
+
+test("timingClauses: the kernel's own idle timeout, and a restore's duration as one", () => {
+  const k = {
+    idle_seconds: 12,
+    pinned: false,
+    release_in_seconds: 18,
+    release_policy: 'needs' as const,
+    idle_timeout: 30,
+    method: 'simulated',
+    last_restore_seconds: 4.9
+  };
+  // `%gpushare idle-timeout 30` on a server whose default is 2 min: the row says 30 s
+  assert.deepEqual(timingClauses(k, 'idle', 120), [
+    'idle 12 s',
+    'release after 30 s idle (in 18 s)',
+    'method simulated',
+    'last restore took 4.9 s'
+  ]);
+  // the server's default under "needs": released when its GPU needs room, or after long_idle
+  assert.equal(
+    timingClauses({ ...k, idle_timeout: 120, release_in_seconds: 7188 }, 'idle', 120)[1],
+    'release if GPU needs room, else in 2 h'
+  );
+  // proactive: the server's timeout is the release
+  assert.equal(
+    timingClauses({ ...k, idle_timeout: 120, release_policy: 'proactive' }, 'idle', 120)[1],
+    'release after 2 min idle (in 18 s)'
+  );
+  assert.equal(
+    timingClauses({ ...k, pinned: true }, 'active', 120)[1],
+    'never released automatically'
+  );
+  assert.equal(
+    timingClauses({ ...k, idle_timeout: 0, release_in_seconds: null }, 'idle', 120)[1],
+    'no automatic release'
+  );
+  // released: no release clause; no restore yet: no restore clause
+  assert.deepEqual(timingClauses({ ...k, last_restore_seconds: null }, 'released', 120), [
+    'idle 12 s',
+    'method simulated'
+  ]);
 });

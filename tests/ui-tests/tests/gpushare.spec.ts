@@ -102,8 +102,24 @@ test('the GPU panel opens from the right sidebar and shows the simulated GPUs', 
   await expect(gpus.first()).toContainText('GPU 0');
   await expect(gpus.first().locator('.jp-GPUShare-gpuStats').first()).toContainText('16.0 GiB');
   await expect(panel(page).locator('.jp-GPUShare-summary')).toContainText('backend simulated');
+  // The server's default, said as one (a kernel's own shows in its row).
+  await expect(panel(page).locator('.jp-GPUShare-summary')).toContainText(
+    'no automatic release by default'
+  );
   // The chart canvas is drawn once history arrives.
   await expect(gpus.first().locator('.jp-GPUShare-chart canvas').first()).toBeVisible();
+  // Its memory axis runs to the GPU's total, its time axis has several ages ending at "now".
+  const chart = gpus.first().locator('.jp-GPUShare-chart');
+  await expect(chart).toHaveAttribute('data-memory-axis-top', String(16 * GiB));
+  await expect(chart).toHaveAttribute('data-time-labels', /^(-\d+ (s|min) \| )+now$/);
+  // One legend for every chart: the lines, in a line; what they mean on hover.
+  const legend = panel(page).locator('.jp-GPUShare-chart-legend');
+  await expect(legend).toHaveCount(1);
+  await expect(legend.locator('[data-kind="used"]')).toHaveText('GPU used');
+  await expect(legend.locator('[data-kind="sm"]')).toHaveText('SM %');
+  await expect(legend.locator('[data-kind="sm"]')).toHaveAttribute('title', /SM utilization/);
+  // No paragraph of explanations: they are tooltips.
+  await expect(panel(page).locator('.jp-GPUShare-efficiency')).toHaveAttribute('title', /Held:/);
   await shot(page, 'panel-empty');
 
   // The dark theme: the charts are rebuilt with the theme's colors and still drawn.
@@ -132,6 +148,23 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await expect(panel(page).locator('.jp-GPUShare-efficiency-value')).toContainText('Efficiency');
   await expect.poll(() => gpuUsed(page, 0)).toBeGreaterThanOrEqual(2 * GiB);
   const usedBefore = await gpuUsed(page, 0);
+  // The legend names each kernel on the charts in its chart (and row) color, once.
+  const legend = panel(page).locator('.jp-GPUShare-chart-legend [data-kind="kernel"]');
+  await expect(legend).toHaveText(['alloc-a.ipynb', 'alloc-b.ipynb']);
+  for (const [i, r] of [a, b].entries()) {
+    const swatch = r.locator('.jp-GPUShare-kernel-swatch');
+    const color = await swatch.evaluate(node => getComputedStyle(node).backgroundColor);
+    await expect(legend.nth(i).locator('.jp-GPUShare-chart-legend-swatch')).toHaveCSS(
+      'background-color',
+      color
+    );
+  }
+  // 2 GiB of 16 GiB: the memory axis is the GPU's, not what is held; B's 1.5 s burst is a peak.
+  await expect(gpu0.locator('.jp-GPUShare-chart')).toHaveAttribute(
+    'data-memory-axis-top',
+    String(16 * GiB)
+  );
+  await expect(gpu0.locator('.jp-GPUShare-gpuStats').first()).toContainText(/peak [1-9]\d* %/);
   await shot(page, 'panel-two-kernels');
 
   // Release A from the panel: its memory moves to the host and GPU 0's use drops.
@@ -173,8 +206,23 @@ test('release, restore and pin two kernels from the panel', async ({ page, tmpPa
   await expect(a).not.toHaveAttribute('data-state', /released|restoring/);
   await expect(a).toHaveAttribute('data-gpu-memory-bytes', String(GiB));
   await expect.poll(() => gpuUsed(page, 0)).toBeGreaterThanOrEqual(usedBefore);
-  await expect(a.locator('.jp-GPUShare-kernelStats-timing')).toContainText('last restore');
-  await expect(page.locator('.jp-GPUShare-statusItem')).toContainText('GPU 1.0 GiB');
+  // a duration, not an age
+  await expect(a.locator('.jp-GPUShare-kernelStats-timing')).toContainText(
+    /last restore took \d+(\.\d)? s/
+  );
+  // the status bar says what its percentage is
+  await expect(page.locator('.jp-GPUShare-statusItem')).toHaveText(/^GPU 1\.0 GiB · \d+ % SM$/);
+
+  // A's own idle timeout shows in its row; the header keeps the server's, as the default.
+  await page.notebook.addCell('code', '%gpushare idle-timeout 3600');
+  await page.notebook.runCell((await page.notebook.getCellCount()) - 1);
+  await expect(a.locator('.jp-GPUShare-kernelStats-timing')).toContainText(
+    /release after 1 h idle \(in (59 min( \d+ s)?|1 h)\)/
+  );
+  await expect(panel(page).locator('.jp-GPUShare-summary')).toContainText(
+    'no automatic release by default'
+  );
+  await expect(b.locator('.jp-GPUShare-kernelStats-timing')).toContainText('no automatic release');
 
   // Pin B: never released automatically, and still releasable by hand (as over REST).
   await b.locator('button[data-action="pin"]').click();
@@ -436,7 +484,9 @@ test.describe('with a poll once a minute', () => {
     });
     await r.locator('button[data-action="release"]').click();
     await expect(r.locator('.jp-GPUShare-badge').first()).toHaveText('releasing…');
-    await expect(r.locator('.jp-GPUShare-kernelStats-timing')).not.toContainText('release in');
+    await expect(r.locator('.jp-GPUShare-kernelStats-timing')).not.toContainText(
+      /release (after|if)/
+    );
     await expect(r.locator('button[data-action="release"]')).toBeDisabled();
     await expect(page.locator('.jp-GPUShare-statusItem')).toHaveText('GPU releasing…');
     expect(held).toBe(1);
