@@ -14,9 +14,14 @@ starting; the GPUs' history then filled as a server that has run for ``history_s
   ``GpuLoad`` over the tracker (SM load over the 120 s window from each GPU's history,
   pending and busy kernels, free memory read from the node, the rule's ``choose``), with
   every kernel placed already; a sample is appended to every GPU before each timing, so each
-  includes working out every GPU's load again (the first decision after a poll);
+  includes working out every GPU's load again (the first decision after a poll), and again
+  without (a later decision before the next poll: the loads are kept per sample);
 - rebalance pass: the views of every GPU (``GpuLoad.views``) and the rule's ``rebalance``
   over every resident kernel, with a quarter of the GPUs contended; and the rule alone.
+
+Each is given as wall time and as this process's CPU time (``time.process_time``: on a
+shared, loaded machine the wall time also counts the time others ran), each with its ratio
+to the poll's.
 
     python benchmarks/placement_cost.py [--gpus 64] [--kernels 200] [--repeat 200] [--smoke]
 
@@ -35,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _server import machine, summary, table
-from tracker_poll import PER_KERNEL, FakeKernelManager, node_gpus, spawn_kernels, time_polls
+from tracker_poll import PER_KERNEL, FakeKernelManager, node_gpus, spawn_kernels
 
 from jupyter_gpushare import clock
 from jupyter_gpushare.core.tracker import Tracker
@@ -73,32 +78,62 @@ def mark(tracker: Tracker, contended: set[int], now: float) -> None:
             rec.computed[g] = now - (5.0 if g in contended else 3 * WINDOW)
 
 
-def new_sample(tracker: Tracker) -> None:
-    """One more sample on every GPU, as a poll appends: each GPU's load is worked out again
-    at the next decision (it is kept per sample), so every timing below includes it."""
-    for rec in tracker.gpus.values():
-        t, used, u = rec.history[-1]
-        rec.history.append((t + POLL, used, u))
+STARTING: dict[str, int] = {}  # kernels placed and still starting: kernel -> GPU
+CONTENDED: set[int] = set()  # the GPUs whose kernels compute
 
 
-def timed(fn: Any, n: int, tracker: Tracker) -> list[float]:
-    out = []
+def setup(tracker: Tracker, load: GpuLoad, fresh: bool) -> None:
+    """Before each timing, the same node whatever the run's length: the kernels still
+    starting stay placed and the computing ones stay computing (past their grace and the
+    window, they would drop out, and change what is measured); with ``fresh``, one more
+    sample on every GPU, as a poll appends, so that each GPU's load is worked out again (it
+    is kept per sample)."""
+    now = clock.now()
+    for kid, g in STARTING.items():
+        load.place(kid, [g], Need(PER_KERNEL))
+    mark(tracker, CONTENDED, now)
+    if fresh:
+        for g, rec in tracker.gpus.items():
+            t, used, _ = rec.history[-1]
+            rec.history.append((max(now, t + 1e-3), used, 100.0 if g in CONTENDED else 5.0))
+
+
+Times = tuple[list[float], list[float]]  # wall seconds, CPU seconds of this process
+
+
+def timed(fn: Any, n: int, tracker: Tracker, load: GpuLoad, fresh: bool = True) -> Times:
+    wall, cpu = [], []
     for _ in range(n):
-        new_sample(tracker)
-        t = time.perf_counter()
+        setup(tracker, load, fresh)
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        out.append(time.perf_counter() - t)
-    return out
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return wall, cpu
 
 
-async def timed_async(fn: Any, n: int, tracker: Tracker) -> list[float]:
-    out = []
+async def timed_async(fn: Any, n: int, tracker: Tracker, load: GpuLoad,
+                      fresh: bool = True) -> Times:
+    wall, cpu = [], []
     for _ in range(n):
-        new_sample(tracker)
-        t = time.perf_counter()
+        setup(tracker, load, fresh)
+        t, c = time.perf_counter(), time.process_time()
         await fn()
-        out.append(time.perf_counter() - t)
-    return out
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return wall, cpu
+
+
+async def timed_polls(tracker: Tracker, n: int) -> Times:
+    """One tracker poll, as ``tracker_poll.py`` times it (its sample runs on the tracker's
+    thread: this process's CPU time counts it too)."""
+    wall, cpu = [], []
+    for _ in range(n):
+        t, c = time.perf_counter(), time.process_time()
+        await tracker.poll()
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return wall, cpu
 
 
 async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], str]:
@@ -111,17 +146,22 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
         km = FakeKernelManager(pids)
         telemetry = SimulatedTelemetry(node)
         tracker = Tracker(km, telemetry, HISTORY, POLL)
-        polls = await time_polls(tracker, max(3, repeat // 10))  # also the records' first fill
+        await timed_polls(tracker, 3)  # the records' first fill (psutil objects made)
+        # the baseline's polls run on a tracker of their own: a poll appends what the node
+        # reads now (sleepers: idle GPUs), which would change the load measured below
+        poller = Tracker(km, telemetry, HISTORY, POLL)
+        await timed_polls(poller, 3)
         now = clock.now()
         contended = set(range(0, gpus, 4))
+        CONTENDED.update(contended)
         fill_history(tracker, contended, now)
-        mark(tracker, contended, now)
         load = GpuLoad(lambda: tracker.gpus, lambda: tracker.kernels, WINDOW)
         ids = km.list_kernel_ids()
         for i, kid in enumerate(ids):  # every kernel placed by this server where it runs
             load.place(kid, [i % gpus], Need(PER_KERNEL))
         for i in range(max(1, gpus // 4)):  # and some still starting: pending load
-            load.place(f"starting-{i}", [(4 * i + 1) % gpus], Need(PER_KERNEL))
+            STARTING[f"starting-{i}"] = (4 * i + 1) % gpus
+        setup(tracker, load, False)
 
         async def read_free(indices: list[int]) -> dict[int, int | None]:
             return {g: telemetry.free_bytes(g) for g in indices}
@@ -147,13 +187,22 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
 
         seen = views()
         moves = rebalance(residents, seen)
-        results: dict[str, list[float]] = {"poll": list(polls), "place": [], "pass": [], "rule": []}
+        keys = ("poll", "place", "place_kept", "pass", "pass_kept", "rule")
+        results: dict[str, Times] = {k: ([], []) for k in keys}
+
+        def add(key: str, got: Times) -> None:
+            results[key][0].extend(got[0])
+            results[key][1].extend(got[1])
+
         rounds = 5  # interleaved, so drift hits every measure alike
         for _ in range(rounds):
-            results["poll"] += await time_polls(tracker, max(1, repeat // 10 // rounds))
-            results["place"] += await timed_async(place, repeat // rounds, tracker)
-            results["pass"] += timed(pass_, repeat // rounds, tracker)
-            results["rule"] += timed(lambda: rebalance(residents, seen), repeat // rounds, tracker)
+            add("poll", await timed_polls(poller, max(1, repeat // 10 // rounds)))
+            add("place", await timed_async(place, repeat // rounds, tracker, load))
+            add("pass", timed(pass_, repeat // rounds, tracker, load))
+            add("place_kept", await timed_async(place, repeat // rounds, tracker, load, False))
+            add("pass_kept", timed(pass_, repeat // rounds, tracker, load, False))
+            add("rule", timed(lambda: rebalance(residents, seen), repeat // rounds, tracker,
+                              load, False))
         assert len(tracker.kernels) == kernels
     finally:
         for c in children:
@@ -164,15 +213,19 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
             except subprocess.TimeoutExpired:
                 c.kill()
                 c.wait()
-    base = summary(results["poll"])["median"]
+    base = summary(results["poll"][0])["median"]
+    base_cpu = summary(results["poll"][1])["median"]
     rows = []
     for key, label in (("poll", f"baseline: one tracker poll, {kernels} kernels"),
                        ("place", "one placement decision (Placer.place)"),
+                       ("place_kept", "  the same, loads already worked out this poll"),
                        ("pass", "one rebalance pass (views + rebalance)"),
+                       ("pass_kept", "  the same, loads already worked out this poll"),
                        ("rule", "  the rule alone (rebalance)")):
-        s = summary(results[key])
+        s, c = summary(results[key][0]), summary(results[key][1])
         rows.append([label, s["n"], f"{s['median'] * 1e3:.3f}", f"{s['p95'] * 1e3:.3f}",
-                     f"{s['median'] / base:.3f}"])
+                     f"{s['median'] / base:.3f}", f"{c['median'] * 1e3:.3f}",
+                     f"{c['median'] / base_cpu:.3f}" if base_cpu else "-"])
     note = (f"{gpus} GPUs of {node.capacities[0] >> 30} GiB, {kernels} kernels, "
             f"{len(contended)} GPUs contended; the pass planned {len(moves)} move(s)")
     return rows, note
@@ -188,7 +241,7 @@ def main() -> None:
     gpus, kernels, repeat = (4, 8, 10) if args.smoke else (args.gpus, args.kernels, args.repeat)
     rows, note = asyncio.run(run(gpus, kernels, repeat))
     print(machine())
-    print(table(["measure", "n", "median ms", "p95 ms", "x poll"], rows))
+    print(table(["measure", "n", "median ms", "p95 ms", "x poll", "CPU ms", "CPU x poll"], rows))
     print(note + ("  (--smoke: no figures)" if args.smoke else ""))
 
 
