@@ -318,8 +318,12 @@ def test_replay_rebuilds_cells_from_samples_and_restores(tmp_path):
 
 def test_quick_run_writes_every_policy_for_both_traces(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a short --out, so the last line's path is not what is measured
-    # the former transfer model (restores of ~1 s): the example replay's long tail to explain
-    assert main(["simulate", "--quick", "--out", "out", "--restore-model", "h100"]) == 0
+    # the former transfer model (restores of ~1 s) and the baseline policy (releases at
+    # idle_timeout, round-robin, no rebalance): the example replay's long tail to explain (the
+    # product's defaults leave none there)
+    assert main(["simulate", "--quick", "--out", "out", "--restore-model", "h100",
+                 "--release-policy", "proactive", "--placement", "round-robin",
+                 "--no-rebalance"]) == 0
     out = capsys.readouterr().out
     assert "most users per GPU" in out and "goal (" in out and "HEADLINE: fewest GPUs" in out
     too_wide = [line for line in out.splitlines() if len(line) > 100]
@@ -757,7 +761,7 @@ def test_simulate_runs_a_trace_file_and_a_bad_one_is_an_error(tmp_path, capsys):
     from jupyter_gpushare.simulate.cli import MULTI_GPU_EXAMPLE
 
     assert main(["simulate", "--trace", str(MULTI_GPU_EXAMPLE), "--no-png", "--out", str(tmp_path),
-                 "--restore-mode", "lazy", "--placement", "load-aware"]) == 0
+                 "--restore-mode", "lazy", "--placement", "room"]) == 0
     out = capsys.readouterr().out
     assert "HEADLINE: fewest GPUs (machines of 8) that serve all 8 users" in out
     assert all(len(line) <= 100 for line in out.splitlines())
@@ -912,8 +916,10 @@ def test_needs_based_release_keeps_idle_kernels_until_a_restore_waits(release_po
 def test_the_ahead_sensitivity_table_fits_and_is_written(tmp_path, capsys):
     from jupyter_gpushare.simulate.cli import MULTI_GPU_EXAMPLE
 
+    # the baseline release policy first (the product's, needs, second): what the lead cuts
     args = ["simulate", "--trace", str(MULTI_GPU_EXAMPLE), "--policies", "exclusive,gpushare",
-            "--no-capacity", "--no-png", "--out", str(tmp_path), "--ahead-sensitivity"]
+            "--no-capacity", "--no-png", "--out", str(tmp_path), "--ahead-sensitivity",
+            "--release-policy", "proactive"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert all(len(line) <= 100 for line in out.splitlines())

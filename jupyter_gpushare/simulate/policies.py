@@ -198,7 +198,8 @@ class Cull(Policy):
 
 
 RELEASE_POLICIES = ("needs", "proactive")  # the product's default first
-REBALANCE_TICK = 10.0  # s between two rebalance passes over a machine (the product: each poll)
+REBALANCE_TICK = 30.0  # s between two rebalance passes over a machine (the product: each
+# poll; its windows are 120 s idle and 600 s of load, so 30 s late changes little)
 
 
 class GPUShare(Policy):

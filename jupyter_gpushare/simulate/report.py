@@ -161,10 +161,11 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
                  *[f"fewest GPUs ({m})" for m in others]]
         return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes]
                          + [limit_line(limit)])
-    heads = ["policy", "GPUs", "x limit", "GPU-h", "reserved", "x res.", "p99", "worst",
+    _beside(rows, 1)
+    heads = ["policy", "GPUs (x limit)", "GPU-h", "reserved", "x res.", "p99", "worst",
              "slowdown", "lost", *others]
     legend = (f"GPUs: the fewest that serve every user under transfer model {first} (none: not "
-              "even exclusive's count does); GPU-h: those GPUs for the whole trace (exclusive: "
+              "even exclusive's count does), and their multiple of the compute limit; GPU-h: those GPUs for the whole trace (exclusive: "
               "each user's own GPUs only while a kernel of theirs is alive); reserved: GPU-h of "
               "reserving each user's GPUs for their sessions' lifetime, what a scheduler that "
               "hands out whole GPUs charges; x res.: GPU-h / reserved. At that count: p99 delay "
@@ -184,6 +185,14 @@ def _times(gpus: int | None, limit: dict[str, Any] | None) -> str:
     if gpus is None or not limit or not limit.get("gpus"):
         return "-"
     return f"{gpus / limit['gpus']:.2f}x"
+
+
+def _beside(rows: list[list[Any]], i: int) -> None:
+    """Narrow tables: column ``i + 1`` (a multiple of the compute limit) beside column ``i``
+    (a count of GPUs), in place."""
+    for row in rows:
+        x = row.pop(i + 1)
+        row[i] = row[i] if x in (None, "-") else f"{row[i]} ({x})"
 
 
 def limit_line(limit: dict[str, Any] | None) -> str:
@@ -344,13 +353,15 @@ def ahead_table(rows: list[dict[str, Any]], wide: bool = False,
                       "delayed %", "restores ahead", "releases", f"fewest GPUs ({first})",
                       "x compute limit", "p99 / worst there s", "delayed % there",
                       *[f"fewest GPUs ({m})" for m in models[1:]]], out) + "\n" + limit_line(limit)
+    _beside(out, 7)
     return "\n".join([
-        table(["release", "lead", "p99", "worst", "delayed %", "ahead", "releases", first,
-               "x limit", "p99 / worst", "delayed %", *models[1:]], out, WIDTH),
+        table(["release", "lead", "p99", "worst", "delayed %", "ahead", "releases",
+               f"{first} (x)", "p99 / worst", "delayed %", *models[1:]], out, WIDTH),
         wrap(f"lead: s from the person's first activity to their cell; at the node's GPUs: p99 "
              f"delay over every cell and worst wait in s, share of cells delayed, restores "
              f"started ahead of a cell, releases. {first}: the fewest GPUs that serve every user "
-             f"under that transfer model, with p99 / worst delay and delayed % at that count; "
+             f"under that transfer model (x: their multiple of the compute limit), with p99 / "
+             f"worst delay and delayed % at that count; "
              + ", ".join(models[1:]) + ": the fewest GPUs under that model."),
         limit_line(limit),
     ])
@@ -373,21 +384,19 @@ def placement_table(rows: list[dict[str, Any]], wide: bool = False,
         served = there.get("gpus") is not None
         out.append([r["configuration"], _s(r["cell_delay_p99_s"]), _s(r["delay_max_s"]),
                     f"{r['cells_delayed_pct']:.2f}", f"{r['moves']:,}", fewest(there),
-                    _times(there.get("gpus"), limit) if wide else None,
+                    _times(there.get("gpus"), limit),
                     f"{_s(there['cell_delay_p99_s'])} / {_s(there['delay_max_s'])}" if served else "-",
                     f"{there['moves']:,}" if served else "-",
                     *[fewest(r["fewest_gpus"][m]) for m in models[1:]]])
     if not wide:  # the multiple beside the count: the table fits
-        for row in out:
-            x = row.pop(6)
-            row[5] = row[5] if x in (None, "-") else f"{row[5]} ({x})"
+        _beside(out, 5)
     if wide:
         return table(["configuration", "p99 all cells s", "worst delay s", "delayed %", "moves",
                       f"fewest GPUs ({first})", "x compute limit", "p99 / worst there s",
                       "moves there", *[f"fewest GPUs ({m})" for m in models[1:]]], out) \
             + "\n" + limit_line(limit)
     return "\n".join([
-        table(["configuration", "p99", "worst", "delayed %", "moves", f"{first} (x limit)",
+        table(["configuration", "p99", "worst", "delayed %", "moves", f"{first} (x)",
                "p99 / worst", "moves", *models[1:]], out, WIDTH),
         wrap(f"round-robin: each user's kernels on their turn's GPUs (a baseline); room: the "
              f"product's placement rule, at a kernel's start, over its server's machine (chosen "
