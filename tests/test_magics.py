@@ -8,11 +8,12 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from jupyter_gpushare import clock
-from jupyter_gpushare.kernel.magics import GPUShareMagics
+from jupyter_gpushare.kernel.magics import USAGE, GPUShareMagics
 
 from .helpers import kernel_status, rest, wait_for
 
@@ -322,6 +323,17 @@ async def test_release_of_a_kernel_holding_nothing_says_why(jp_fetch, kernels):
     clean(ex)
     assert ex.stdout.strip() == "gpushare: release failed: kernel holds no GPU memory"
     assert (await kernel_status(jp_fetch, k.id))["releases"] == 0
+
+
+def test_readme_lists_every_subcommand_of_the_usage_line():
+    """The README's list of magics is the one a new user reads: nothing the usage line offers
+    is missing from it."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    listed = readme.split("## In a notebook", 1)[1].split("\n## ", 1)[0]
+    offered = USAGE[USAGE.index("[") + 1:USAGE.rindex("]")].split("|")
+    for form in (part.split()[0] for part in offered):
+        if form != "status":  # `%gpushare` alone, the first line of the list
+            assert re.search(rf"(%gpushare |/ ){re.escape(form)}\b", listed), form
 
 
 def test_docstring_documents_every_form():
