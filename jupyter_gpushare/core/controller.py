@@ -281,8 +281,11 @@ class Controller:
             st.idle_gpu_work_at = None
 
     def _note_host_room(self, st: Lifecycle, rec: KernelRecord) -> None:
-        st.host_refusal = None if st.held is not None else self._host_refusal(
-            rec.host_room, rec.gpu_memory_bytes)
+        # only what has no current host copy moves into host memory (the kept copies are
+        # there already, counted in the room)
+        need = rec.gpu_memory_bytes if rec.to_copy_bytes is None else min(
+            rec.gpu_memory_bytes, rec.to_copy_bytes)
+        st.host_refusal = None if st.held is not None else self._host_refusal(rec.host_room, need)
 
     def _host_refusal(self, room: HostRoom | None, need: int) -> str | None:
         """Why ``need`` bytes do not fit in host memory (None: they fit, or we cannot tell)."""

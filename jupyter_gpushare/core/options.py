@@ -70,6 +70,17 @@ class RestoreOptions(Configurable):
         automatic releases skip the kernel. Default 1 GiB. 0 = only the limits themselves.""",
     ).tag(config=True)
 
+    precopy_after = Float(
+        60.0,
+        help="""Seconds a kernel must sit idle before its agent copies, in the background, the
+        GPU state that changed since its last host copy (framework and simulated methods).
+        The next release then copies only what changed after that, so a release someone
+        waits for frees the GPU at once. It never blocks a cell: a cell that starts stops
+        it, and what the cell changes is copied at release. The host copies count against
+        host memory (host_memory_reserve) and are dropped, oldest first, when it is short.
+        Default 60 s. 0 = never pre-copy (a restore still keeps its host copy).""",
+    ).tag(config=True)
+
     context_bytes = Int(
         512 * 1024 * 1024,
         help="""GPU memory, in bytes, that one CUDA context takes. A restore reserves it on
@@ -141,6 +152,6 @@ class RestoreOptions(Configurable):
         return positive(self, proposal)
 
     @validate("host_memory_reserve", "context_bytes", "restore_move_after", "ahead_grace",
-              "rebalance_idle", "rebalance_max_per_hour")
+              "rebalance_idle", "rebalance_max_per_hour", "precopy_after")
     def _check_restore_non_negative(self, proposal: Any) -> Any:
         return non_negative(self, proposal)

@@ -35,6 +35,7 @@ from .hostmem import HostMemory, HostRoom
 T = TypeVar("T")
 RECENT_PEAKS = 8  # peaks kept per kernelspec name, of its kernels that ended
 RECENT_SPECS = 64  # kernelspec names whose peaks are kept (the least recent goes first)
+RECENT_ENDED = 256  # ids of kernels that ended, kept (placement forgets them at once)
 SAMPLE_TIMEOUT = 30.0  # s a telemetry sample may take before the poll gives up on it
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,11 @@ class KernelRecord:
     host_room: HostRoom | None = None  # host memory the kernel's process may still use
     gpu_work_while_idle: bool = False  # the last sample saw GPU work while no cell ran
     background_threads: list[str] = field(default_factory=list)  # agent: threads using the GPU
+    #: agent: GPU bytes whose kept host copy is current, bytes a release would copy now, and
+    #: host bytes the kept copies hold (None: the agent did not say)
+    host_copy_bytes: int | None = None
+    to_copy_bytes: int | None = None
+    host_copy_kept_bytes: int | None = None
     history: deque[KernelSample] = field(default_factory=deque)  # one per poll
     peak_gpu_bytes: dict[int, int] = field(default_factory=dict)  # GPU index -> most bytes seen
     # GPU index -> epoch seconds of the last sample in which its processes computed there
@@ -318,6 +324,8 @@ class Tracker:
         #: what a new kernel of that spec is expected to need (bounded: RECENT_PEAKS each,
         #: RECENT_SPECS names)
         self.recent_peaks: dict[str, deque[int]] = {}
+        #: ids of the kernels whose records were dropped (shut down, culled, died), newest last
+        self.ended: deque[str] = deque(maxlen=RECENT_ENDED)
         # one thread for every hardware read: NVML calls stay ordered, and a stalled one
         # cannot take the event loop's default pool with it
         self._executor = SamplingThread("gpushare-sample")
@@ -400,6 +408,7 @@ class Tracker:
 
         for kid in set(self.kernels) - set(kernel_ids):
             self._remember_peak(self.kernels.pop(kid))  # shut down or culled: no history kept
+            self.ended.append(kid)
 
         for info in sample.devices:
             rec_gpu = self.gpus.get(info.index)
@@ -474,6 +483,9 @@ class Tracker:
         report = report or {}
         threads = report.get("background_gpu_threads")
         rec.background_threads = [str(t) for t in threads][:10] if isinstance(threads, list) else []
+        rec.host_copy_bytes = report.get("host_copy_bytes")
+        rec.to_copy_bytes = report.get("to_copy_bytes")
+        rec.host_copy_kept_bytes = report.get("host_copy_kept_bytes")
         if not gpu_bytes and self.foreign_pids:
             framework_bytes = report.get("framework_bytes")
             if isinstance(framework_bytes, int) and not isinstance(framework_bytes, bool) \

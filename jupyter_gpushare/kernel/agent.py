@@ -63,6 +63,10 @@ class Agent:
         self._remote: RemoteBackend | None = None  # simulated GPU accounted on the server
         self._hooked = False  # pre_run_cell registered
         self._last_shown: dict[str, tuple[str, str]] = {}  # display id -> (cell's msg_id, text)
+        # the pre-copy of an idle kernel's changed state, on a thread of its own; a cell
+        # that starts sets the event (it never waits), a release waits for the thread
+        self._precopy_thread: threading.Thread | None = None
+        self._precopy_stop = threading.Event()
 
     # -- connection -------------------------------------------------------------------
     def start(self) -> None:
@@ -156,6 +160,8 @@ class Agent:
             "offload": self._offload,
             "reload": self._reload,
             "report": lambda msg: self.report(),
+            "precopy": self._precopy,
+            "drop_host_copies": self._drop_host_copies,
         }
 
     # -- server requests -----------------------------------------------------------------
@@ -192,8 +198,85 @@ class Agent:
 
     def _sim_lock(self, msg: dict[str, Any]) -> dict[str, Any]:
         self._note_gpu_names()
+        self.stop_precopy(wait=True)
         _sim().lock(timeout=float(msg.get("lock_timeout", 10.0)))
         return {}
+
+    # -- host copies: pre-copy while idle, the host memory budget --------------------------
+    def _precopy(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The server saw this kernel idle: copy what changed since its host copy, in the
+        background. Answers at once; never while a cell runs or the state is released."""
+        with self._cell_lock:
+            if self.executing or self.released:
+                return {"started": False, "why": "a cell runs" if self.executing else "released"}
+            if self._precopy_thread is not None and self._precopy_thread.is_alive():
+                return {"started": False, "why": "a pre-copy runs"}
+            stop = self._precopy_stop = threading.Event()
+            thread = threading.Thread(target=self._run_precopy, args=(stop,), daemon=True,
+                                      name="gpushare-precopy")
+            self._precopy_thread = thread
+        thread.start()
+        return {"started": True}
+
+    def _run_precopy(self, stop: threading.Event) -> None:
+        copied = 0
+        try:
+            device = _sim_device_in_use()
+            if device is not None:
+                copied += int(device.precopy(stop)["bytes"])
+            from .offload import present_adapters
+
+            for adapter in present_adapters():
+                if stop.is_set():
+                    break
+                copied += adapter.precopy(self.shell.user_ns, stop).copied
+        except Exception as e:  # a cell changed the namespace under the walk: next time
+            log.debug("gpushare: pre-copy stopped: %s", e)
+        log.debug("gpushare: pre-copied %d bytes", copied)
+
+    def stop_precopy(self, wait: bool = False) -> None:
+        """Stop the pre-copy (a cell starts: at once, without waiting; a release: wait for
+        the copy in flight, so the release reads every kept copy as it stands)."""
+        self._precopy_stop.set()
+        thread = self._precopy_thread
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def host_copies(self) -> dict[str, int]:
+        """Bytes whose kept host copy is current, bytes a release would copy now, and host
+        bytes the kept copies hold (simulated GPU and frameworks together)."""
+        out = {"current": 0, "to_copy": 0, "kept": 0}
+        parts = []
+        device = _sim_device_in_use()
+        if device is not None:
+            parts.append(device.host_copies())
+        from .offload import present_adapters
+
+        parts.extend(adapter.host_copies() for adapter in present_adapters())
+        for part in parts:
+            for key in out:
+                out[key] += int(part.get(key, 0))
+        return out
+
+    def _drop_host_copies(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """Host memory is short: free kept copies, oldest first, until ``bytes`` are freed
+        (absent: all of them). The next release copies those bytes again."""
+        wanted = msg.get("bytes")
+        if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int)
+                                   or wanted < 0):
+            raise ValueError(f"bytes must be an integer >= 0, got {wanted!r}")
+        self.stop_precopy(wait=True)
+        freed = 0
+        device = _sim_device_in_use()
+        if device is not None:
+            freed += device.drop_host_copies(wanted)
+        from .offload import present_adapters
+
+        for adapter in present_adapters():
+            if wanted is not None and freed >= wanted:
+                break
+            freed += adapter.drop_host_copies(None if wanted is None else wanted - freed)
+        return {"freed": freed}
 
     def _on_state(self, msg: dict[str, Any]) -> dict[str, Any]:
         if msg.get("restore_mode") in ("eager", "lazy"):
@@ -225,6 +308,7 @@ class Agent:
     def _trim(self, msg: dict[str, Any]) -> dict[str, Any]:
         from .offload import present_adapters
 
+        self.stop_precopy(wait=True)
         freed = 0
         for adapter in present_adapters():
             freed += adapter.trim()
@@ -234,6 +318,7 @@ class Agent:
         from .offload import present_adapters
 
         self._note_gpu_names()
+        self.stop_precopy(wait=True)
         reports = []
         adapters = present_adapters()
         if not adapters:
@@ -249,6 +334,7 @@ class Agent:
             shown.append(f"... and {total - len(shown)} more")
         return {
             "bytes": sum(r.bytes for r in reports),
+            "copied": sum(r.copied for r in reports),
             "freed": sum(r.freed_bytes for r in reports),
             "skipped": shown,
             "skipped_count": total,
@@ -272,6 +358,12 @@ class Agent:
         if device_module is not None and device_module._device is not None:
             out["simulated_bytes"] = device_module._device.allocated()
         out["background_gpu_threads"] = self.background_gpu_threads()
+        try:
+            copies = self.host_copies()
+            out["host_copy_bytes"], out["to_copy_bytes"] = copies["current"], copies["to_copy"]
+            out["host_copy_kept_bytes"] = copies["kept"]
+        except Exception as e:  # never break reporting over the kept copies' bookkeeping
+            log.debug("gpushare: could not count the kept host copies: %s", e)
         return out
 
     def _show(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -317,6 +409,7 @@ class Agent:
         self.executing = False
 
     def pre_run_cell(self, info: Any = None) -> None:
+        self._precopy_stop.set()  # the cell runs at once; what it changes is copied again
         with self._cell_lock:
             self.executing = True
             released = self.released
@@ -348,6 +441,12 @@ def _sim():
     from ..sim.device import get_device
 
     return get_device()
+
+
+def _sim_device_in_use() -> Any:
+    """The process's simulated GPU if something made it (never makes one)."""
+    module = sys.modules.get("jupyter_gpushare.sim.device")
+    return getattr(module, "_device", None) if module is not None else None
 
 
 def _gpu_mapping(value: Any) -> dict[int, int] | None:

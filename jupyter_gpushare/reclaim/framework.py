@@ -23,6 +23,7 @@ from .base import (
     reply_int,
     require_agent,
 )
+from .simulated import copied_note
 
 
 class FrameworkMethod(ReclaimMethod):
@@ -61,8 +62,10 @@ class FrameworkMethod(ReclaimMethod):
         left = reply.get("skipped_count")
         if not isinstance(left, int) or isinstance(left, bool):
             left = len(reply["skipped"]) if isinstance(reply.get("skipped"), list) else 0
-        return ReclaimResult(moved, time.monotonic() - started,
-                             f"{left} objects left on the GPU" if left else "")
+        note = copied_note(reply, moved).removeprefix("; ")
+        detail = "; ".join(part for part in (f"{left} objects left on the GPU" if left else "",
+                                             note) if part)
+        return ReclaimResult(moved, time.monotonic() - started, detail)
 
     async def restore(self, target: KernelTarget, progress: Progress | None = None) -> ReclaimResult:
         gpu_moves(target, self.move_refusal())  # refuses any move, before anything happens

@@ -79,7 +79,8 @@ class SimulatedMethod(ReclaimMethod):
             if step == "lock" and isinstance(e, RemoteError) and "still running" in str(e):
                 why += f" (waited {self.lock_timeout:g} s: is the kernel busy on the GPU?)"
             raise await self._undo(agent, why) from None
-        return ReclaimResult(moved, time.monotonic() - started, f"{reply.get('arrays', 0)} arrays")
+        return ReclaimResult(moved, time.monotonic() - started,
+                             f"{reply.get('arrays', 0)} arrays{copied_note(reply, moved)}")
 
     async def _undo(self, agent: AgentLink, why: str) -> ReclaimError:
         """Bring the kernel back to running; say whether that is confirmed."""
@@ -129,6 +130,16 @@ class SimulatedMethod(ReclaimMethod):
             if plan and line != shown:
                 shown = line
                 await say(progress, line)
+
+
+def copied_note(reply: dict[str, Any], moved: int) -> str:
+    """``; copied 0 B of 1.0 GiB (the rest had a current host copy)`` when the kernel kept a
+    host copy of part of its state; nothing when it copied everything (or did not say)."""
+    copied = reply.get("copied")
+    if isinstance(copied, bool) or not isinstance(copied, int) or not 0 <= copied < moved:
+        return ""
+    return (f"; copied {format_bytes(copied)} of {format_bytes(moved)} "
+            "(the rest had a current host copy)")
 
 
 def _per_gpu(value: Any, pairs: bool = False) -> dict[int, Any]:

@@ -40,6 +40,10 @@ def check_report(report: Mapping[str, Any]) -> dict[str, Any]:
     simulated = optional_integer(report, "simulated_bytes")
     if simulated is not None:
         clean["simulated_bytes"] = simulated
+    for name in ("host_copy_bytes", "to_copy_bytes", "host_copy_kept_bytes"):
+        value = optional_integer(report, name)
+        if value is not None:
+            clean[name] = value
     threads = strings(report, "background_gpu_threads", 100)
     if threads:
         clean["background_gpu_threads"] = [t[:100] for t in threads]
@@ -62,6 +66,7 @@ REPLY_CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "offload": lambda r: (integer(r, "bytes"), optional_integer(r, "freed"), strings(r, "skipped", 1000)),
     "reload": lambda r: integer(r, "bytes"),
     "trim": lambda r: integer(r, "freed"),
+    "drop_host_copies": lambda r: integer(r, "freed"),
     "report": check_report,
 }
 

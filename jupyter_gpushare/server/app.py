@@ -27,6 +27,7 @@ from ..core import metrics
 from ..core.ahead import AheadRestores
 from ..core.controller import Controller
 from ..core.options import RestoreOptions, TrackingOptions
+from ..core.precopy import Precopies
 from ..core.tracker import Tracker
 from ..events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from ..node import hub_link
@@ -179,6 +180,8 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         teardown.callback(self.channel.close_now)
         self.hub_link = hub_link.connect(self.config, self.controller, self.refresh)
         self.ahead = AheadRestores(self.controller, self.ahead_grace)
+        self.precopies = Precopies(self.controller, lambda: self.precopy_after,
+                                   lambda: self.host_memory_reserve)
 
     def _open_telemetry(self, teardown: ExitStack) -> None:
         settings = TelemetrySettings(tuple(self.simulated_gpus), self.simulated_node)
@@ -352,12 +355,13 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
 
     async def _poll_step(self) -> None:
         await self.channel.heal()  # its socket file removed: listen again
-        if self.tracker.foreign_pids or self.auto_pick is not None:
-            await self.agent_ops.refresh_reports()  # their own counts: attribution, auto's pick
+        # their own counts: attribution, auto's pick, host copies and what is left to copy
+        await self.agent_ops.refresh_reports()
         await self.tracker.poll()
         metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
         await self.controller.tick()
         self.ahead.tick()
+        await self.precopies.tick()
         metrics.export_sample(self.tracker.gpus.values(), self.tracker.kernels)
 
     async def stop_extension(self) -> None:

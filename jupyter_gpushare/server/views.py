@@ -53,6 +53,10 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "release_blocked": st.release_blocked,
         "release_detail": (st.held.detail or None) if st.held is not None else None,
         "host_room_bytes": _host_room(rec),
+        # the kept host copy (framework and simulated methods): bytes it holds current, and
+        # bytes a release would still copy (None: the kernel's agent did not say)
+        "host_copy_bytes": rec.host_copy_bytes if rec else None,
+        "to_copy_bytes": rec.to_copy_bytes if rec else None,
     }
 
 

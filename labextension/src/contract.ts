@@ -241,6 +241,17 @@ export interface IKernel {
    */
   host_room_bytes: number | null;
   /**
+   * GPU bytes of the kernel whose host copy, kept since its last restore or made by a pre-copy
+   * while idle, is still current: a release moves them without copying (framework and simulated
+   * methods); null when the kernel's agent did not say.
+   */
+  host_copy_bytes?: number | null;
+  /**
+   * GPU bytes a release would copy to host memory now: written or made since their host copy (the
+   * driver method copies everything); null when the kernel's agent did not say.
+   */
+  to_copy_bytes?: number | null;
+  /**
    * While a restore waits: the bytes it needs free, per GPU index (keys are strings); empty
    * otherwise.
    */

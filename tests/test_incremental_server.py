@@ -1,0 +1,102 @@
+"""Incremental releases end to end: a real jupyter_server on the simulated node, a real
+kernel with simulated GPU arrays, releases and restores through the REST API.
+
+A release after a restore copies only what the cells changed since (an unchanged state: 0
+bytes), status shows the kept host copy and what is left to copy, and a kernel idle for
+``precopy_after`` copies its changed state ahead, so the release copies nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .helpers import kernel_status, wait_for
+
+MiB = 1 << 20
+
+HOLD = """
+from jupyter_gpushare.sim import device, simgpu
+import numpy as np
+xs = [simgpu.array(np.arange(1 << 18, dtype=np.uint32) * (i + 1), device=0) for i in range(4)]
+sums = [x.checksum() for x in xs]
+"""
+
+
+async def release(jp_fetch, kid: str) -> dict:
+    await jp_fetch("api", "gpushare", "kernels", kid, "release", method="POST", body=b"")
+    status = await kernel_status(jp_fetch, kid)
+    assert status["state"] == "released"
+    return status
+
+
+async def restore(jp_fetch, kid: str) -> None:
+    await jp_fetch("api", "gpushare", "kernels", kid, "restore", method="POST", body=b"")
+    assert (await kernel_status(jp_fetch, kid))["state"] in ("active", "idle")
+
+
+async def copies_seen(jp_fetch, app, kid: str, current: int, to_copy: int) -> dict:
+    """Poll until status shows the kernel's host copy as ``current`` / ``to_copy``."""
+    async def seen():
+        await app.poll_once()
+        status = await kernel_status(jp_fetch, kid)
+        got = (status["host_copy_bytes"], status["to_copy_bytes"])
+        return status if got == (current, to_copy) else None
+
+    return await wait_for(seen, what=f"host copy {current}, to copy {to_copy}")
+
+
+async def test_a_release_after_an_unchanged_restore_copies_nothing(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(HOLD)
+    await copies_seen(jp_fetch, gpushare_app, k.id, 0, 4 * MiB)
+    first = await release(jp_fetch, k.id)
+    assert "copied" not in (first["release_detail"] or "")  # everything was copied
+    await restore(jp_fetch, k.id)
+    await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)
+
+    second = await release(jp_fetch, k.id)
+    assert second["released_bytes"] == 4 * MiB
+    assert "copied 0 B of 4.0 MiB" in second["release_detail"]
+    assert gpushare_app.node.used(0) == 0
+
+    ex = await k.run("xs[2][:5] = 7\nsums[2] = xs[2].checksum()")  # restores, then writes
+    assert not ex.error
+    await copies_seen(jp_fetch, gpushare_app, k.id, 3 * MiB, MiB)
+    third = await release(jp_fetch, k.id)
+    assert "copied 1.0 MiB of 4.0 MiB" in third["release_detail"]
+    ex = await k.run("assert [x.checksum() for x in xs] == sums\nprint(int(xs[2].get()[4]))")
+    assert ex.stdout.strip() == "7"
+
+
+@pytest.fixture
+def gpushare_config(request):
+    """No pre-copy unless a test asks for one (``precopy_after`` as its param)."""
+    return {"precopy_after": getattr(request, "param", 0)}
+
+
+@pytest.mark.parametrize("gpushare_config", [0.5], indirect=True)
+async def test_an_idle_kernel_copies_ahead_and_its_release_copies_nothing(
+    jp_fetch, kernels, gpushare_app
+):
+    k = await kernels.start()
+    await k.run(HOLD)
+    # idle for precopy_after: the server asks the agent, which copies in the background
+    await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)
+    ex = await k.run("xs[0] += 1\nsums[0] = xs[0].checksum()")  # a write after the pre-copy
+    assert not ex.error
+    await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)  # copied ahead again
+    released = await release(jp_fetch, k.id)
+    assert "copied 0 B of 4.0 MiB" in released["release_detail"]
+    ex = await k.run("assert [x.checksum() for x in xs] == sums\nprint('same data')")
+    assert "same data" in ex.stdout
+
+
+async def test_host_memory_short_drops_the_kept_copies(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()
+    await k.run(HOLD)
+    await release(jp_fetch, k.id)
+    await restore(jp_fetch, k.id)
+    await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)
+    gpushare_app.host_memory_reserve = 1 << 60  # no machine has that much room left
+    await copies_seen(jp_fetch, gpushare_app, k.id, 0, 4 * MiB)
+    assert gpushare_app.precopies.dropped == 4 * MiB
