@@ -14,8 +14,11 @@ import numpy as np
 import pytest
 from tornado.httpclient import HTTPClientError
 
+from jupyter_gpushare import clock
 from jupyter_gpushare.core.tracker import GPURecord, KernelRecord, Tracker
+from jupyter_gpushare.node.gpu_load import GpuLoad
 from jupyter_gpushare.node.placement import PlacementError, Placer, allowed, requested_memory
+from jupyter_gpushare.policy.placement import Need
 from jupyter_gpushare.sim import device as device_module
 from jupyter_gpushare.sim import simgpu
 from jupyter_gpushare.sim.device import LocalBackend, SimDevice, visible_gpus
@@ -171,6 +174,20 @@ async def test_placed_kernels_count_before_they_allocate_and_exact_bytes_never_o
     assert p.placed["a"].gpus == [1] and p.placed["a"].need.bytes == 512 * MiB  # min_room
     busy = [gpu(0, util=100.0), gpu(1, used=GiB)]  # more room, but its SMs are busy
     assert (await placer(busy).place("k", Spec(), {})).gpus == [1]  # type: ignore[union-attr]
+
+
+def test_a_placement_is_forgotten_once_its_kernel_ended_and_kept_while_it_starts():
+    ended: list[str] = []
+    load = GpuLoad(dict, dict, ended=lambda: ended)
+    load.place("starting", [0], Need(GiB))
+    load.place("gone", [1], Need(GiB))
+    load.forget([])  # neither is listed yet: both may still be starting
+    assert set(load.placed) == {"starting", "gone"}
+    ended.append("gone")  # the tracker dropped its record: shut down
+    views = load.views({0: GiB, 1: GiB})
+    assert set(load.placed) == {"starting"} and views[1].kernels == 0 and views[0].pending > 0
+    load.forget([], now=clock.now() + 3600)  # never listed in an hour: not starting any more
+    assert load.placed == {}
 
 
 class MemSpec(Spec):

@@ -50,7 +50,8 @@ class RestoreRoom:
         #: each GPU's load and this server's placements: one for the placer, the restores
         #: and the rebalancer (the server's ``load_window`` option)
         self.load = GpuLoad(lambda: tracker.gpus, lambda: tracker.kernels,
-                            float(getattr(controller.config, "load_window", LOAD_WINDOW)))
+                            float(getattr(controller.config, "load_window", LOAD_WINDOW)),
+                            ended=lambda: getattr(tracker, "ended", ()))
 
     async def find(
         self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int], shown: CellProgress,

@@ -14,8 +14,9 @@ numbers.
 
 Kernels placed by other servers of the node and not yet allocated are not seen here (the
 simulated node's ledger and NVML know only allocations): their memory and load count once
-they use the GPU. A placement is forgotten when its kernel is gone (after a grace for kernels
-still starting) and follows its kernel when a restore moves it.
+they use the GPU. A placement is forgotten when its kernel has ended (a kernel not listed yet
+may still be starting: forgotten after a grace) and follows its kernel when a restore moves
+it.
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ class GpuLoad:
     tracker's records (see the module's docstring)."""
 
     def __init__(self, gpus: Callable[[], Mapping[int, GpuSamples]],
-                 kernels: Callable[[], Mapping[str, KernelUse]], window: float = 120.0):
+                 kernels: Callable[[], Mapping[str, KernelUse]], window: float = 120.0,
+                 ended: Callable[[], Iterable[str]] | None = None):
         """gpus, kernels: the tracker's records now (GPU index -> record, kernel id -> record);
-        window: seconds of SM samples a GPU's load is the mean of (0: the last sample)."""
+        window: seconds of SM samples a GPU's load is the mean of (0: the last sample);
+        ended: ids of kernels known to have ended (forgotten at once, not after a grace)."""
         self.gpus = gpus
         self.kernels = kernels
         self.window = window
+        self.ended = ended or (lambda: ())
         self.placed: dict[str, Placed] = {}
 
     # -- placements -------------------------------------------------------------------------
@@ -84,12 +88,17 @@ class GpuLoad:
             p.gpus = [mapping.get(g, g) for g in p.gpus]
 
     def forget(self, alive: Iterable[str], now: float | None = None) -> None:
-        """Drop the placements of kernels no longer ``alive`` (past a start's grace)."""
+        """Drop the placements of kernels not ``alive`` that ended, or that were placed longer
+        ago than a start takes (a kernel not listed yet may still be starting)."""
         now = clock.now() if now is None else now
         live = set(alive)
-        for kid in [k for k, p in self.placed.items()
-                    if k not in live and now - p.at > START_GRACE]:
-            del self.placed[kid]
+        gone = [k for k, p in self.placed.items() if k not in live]
+        if not gone:
+            return
+        ended = set(self.ended())
+        for kid in gone:
+            if kid in ended or now - self.placed[kid].at > START_GRACE:
+                del self.placed[kid]
 
     # -- views ------------------------------------------------------------------------------
     def views(self, room: Mapping[int, int | None], within: Mapping[int, bool] | None = None,
