@@ -53,6 +53,8 @@ async def test_a_release_after_an_unchanged_restore_copies_nothing(jp_fetch, ker
     assert "copied" not in (first["release_detail"] or "")  # everything was copied
     await restore(jp_fetch, k.id)
     await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)
+    shown = await k.run("%gpushare")
+    assert "current: 4.0 MiB, to copy at release: 0 B" in shown.text
 
     second = await release(jp_fetch, k.id)
     assert second["released_bytes"] == 4 * MiB

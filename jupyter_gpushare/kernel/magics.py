@@ -153,6 +153,9 @@ def status_rows(kernel: dict[str, Any], restore_mode: str = "",
         rows.append(("restore mode", f"{restore_mode}: {RESTORE_MODES[restore_mode]}"))
     if kernel.get("last_restore_seconds") is not None:
         rows.append(("last restore", f"{kernel['last_restore_seconds']:.2f} s"))
+    copy = host_copy_text(kernel)
+    if copy:
+        rows.append(("host copy", copy))
     if kernel.get("waiting"):
         rows.append(("waiting", kernel["waiting"]))
     if kernel.get("release_blocked"):
@@ -160,6 +163,15 @@ def status_rows(kernel: dict[str, Any], restore_mode: str = "",
     if kernel.get("error"):
         rows.append(("error", kernel["error"]))
     return rows
+
+
+def host_copy_text(kernel: dict[str, Any]) -> str:
+    """``current: 12.0 GiB, to copy at release: 0.3 GiB`` while the kernel keeps a host copy
+    of its GPU state (a release copies only the rest); empty when it keeps none."""
+    current, to_copy = kernel.get("host_copy_bytes"), kernel.get("to_copy_bytes")
+    if not isinstance(current, int) or not current or not isinstance(to_copy, int):
+        return ""
+    return f"current: {format_bytes(current)}, to copy at release: {format_bytes(to_copy)}"
 
 
 def hub_rows(hub: dict[str, Any] | None) -> list[tuple[str, str]]:

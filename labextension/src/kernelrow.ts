@@ -132,6 +132,15 @@ export class KernelRow {
       // a restore ahead says what it does ("restoring ahead of your next cell")
       parts.push(isAheadText(k.waiting) ? k.waiting : `waiting: ${k.waiting}`);
     }
+    const toCopy = k.to_copy_bytes;
+    if (
+      k.host_copy_bytes &&
+      typeof toCopy === 'number' &&
+      (state === 'active' || state === 'idle')
+    ) {
+      // a release copies only what changed since the kept host copy
+      parts.push(`host copy ${formatBytes(k.host_copy_bytes)}, ${formatBytes(toCopy)} to copy`);
+    }
     setClauses(this._timing, parts);
 
     const allowed = allowedActions(k.state);
