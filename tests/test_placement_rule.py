@@ -130,6 +130,12 @@ def test_nodes_rank_by_their_best_gpus():
     assert rank_groups(groups, need) == ["b", "a", "c"]
     assert rank_groups({"one": [GpuView("x", room=8 * GiB)], "two": [GpuView("y", room=8 * GiB),
                         GpuView("z", room=8 * GiB)]}, need, count=2) == ["two", "one"]
+    # for two GPUs, the node with two idle ones, whatever the GPUs are called: a lower index
+    # on the node with one idle GPU and one busy does not win it
+    nodes = {"a": [GpuView(0, room=8 * GiB, load=100, kernels=1, busy=1),
+                   GpuView(1, room=8 * GiB)],
+             "b": [GpuView(2, room=8 * GiB), GpuView(3, room=8 * GiB)]}
+    assert rank_groups(nodes, need, count=2) == ["b", "a"]
 
 
 views_st = st.dictionaries(

@@ -243,12 +243,14 @@ def expected_need(asked: int | None, cap: int | None, recent: Sequence[int], flo
 def rank_groups(groups: Mapping[str, Sequence[GpuView]], need: Need, count: int = 1) -> list[str]:
     """Groups of GPUs (the nodes of a cluster), best first for a new kernel of ``need`` on
     ``count`` GPUs: each group by its ``count`` best GPUs' keys (a group with fewer GPUs
-    than ``count`` ranks last), then by name."""
+    than ``count`` ranks last), then by name. The keys leave out each GPU's own name: an index
+    or UUID says nothing across groups, and would let a group's first GPU outrank another's
+    as good one before their second GPUs were compared."""
     def group_key(name: str) -> tuple:
         best = rank(groups[name], need)[:count]
         if len(best) < count or not best:
             return (True, (), name)
-        return (False, tuple(sorted(key(v, need) for v in best)), name)
+        return (False, tuple(sorted(key(v, need)[:-1] for v in best)), name)
     return sorted(groups, key=group_key)
 
 
