@@ -122,7 +122,9 @@ class GpuLoad:
             computed = rec.computed if rec is not None else {}
             for g in p.gpus:
                 there.setdefault(g, set()).add(kid)
-                if not used.get(g) and g not in computed:  # placed, not yet used there
+                # placed, not yet used there (bytes on an unknown GPU, -1, are the agent's own
+                # count where NVML cannot see the kernel's processes: used, wherever it is)
+                if not used.get(g) and not used.get(-1) and g not in computed:
                     pending[g] = pending.get(g, 0.0) + p.need.load
         for kid, rec in records.items():
             if kid == exclude:
