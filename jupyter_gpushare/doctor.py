@@ -206,9 +206,24 @@ def diagnose(backend: str = "auto", release_method: str = "auto") -> Report:
     checks.append(Check("telemetry backend", ok, f"{arrow}: {why}"))
     method = selection.choose_method(release_method, chosen, MethodContext(probe=p))
     checks.append(Check("release method", None, f"{release_method} -> {method.name}: {method.reason}"))
+    # before the two lines that say what was chosen (they end the report)
+    checks.insert(len(checks) - 2, Check("incremental releases", None, incremental_text(method.name)))
     return Report(backend=chosen, backend_reason=why, method=method.name,
                   method_reason=method.reason, configured_backend=backend,
                   configured_method=release_method, checks=checks)
+
+
+def incremental_text(method: str) -> str:
+    """What a release copies with ``method``: the driver's checkpoint copies everything by
+    its nature; the framework and simulated methods only what changed since their host copy."""
+    if method == "driver":
+        return ("the driver checkpoint copies the whole process at every release; the "
+                "framework method (auto picks it per kernel where it holds all the kernel's "
+                "memory) copies only what changed since its kept host copy")
+    if method in ("framework", "simulated"):
+        return ("a release copies only what changed since the host copy kept at the last "
+                "restore or made while idle (precopy_after); CuPy and JAX arrays whole")
+    return "no incremental releases with this method"
 
 
 _MARK = {True: " ok ", False: "FAIL", None: " -- "}
