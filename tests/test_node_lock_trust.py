@@ -123,12 +123,14 @@ async def test_one_holder_stalls_a_gpu_for_the_bound_once_not_once_per_restore(t
         heard: list[tuple[str, int | None, float]] = []
         started = time.monotonic()
         first = await locks.acquire(["GPU-1"], lambda *a: heard.append(a))
-        assert 1.4 < time.monotonic() - started < 3 and "GPU-1" in first.unguarded
+        # waited its bound, then went on while the holder (60 s) still holds the turn
+        assert time.monotonic() - started > 1.4 and holder.poll() is None
+        assert "GPU-1" in first.unguarded
         assert heard and heard[0][0] == "GPU-1" and heard[0][1] == holder.pid, heard
+        waits: list = []  # a wait past half the bound would be told, as the first one was
         for _ in range(3):  # the same holder keeps it: no new full wait per restore
-            started = time.monotonic()
-            later = await locks.acquire(["GPU-1"])
-            assert time.monotonic() - started < 0.5 and "held the restore turn" in later.unguarded["GPU-1"]
+            later = await locks.acquire(["GPU-1"], lambda *a: waits.append(a))
+            assert waits == [] and "held the restore turn" in later.unguarded["GPU-1"]
         holder.kill()
         holder.wait()
         again = await locks.acquire(["GPU-1"])  # the holder is gone: turns again
@@ -170,11 +172,12 @@ async def test_a_turn_another_server_holds_is_shown_and_bounded_per_gpu(
         assert ex.status == "ok" and "intact" in ex.stdout
         shown = json.dumps(ex.displays)
         assert "another server's restore turn on GPU 0" in shown, ex.displays
-        # the same holder keeps the turn: the next restore on GPU 0 does not wait 4 s again
+        # the same holder keeps the turn: the next restore on GPU 0 does not wait again (a
+        # wait would be shown in the cell, as the first one was)
         assert (await rest(jp_fetch, k.id, "release"))[0] == 200
-        started = time.monotonic()
-        await k.run(intact())
-        assert time.monotonic() - started < 2.0
+        ex = await k.run(intact())
+        assert "intact" in ex.stdout
+        assert "another server's restore turn" not in json.dumps(ex.displays), ex.displays
     finally:
         holder.kill()
         holder.wait()
