@@ -438,7 +438,8 @@ class Coordinator:
         if not hist or self.settings.load_window <= 0:
             return last
         t = now()
-        return rule.window_mean(((h[0], h[3]) for h in hist), t - self.settings.load_window, t)
+        since = max(t - self.settings.load_window, hist[0][0])  # a history younger than the window
+        return rule.window_mean(((h[0], h[3]) for h in hist), since, t)
 
     def gpu_views(self, user: str) -> dict[int, rule.GpuView]:
         """Every GPU as the placement rule sees it for a new kernel of ``user``: room (free
