@@ -84,6 +84,7 @@ def torch_cpu(total: int) -> list[str]:
     except ImportError:
         return ["pytorch (CPU storages)   skipped: torch is not installed"]
     torch.set_num_threads(1)  # one copy thread: on a shared machine more threads only spin
+    os.environ["JUPYTER_GPUSHARE_KEEP_HOST_COPY"] = "1"  # PyTorch keeps copies only when asked
     from jupyter_gpushare.kernel.offload.pinned import PinnedPool
     from jupyter_gpushare.kernel.offload.torch_adapter import (
         StreamCopies,

@@ -36,7 +36,8 @@ pytestmark = pytest.mark.torch
 
 
 @pytest.fixture(autouse=True)
-def no_copies_left():
+def no_copies_left(monkeypatch):
+    monkeypatch.setenv(torch_adapter.KEEP_ENV, "1")  # opt-in for PyTorch (see the adapter)
     drop_kept()
     yield
     drop_kept()

@@ -296,13 +296,16 @@ class _Group:
     kept: _Kept | None = None  # the kept copy ``host`` came from (nothing was copied)
 
 
-#: "0": no host copy is kept after a restore (every release copies everything)
+#: "1": keep the host copy after a restore, so the next release copies only what changed.
+#: Off unless asked: a write PyTorch does not see (``.data``, DLPack, a raw pointer) moves no
+#: version counter, and a kept copy would then bring back the old bytes. Opt in where the
+#: kernel's code writes tensors only through PyTorch's own ops.
 KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
 
 
 def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
-    value = (os.environ if environ is None else environ).get(KEEP_ENV, "1")
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    value = (os.environ if environ is None else environ).get(KEEP_ENV, "0")
+    return value.strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass
