@@ -96,6 +96,7 @@ async def test_an_idle_kernel_copies_ahead_and_its_release_copies_nothing(
 async def test_host_memory_short_drops_the_kept_copies(jp_fetch, kernels, gpushare_app):
     k = await kernels.start()
     await k.run(HOLD)
+    await copies_seen(jp_fetch, gpushare_app, k.id, 0, 4 * MiB)  # the server has seen it hold
     await release(jp_fetch, k.id)
     await restore(jp_fetch, k.id)
     await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)
