@@ -45,7 +45,11 @@ test('a restore ahead of the person is the only activity event that toasts', () 
 });
 
 test('failures are errors that name the reason', () => {
-  const failed: IKernelEvent = { kernel_id: 'k1', action: 'restore_failed', reason: 'out of memory' };
+  const failed: IKernelEvent = {
+    kernel_id: 'k1',
+    action: 'restore_failed',
+    reason: 'out of memory'
+  };
   assert.deepEqual(describeEvent(failed, 'a.ipynb'), {
     type: 'error',
     message: 'Could not restore the GPU memory of a.ipynb (out of memory).'
