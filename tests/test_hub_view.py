@@ -105,7 +105,7 @@ def test_unknown_fields_are_ignored():
 
 # -- what the service measures wins over what servers claim ---------------------------------------
 def measured(used, pids, procs, context=0):
-    from jupyter_gpushare.hub.measure import Measured, Proc
+    from jupyter_gpushare.node.measure import Measured, Proc
 
     return Measured(0.0, "simulated", {"GPU-a": (16 * GiB, used)}, pids,
                     {p: Proc(*v) for p, v in procs.items()}, context)
@@ -157,7 +157,7 @@ def test_without_a_measurement_one_late_reading_does_not_outvote_the_others():
 
 
 def test_a_process_belongs_to_the_user_its_account_or_environment_names(monkeypatch):
-    from jupyter_gpushare.hub import measure
+    from jupyter_gpushare.node import measure
 
     facts = {1: (1001, 5, "bob"), 2: (0, 7, "bob"), 3: (None, None, None)}
     monkeypatch.setattr(measure, "_status_fields", lambda pid: facts[pid][:2])
@@ -264,7 +264,7 @@ async def test_room_made_and_not_used_pauses_that_users_claims_only():
 def test_the_service_reads_the_shared_simulated_node_itself(tmp_path):
     import os
 
-    from jupyter_gpushare.hub.measure import open_meter
+    from jupyter_gpushare.node.measure import open_meter
     from jupyter_gpushare.sim.shared import SharedSimNode
 
     path = str(tmp_path / "node.sqlite")

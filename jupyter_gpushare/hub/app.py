@@ -19,13 +19,14 @@ from typing import Any
 from urllib.parse import urlparse
 
 from tornado import web
-from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, Union, default, validate
 from traitlets.config import Application
 
+from ..node.measure import BACKENDS, open_meter
 from ..policy.fairshare import parse_table
 from .coordinator import Coordinator, Settings, hub_policy
+from .daemons import NodeDaemons
 from .hubapi import HubAPI
-from .measure import BACKENDS, open_meter
 from .web import routes
 
 
@@ -241,7 +242,31 @@ class GPUShareHub(Application):
         spawner hook may ask for more (its request's "memory").""",
     ).tag(config=True)
 
-    @validate("poll_interval", "request_timeout", "read_deadline", "claim_grace")
+    node_daemons = Union(
+        [Unicode(), Dict(value_trait=Unicode())], default_value="",
+        help="""Where the node daemons listen for this service (their --listen), to check
+        servers' claims on the GPUs this service does not measure itself (a hub that runs off
+        the GPU nodes, as in Zero to JupyterHub): "HOST:PORT" with {node} for the node's name
+        as its servers give it (e.g. "{node}:10102"), or a dict of node name -> "HOST:PORT"
+        ("*": the template for the others). Default "" = none: claims on GPUs the service does
+        not measure are taken as they are, bounded by shares.""",
+    ).tag(config=True)
+
+    node_daemon_secret_file = Unicode(
+        "",
+        help="""The file holding the secret this service and the node daemons share (their
+        --secret-file; at least 16 bytes; a file others cannot read, mode 0400 or 0440, e.g. a
+        mounted Kubernetes Secret). Default "" = none (no daemon is asked).""",
+    ).tag(config=True)
+
+    node_daemon_timeout = Float(
+        1.0,
+        help="""Seconds a node daemon has to answer one check (connect, proofs, measure). A
+        daemon that does not answer in time leaves its GPUs in the weaker mode until it answers
+        again. Default 1. Must be > 0.""",
+    ).tag(config=True)
+
+    @validate("poll_interval", "request_timeout", "read_deadline", "claim_grace", "node_daemon_timeout")
     def _check_positive(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
             raise TraitError(f"GPUShareHub.{proposal['trait'].name} must be > 0")
@@ -298,8 +323,14 @@ class GPUShareHub(Application):
         (self.log.info if meter is not None else self.log.warning)(
             "gpushare hub: %s", f"measuring the node with {measuring}" if meter is not None else
             f"not measuring the node: {measuring}; servers' claims are checked only against shares")
+        daemons = None
+        if self.node_daemons or self.node_daemon_secret_file:
+            daemons = NodeDaemons(self.node_daemons, self.node_daemon_secret_file, self.node_daemon_timeout)
+            (self.log.warning if daemons.off else self.log.info)(
+                "gpushare hub: %s", f"node daemons not asked: {daemons.off}" if daemons.off else
+                f"the GPUs it does not measure are checked with their node daemons at {self.node_daemons}")
         return Coordinator(api, settings, poll_interval=self.poll_interval, meter=meter,
-                           measuring=measuring)
+                           measuring=measuring, daemons=daemons)
 
     def make_web_app(self, coordinator: Coordinator) -> web.Application:
         from jupyterhub.services.auth import HubOAuth

@@ -11,24 +11,27 @@ What a server reports about its own kernels is a claim. On a GPU the service mea
   and a restore builds it again) and fits the GPU. Anything else is refused with the reason,
   which only that user sees.
 
-A GPU the service does not measure (a node it does not run on) keeps the server's numbers:
-there the claims are bounded only by the user's share and what unused claims cost them.
+A GPU the service does not measure itself is checked the same way against that node's daemon
+(:mod:`.daemons`); one nobody measures (no daemon, or one that does not answer) keeps the
+server's numbers: there the claims are bounded only by the user's share and what unused
+claims cost them.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from ..node.measure import Measured
 from ..sim.node import format_bytes
-from .measure import Measured
 from .snapshot import KernelSnap, Snapshot
 
 
 def check(user: str, snap: Snapshot, measured: Measured | None,
-          taken: set[int]) -> tuple[Snapshot, dict[str, str]]:
+          taken: set[tuple[str, int]]) -> tuple[Snapshot, dict[str, str]]:
     """``snap`` with measured numbers in place of claimed ones, and the waiting restores it
-    claims that are not believed (kernel id -> why). ``taken``: pids already counted for
-    another kernel of this user (updated)."""
+    claims that are not believed (kernel id -> why). ``measured``: the node as the service
+    measures it, or as the node daemon does (then keyed by this server's own pids).
+    ``taken``: processes already counted for another kernel of this user (updated)."""
     if measured is None:
         return snap, {}
     uuids = {g.index: g.uuid for g in snap.gpus if g.uuid in measured.gpus}
@@ -38,8 +41,8 @@ def check(user: str, snap: Snapshot, measured: Measured | None,
     for k in snap.kernels:
         owned = [p for p in dict.fromkeys(k.pids)
                  if (proc := measured.procs.get(p)) is not None and proc.owner == user]
-        mine = [p for p in owned if p not in taken]
-        taken.update(mine)
+        mine = [p for p in owned if measured.key(p) not in taken]
+        taken.update(measured.key(p) for p in mine)
         on_gpu = dict(k.gpu_bytes)
         for index, uuid in uuids.items():
             n = sum(measured.pids.get(p, {}).get(uuid, 0) for p in mine)

@@ -19,6 +19,9 @@ and per-person usage win, a waiting restore counts only when its state is in tha
 processes, and room made for a restore that then does not use it within
 ``claim_grace`` pauses that user's claims (``claim_penalty``, doubling while it repeats): an
 unused claim costs its user, never others. Answers to a server name no other user or kernel.
+Where it does not run on the node (a hub pod), it asks that node's daemon (:mod:`.daemons`) and
+checks the same way; a daemon that does not answer leaves its GPUs in the weaker mode (the
+servers' word, bounded by shares), said on the admin page and in the metrics.
 
 **Slow servers.** Every server is read in a task of its own, one at a time per server. Room
 for someone waits for other users' servers at most ``read_deadline``, and not at all for a
@@ -42,14 +45,15 @@ import psutil
 
 from .. import clock, policy
 from ..core.ahead import AHEAD_TEXT
+from ..node.measure import Measured, Meter
 from ..policy import crossuser
 from ..policy import placement as rule
 from ..policy.fairshare import Share, shares_of
 from ..states import RESIDENT
 from ..units import format_bytes
 from . import claims
+from .daemons import Ask, NodeDaemons
 from .hubapi import HubAPI, HubAPIError
-from .measure import Measured, Meter
 from .metrics import HubMetrics
 from .snapshot import Snapshot, parse_status
 from .view import GpuIds, NodeView, Placed, ServerRef
@@ -126,9 +130,13 @@ class Strikes:
 
 class Coordinator:
     def __init__(self, api: HubAPI, settings: Settings, metrics: HubMetrics | None = None,
-                 poll_interval: float = 10.0, meter: Meter | None = None, measuring: str = ""):
+                 poll_interval: float = 10.0, meter: Meter | None = None, measuring: str = "",
+                 daemons: NodeDaemons | None = None):
         self.api = api
         self.meter = meter
+        self.daemons = daemons
+        self.remote: dict[tuple[str, str], Measured] = {}  # a server's reading by its node's daemon
+        self.remote_gpus: dict[str, Measured] = {}  # GPU uuid -> its node daemon's reading
         self.measuring = measuring  # what measures the node, or why nothing does
         self.measured: Measured | None = None
         self.measure_error: str | None = None
@@ -251,33 +259,86 @@ class Coordinator:
         entry.restores_seen = seen
 
     async def _measure(self) -> None:
-        """The service's own reading of the node (in a thread: NVML and SQLite block)."""
+        """The service's own reading of the node (in a thread: NVML and SQLite block), and the
+        node daemons' of the GPUs it does not measure."""
+        async with self._measure_lock:
+            await self._measure_here()
+            await self._ask_daemons()
+
+    async def _measure_here(self) -> None:
         if self.meter is None:
             return
         pids = {p for e in self.entries.values() if e.snap is not None for k in e.snap.kernels
                 for p in k.pids}
         users = set(self.groups) | {key[0] for key in self.entries}
-        async with self._measure_lock:
-            try:
-                self.measured = await asyncio.to_thread(self.meter.read, pids, users)
-            except Exception as e:  # keep going on the servers' word, bounded by shares
-                if self.measure_error != str(e):
-                    log.warning("gpushare hub: cannot measure the node: %s", e)
-                self.measure_error, self.measured = str(e)[:300], None
-                return
+        try:
+            self.measured = await asyncio.to_thread(self.meter.read, pids, users)
+        except Exception as e:  # keep going on the servers' word, bounded by shares
+            if self.measure_error != str(e):
+                log.warning("gpushare hub: cannot measure the node: %s", e)
+            self.measure_error, self.measured = str(e)[:300], None
+            return
         if self.measure_error is not None:
             log.info("gpushare hub: measuring the node again")
         self.measure_error = None
 
+    async def _ask_daemons(self) -> None:
+        """Every server whose GPUs this service does not measure, checked at its node's daemon."""
+        if self.daemons is None:
+            return
+        here = set(self.measured.gpus) if self.measured is not None else set()
+        asks = []
+        for key, e in self.entries.items():
+            if e.snap is None:
+                continue
+            uuids = {g.uuid for g in e.snap.gpus if g.uuid}
+            if uuids and not uuids & here:
+                asks.append(Ask(key, e.snap.node, uuids,
+                                list(dict.fromkeys(p for k in e.snap.kernels for p in k.pids))))
+        users = sorted(set(self.groups) | {key[0] for key in self.entries})
+        self.remote, self.remote_gpus = await self.daemons.read(asks, users)
+
+    def measured_for(self, key: tuple[str, str]) -> Measured | None:
+        """What a server's claims are checked against: its node's daemon's reading, or the
+        service's own."""
+        return self.remote.get(key, self.measured)
+
+    def _measured_gpus(self) -> Measured | None:
+        """One reading of every GPU measured, by the service or by a node daemon (the view's)."""
+        if not self.remote_gpus:
+            return self.measured
+        here = self.measured
+        gpus = dict(here.gpus) if here is not None else {}
+        owners = {u: here.owned(u) for u in gpus} if here is not None else {}
+        for uuid, m in self.remote_gpus.items():
+            if uuid not in gpus:
+                gpus[uuid] = m.gpus[uuid]
+                owners[uuid] = m.owned(uuid)
+        return Measured(now(), "merged", gpus, {}, {}, owners=owners)
+
+    def check_of(self, uuid: str, node: str) -> tuple[str | None, str | None]:
+        """(who measures GPU ``uuid``, or None; why nobody does): the admin page's and the
+        metric's word on whether servers' claims there are checked."""
+        if self.measured is not None and uuid in self.measured.gpus:
+            return "the service", None
+        if uuid in self.remote_gpus:
+            return f"the node daemon of {self.remote_gpus[uuid].node}", None
+        if self.daemons is not None and not self.daemons.off:
+            return None, self.daemons.why_not(uuid, node)
+        why = self.measuring if self.meter is None else "the service does not measure this GPU"
+        if self.daemons is not None:
+            why = f"{why}; {self.daemons.off}"
+        return None, why
+
     def _rebuild(self, integrate: bool = False) -> None:
         t = now()
         snaps = []
-        taken: dict[str, set[int]] = {}
+        taken: dict[str, set[tuple[str, int]]] = {}
         for e in self.entries.values():
             if e.snap is None:
                 e.refused = {}
                 continue
-            snap, refused = claims.check(e.ref.user, e.snap, self.measured,
+            snap, refused = claims.check(e.ref.user, e.snap, self.measured_for(e.ref.key),
                                          taken.setdefault(e.ref.user, set()))
             for kid in set(refused) - set(e.refused):  # each refused wait once, logged and counted
                 self.metrics.claims.labels("refused").inc()
@@ -285,7 +346,7 @@ class Coordinator:
                             "believed: %s", _name(e.ref.key), kid, refused[kid])
             e.refused = refused
             snaps.append((e.ref, snap))
-        self.view = NodeView(snaps, self.ids, t, self.measured)
+        self.view = NodeView(snaps, self.ids, t, self._measured_gpus())
         if integrate:
             self._integrate(t)
         self._note_waits(t, integrate)
@@ -314,9 +375,10 @@ class Coordinator:
         return not any(psutil.pid_exists(pid) for pid in served.pids)
 
     def _used(self, key: tuple[str, str, str], served: Served) -> bool:
-        if served.measured and self.measured is not None:  # measured: the bytes are back on a GPU
+        measured = self.measured_for(key[:2])
+        if served.measured and measured is not None:  # measured: the bytes are back on a GPU
             # (any GPU: a restore may land on another one than the room was made on)
-            back = sum(sum(self.measured.pids.get(p, {}).values()) for p in served.pids)
+            back = sum(sum(measured.pids.get(p, {}).values()) for p in served.pids)
             return 2 * back >= max(served.uuids.values(), default=0)
         placed = self.view.find(*key)
         return placed is not None and placed.kernel.state in RESIDENT
@@ -380,6 +442,7 @@ class Coordinator:
                 m.utilization.labels(*labels).set(gpu.utilization)
             m.held.labels(*labels).set(gpu.held)
             m.released.labels(*labels).set(gpu.released_bytes)
+            m.checked.labels(*labels).set(int(self.check_of(gpu.uuid, gpu.node)[0] is not None))
         if full:
             ledger = self.view.ledger(self.settings.shares, self.groups)
             m.user_memory.clear()
@@ -674,7 +737,9 @@ class Coordinator:
                           key=lambda g: (g.node, -1 if g.local_index is None else g.local_index, g.uuid)):
             hist = list(self.history.get(gpu.uuid, ()))
             load = self.load(gpu.uuid)
+            checked_by, unchecked = self.check_of(gpu.uuid, gpu.node)
             nodes.setdefault(gpu.node, []).append({
+                "checked_by": checked_by, "unchecked": unchecked,
                 "load": round(load, 1), "kernels": gpu.kernels, "computing": gpu.busy,
                 "contended": rule.contended(rule.GpuView(gpu.gid, None, load, busy=gpu.busy)),
                 "uuid": gpu.uuid, "index": gpu.local_index, "name": gpu.name, "memory_total": gpu.total,
@@ -712,7 +777,13 @@ class Coordinator:
             "discovery_error": self.discovery_error,
             "measured": {"by": self.measuring if self.meter is not None else None,
                          "why_not": None if self.meter is not None else self.measuring,
-                         "error": self.measure_error},
+                         "error": self.measure_error,
+                         "daemons": None if self.daemons is None else {
+                             "off": self.daemons.off or None,
+                             "nodes": [{"node": d.node, "address": d.address, "error": d.error,
+                                        "seconds": None if d.seconds is None else round(d.seconds, 4),
+                                        "gpus": len(d.uuids)}
+                                       for d in sorted(self.daemons.nodes.values(), key=lambda d: d.node)]}},
             "shares": bool(ledger.enabled),
             "nodes": [{"name": n, "gpus": g} for n, g in nodes.items()],
             "spawns": list(self.spawns)[:20],

@@ -51,6 +51,10 @@ class HubMetrics:
                               "Waiting restores claimed by servers and not believed (refused: not "
                               "backed by that user's processes; unused: room made, not used)",
                               ["outcome"], registry=r)
+        self.checked = Gauge("gpushare_hub_gpu_checked",
+                             "1 when servers' claims on the GPU are checked against a measurement "
+                             "(the service's own, or its node daemon's); 0: the weaker mode, the "
+                             "servers' word bounded by shares", gpu, registry=r)
         self.servers = Gauge("gpushare_hub_servers", "User servers the service tracks", ["state"],
                              registry=r)
         self.poll_seconds = Histogram("gpushare_hub_poll_seconds",

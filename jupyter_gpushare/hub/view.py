@@ -17,10 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .. import policy
+from ..node.measure import Measured
 from ..policy.crossuser import Holding
 from ..policy.fairshare import Ledger, Share, shares_of
 from ..states import RESIDENT
-from .measure import Measured
 from .snapshot import KernelSnap, Snapshot
 
 #: the windows are the servers' own: what they report is already judged over them

@@ -40,6 +40,10 @@ reply with ``"ok"`` and the ``"op"`` it answers (an optional ``"id"`` is echoed 
 - Anything else (not JSON, not an object, an unknown op, a field of the wrong type, a line over
   64 KiB, a GPU the node does not have) -> ``{"ok": false, "error": "why"}``, and nothing
   changes.
+
+With ``--listen HOST:PORT --secret-file PATH`` it also measures the node for a hub service that
+runs elsewhere (:mod:`.daemon_service`): GPUs, each process's GPU memory, whose it is and its
+host memory, by the same code the service uses on a node it runs on (:mod:`.measure`).
 """
 
 from __future__ import annotations
@@ -64,6 +68,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._version import __version__
+from .daemon_service import DEFAULT_PORT, ServiceDoor, load_secret, parse_address
+from .measure import Meter, encode
 
 log = logging.getLogger("jupyter_gpushare.node.daemon")
 
@@ -227,12 +233,17 @@ class Turns:
 
 
 class Free:
-    """The daemon's own reading of the node's free memory, from a telemetry backend, read on
-    one thread of its own (NVML and SQLite calls block)."""
+    """The daemon's own reading of the node's free memory (and, for the hub service, of the
+    whole node: :meth:`measure`), from a telemetry backend, read on one thread of its own
+    (NVML and SQLite calls block)."""
 
-    def __init__(self, backend: str, simulated_node: str = ""):
+    def __init__(self, backend: str, simulated_node: str = "", unix_user: str = "{username}",
+                 context_bytes: int | None = None):
         self.backend = backend
         self.simulated_node = simulated_node
+        self.unix_user = unix_user
+        self.context_bytes = context_bytes
+        self.meter: Meter | None = None
         self.telemetry: Any = None
         self.reason = ""
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gpushare-free")
@@ -260,7 +271,20 @@ class Free:
         if not status.available:
             self.reason = status.reason or "unavailable"
         self._refresh()
+        default_context = 0 if self.backend == "simulated" else 768 << 20  # as the service's
+        self.meter = Meter(self.telemetry, self.backend, self.unix_user,
+                           default_context if self.context_bytes is None else self.context_bytes)
         return self.reason
+
+    async def measure(self, servers: list[tuple[str, str, list[int]]],
+                      users: list[str]) -> dict[str, Any]:
+        """The node and each server's pids as :meth:`Meter.read_servers` reads them, on the
+        wire (the hub service's ``measure``)."""
+        if self.meter is None or self.reason:
+            raise RuntimeError(f"this daemon cannot measure the node: {self.reason or 'no backend'}")
+        meter = self.meter
+        node, each = await self._call(lambda: meter.read_servers(servers, users))
+        return {"node": encode(node), "servers": [encode(m, whole=False) for m in each]}
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -339,7 +363,8 @@ class RequestError(ValueError):
 class Daemon:
     def __init__(self, socket_path: str, turn_timeout: float = DEFAULT_TURN_TIMEOUT,
                  free: Free | None = None, per_user: int = DEFAULT_PER_USER,
-                 socket_mode: int = 0o666):
+                 socket_mode: int = 0o666, door: ServiceDoor | None = None):
+        self.door = door
         self.socket_path = socket_path
         self.turns = Turns(turn_timeout)
         self.free = free or Free("none")
@@ -364,12 +389,16 @@ class Daemon:
         _clear_stale(path)
         self.server = await asyncio.start_unix_server(self._serve, path, limit=MAX_LINE + 2)
         os.chmod(path, self.socket_mode)
+        if self.door is not None:
+            await self.door.start()
         log.info("jupyter-gpushare node daemon %s listening on %s (mode %04o), turns revoked "
                  "after %g s, at most %d connections per user; free memory: %s", __version__,
                  path, self.socket_mode, self.turns.timeout, self.per_user,
                  self.free.reason or self.free.backend)
 
     async def close(self) -> None:
+        if self.door is not None:
+            await self.door.close()
         if self.server is not None:
             self.server.close()
             with contextlib.suppress(OSError):
@@ -589,6 +618,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket-mode", type=_mode, default=0o666, metavar="OCTAL",
                         help="the socket file's mode (default: 0666: every local user's server "
                              "may connect; 0660 with a group limits it to that group)")
+    parser.add_argument("--listen", default="", metavar="HOST:PORT",
+                        help="also measure the node for the hub service on this TCP address "
+                             f"(e.g. 0.0.0.0:{DEFAULT_PORT}; default: off), for a service that "
+                             "runs off the node (Kubernetes); needs --secret-file")
+    parser.add_argument("--secret-file", default="", metavar="PATH",
+                        help="the secret the hub service and the daemon share (at least 16 "
+                             "bytes; a file others cannot read: mode 0400 or 0440, e.g. a "
+                             "Kubernetes Secret); with --listen")
+    parser.add_argument("--node", default=os.environ.get("JUPYTER_GPUSHARE_NODE") or socket.gethostname(),
+                        metavar="NAME",
+                        help="this node's name as its servers give it (the hub service checks "
+                             "it); default: $JUPYTER_GPUSHARE_NODE, else the host name")
+    parser.add_argument("--unix-user", default="{username}", metavar="PATTERN",
+                        help="the OS account of a Hub user's kernels, {username} the Hub's name "
+                             "(as GPUShareHub.unix_user; default: {username}); processes of "
+                             "other accounts are told apart by JUPYTERHUB_USER, a pod's by its "
+                             "first process's")
+    parser.add_argument("--context-bytes", type=int, default=None, metavar="BYTES",
+                        help="how much of a restore's need may be missing from its processes' "
+                             "host memory (as GPUShareHub.context_bytes; default: 768 MiB with "
+                             "NVML, 0 simulated)")
     parser.add_argument("--log-level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="default: INFO")
 
@@ -622,7 +672,19 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         format="%(asctime)s gpushare-node-daemon %(levelname)s %(message)s")
     if args.backend == "simulated" and not args.simulated_node:
         parser.error("--backend simulated needs --simulated-node PATH")
-    free = Free(args.backend, args.simulated_node)
+    if bool(args.listen) != bool(args.secret_file):
+        parser.error("--listen and --secret-file go together")
+    if args.context_bytes is not None and args.context_bytes < 0:
+        parser.error("--context-bytes must be >= 0")
+    free = Free(args.backend, args.simulated_node, args.unix_user, args.context_bytes)
+    door = None
+    if args.listen:
+        try:
+            host, port = parse_address(args.listen)
+            secret = load_secret(args.secret_file)
+        except ValueError as e:
+            parser.error(str(e))
+        door = ServiceDoor(host, port, secret, free.measure, args.node)
     try:
         why = free.open()
     except Exception as e:
@@ -631,7 +693,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         log.warning("free memory cannot be read (%s): the free op answers null; turns are "
                     "served all the same", why)
     daemon = Daemon(args.socket, args.turn_timeout, free, args.max_connections_per_user,
-                    args.socket_mode)
+                    args.socket_mode, door)
     try:
         return asyncio.run(_main(daemon))
     except ValueError as e:
