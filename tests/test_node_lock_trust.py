@@ -236,3 +236,37 @@ async def _first_restored(a, ka, b, kb, timeout: float = 60):
                 return srv, k, name
         await asyncio.sleep(0.2)
     raise TimeoutError("no restore in time")
+
+
+# -- without a turn, room for twice the state is waited for a bounded time ---------------------
+async def test_a_turnless_restore_that_fits_once_is_not_stalled_for_ever(
+    jp_fetch, kernels, gpushare_app
+):
+    """A refused lock file leaves restores on GPU 0 without a turn: room for twice the state.
+    A 384 MiB restore with 640 MiB free waits for that, says for how long, then settles for room
+    for once (seen three times) and says so in the cell; every byte comes back."""
+    gpushare_app.turnless_restore_after = 1.0
+    k = await kernels.start()
+    await k.run(hold(384, chunk=128))
+    await gpushare_app.poll_once()
+    locks = gpushare_app.controller.reservations.node_locks
+    assert locks is not None
+    os.makedirs(locks.directory, mode=0o700, exist_ok=True)
+    os.symlink(str(locks.directory) + "-planted", locks._path(gpushare_app.controller._gpu_uuid(0)))
+    assert (await rest(jp_fetch, k.id, "release"))[0] == 200
+    node = SharedSimNode(gpushare_app.simulated_node)
+    other = 2 * GiB - 640 * MiB  # another user's process: 640 MiB free on GPU 0
+    node.alloc(os.getpid(), 0, other)
+    try:
+        msg_id = k.send(intact())
+        info = await wait_for(lambda: _waiting(jp_fetch, k.id), timeout=10,
+                              what="status to say the restore waits")
+        assert "twice that without a restore turn (room for once will do after 1 s)" in info, info
+        ex = await k.wait(msg_id, timeout=30)
+        assert ex.status == "ok" and "intact" in ex.stdout, ex
+        shown = json.dumps(ex.displays)
+        assert "no restore turn on GPU 0" in shown, ex.displays
+        assert "restoring with room for it once, seen three times" in shown, ex.displays
+        assert (await kernel_status(jp_fetch, k.id))["error"] is None
+    finally:
+        node.release(os.getpid(), 0, other)

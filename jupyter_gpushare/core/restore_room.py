@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from typing import TYPE_CHECKING
 
 from .. import clock
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 
 WAIT_BACKOFF = (0.25, 5.0)  # s between make-room rounds: first, and the most
 STRICT_SETTLE = 0.5  # s between the two readings of a restore without a turn across servers
+TURNLESS_PAUSE = 1.0  # s at most, random: before a turnless restore settles for room for once
+TURNLESS_AFTER = 30.0  # s, where the server's options do not say (``turnless_restore_after``)
 MEMORY_WAIT = "waiting for memory"
 LOAD_WINDOW = 120.0  # s, where the server's options do not say (``load_window``)
 
@@ -63,6 +66,8 @@ class RestoreRoom:
         delay = WAIT_BACKOFF[0]
         short_since: float | None = None  # when the kernel's own GPUs were first seen full
         weighed = False  # whether a contended home was weighed against quieter GPUs
+        twice_since: float | None = None  # when room for once (not twice, without a turn) was seen
+        told_once = False  # whether the cell was told it settles for room for once
         stays = ""  # why it stays on a contended home (said in the cell and status)
         while True:
             # Python 3.11's wait_for can swallow a cancel that lands as what it waits for
@@ -88,9 +93,16 @@ class RestoreRoom:
             grant = await self.take_turn(st, need, shown)
             want = need
             strict = set(grant.unguarded) & set(need)  # no turn across servers on these GPUs
+            careful: set[int] = set()
+            if strict and self.settles_for_once(twice_since):
+                # twice the room never came: room for once, seen three times, will do
+                careful, strict = strict, set()
+                if not told_once:
+                    told_once = True
+                    await shown(_settling(grant, careful, self.turnless_after))
             try:
                 want = await self.still_to_land(st, held, need)
-                free, room, short = await self.check(want, strict)
+                free, room, short = await self.check(want, strict, careful)
             except asyncio.CancelledError:  # stopped while reading: leave no GPU locked
                 grant.release()
                 raise
@@ -110,10 +122,16 @@ class RestoreRoom:
             grant.release()
             if not short:
                 continue  # dropped meanwhile: the check at the top says so
+            if strict and not lacking(want, room):  # room for once, not for twice
+                twice_since = clock.now() if twice_since is None else twice_since
+            elif not careful:
+                twice_since = None
             shortfall = [(f"{format_bytes(n)} on GPU {g}",
                           (f"{format_bytes(max(room[g] or 0, 0))} free" if room.get(g) is not None
                            else "free memory unknown")
-                          + ("; twice that without a restore turn" if g in strict else ""))
+                          + ("; twice that without a restore turn" if g in strict else "")
+                          + (f" (room for once will do after {self.turnless_after:g} s)"
+                             if g in strict and self.turnless_after > 0 else ""))
                          for g, n in short.items()]
             st.waiting = f"{MEMORY_WAIT}: needs " + ", ".join(
                 f"{needs} ({free})" for needs, free in shortfall)
@@ -142,22 +160,41 @@ class RestoreRoom:
             except asyncio.TimeoutError:
                 delay = min(delay * 2, WAIT_BACKOFF[1])
 
-    async def check(self, want: dict[int, int], strict: set[int]
+    async def check(self, want: dict[int, int], strict: set[int], careful: frozenset[int] | set[int] = frozenset()
                     ) -> tuple[dict[int, int | None], dict[int, int | None], dict[int, int]]:
         """Free memory of ``want``'s GPUs read now, the room a restore has there, and the GPUs
         that lack it. ``strict``: GPUs without a turn across servers, where the room must
-        hold twice and still be there a moment later."""
+        hold twice and still be there a moment later. ``careful``: GPUs without a turn whose
+        restore settles for room for once: after a random pause, seen three times."""
         free = await self.c.node_room.read_free(list(want))
         room = {g: None if f is None else f - self.releases_may_take_back(g)
                 for g, f in free.items()}
         short = lacking(want, room, strict=strict)
-        if not short and strict:  # and the room must still be there a moment later
+        if short or not (strict or careful):
+            return free, room, short
+        if careful:  # another server settling at the same moment pauses for a different time
+            await asyncio.sleep(random.uniform(0, TURNLESS_PAUSE))
+        for _ in range(2 if careful else 1):  # the room must still be there a moment later
             await asyncio.sleep(STRICT_SETTLE)
-            again = await self.c.node_room.read_free(sorted(strict))
+            again = await self.c.node_room.read_free(sorted(strict | careful))
             room.update({g: None if f is None else f - self.releases_may_take_back(g)
                          for g, f in again.items()})
             short = lacking(want, room, strict=strict)
+            if short:
+                break
         return free, room, short
+
+    @property
+    def turnless_after(self) -> float:
+        """How long a restore without a turn waits for room for twice its state while it has
+        room for once (the server's ``turnless_restore_after``; 0: for ever)."""
+        return float(getattr(self.c.config, "turnless_restore_after", TURNLESS_AFTER))
+
+    def settles_for_once(self, twice_since: float | None) -> bool:
+        """Whether a restore without a turn, with room for its state once since
+        ``twice_since``, has waited ``turnless_restore_after`` for twice and now takes once."""
+        return (self.turnless_after > 0 and twice_since is not None
+                and clock.now() - twice_since >= self.turnless_after)
 
     def until_move(self, delay: float, short_since: float | None) -> float:
         """How long to wait for freed memory before looking again: ``delay``, or less when
@@ -369,3 +406,13 @@ def _why(plan: dict[int, int], short: dict[int, int], views: dict[int, GpuView])
         else:
             out.append(f"GPU {g} busy ({v.busy} kernels computing, {v.load:.0f} % SM)")
     return "; ".join(out)
+
+
+def _settling(grant: Grant, gpus: set[int], after: float) -> str:
+    """The cell's line when a restore without a turn settles for room for once."""
+    why = "; ".join(sorted({w for w in grant.unguarded.values() if w}))
+    on = ", ".join(f"GPU {g}" for g in sorted(gpus))
+    return (f"gpushare: no restore turn on {on}" + (f" ({why})" if why else "")
+            + f"; room for twice the state did not come in {after:g} s: restoring with room "
+            "for it once, seen three times")
+

@@ -59,6 +59,21 @@ class NodeOptions(Configurable):
     def _default_node_daemon_socket(self) -> str:
         return os.environ.get(NODE_DAEMON_ENV, "")
 
+    turnless_restore_after = Float(
+        30.0,
+        help="""Seconds a restore without a turn across servers (its GPU's lock file refused,
+        or held by another server past the bound, or the node daemon unreachable) waits for
+        room for twice its state while its GPUs have room for it once; after that, room for
+        once will do, read three times over 1 s after a random pause of up to 1 s (two
+        servers doing the same at once then rarely both pass), and the cell says so. Room for
+        twice the state lets two such restores started at the same moment both fit, but on a
+        nearly full GPU it may never come while nothing else frees memory. The risk it
+        bounds: another server's restore without a turn starting in the same instant, on the
+        same GPU, with room for one of the two (the driver method can then leave one process
+        unable to come back; an admin removes it with a root-owned node_lock_dir or the node
+        daemon). Default 30. 0 = never: such restores wait for room for twice their state.""",
+    ).tag(config=True)
+
     placement = Enum(
         ["room", "off"],
         default_value="room",
@@ -89,7 +104,7 @@ class NodeOptions(Configurable):
         alone.""",
     ).tag(config=True)
 
-    @validate("load_window")
+    @validate("load_window", "turnless_restore_after")
     def _check_node_load_window(self, proposal: Any) -> float:
         return float(non_negative(self, proposal))
 
