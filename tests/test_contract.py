@@ -244,7 +244,7 @@ def test_a_server_fault_and_an_unlisted_status_break_the_contract():
         contract.validate_response("/kernels/a.b/pin", "PUT", 200, KERNEL)  # id outside [\w-]+
 
 
-@pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
+@pytest.mark.parametrize("gpushare_config", [{**SMALL_NODE, "memory_limit": "1TiB"}])
 async def test_every_endpoint_answers_every_listed_status_as_the_contract_says(
     jp_fetch, kernels, gpushare_app
 ):
@@ -273,6 +273,11 @@ async def test_every_endpoint_answers_every_listed_status_as_the_contract_says(
     assert "no GPU memory" in (await call("POST", "kernels", a.id, "release", expect=409))["message"]
     assert "not released" in (await call("POST", "kernels", a.id, "restore", expect=409))["message"]
     await call("PUT", "kernels", a.id, "pin", body={"pinned": "yes"}, expect=400)
+    await call("PUT", "kernels", "no-such-kernel", "cap", body={"memory_cap": 1}, expect=404)
+    await call("PUT", "kernels", a.id, "cap", body={"memory_cap": "-2GiB"}, expect=400)
+    await call("PUT", "kernels", a.id, "cap", body={"memory_cap": "2TiB"}, expect=409)  # > 1TiB
+    assert (await call("PUT", "kernels", a.id, "cap", body={"memory_cap": None},
+                       expect=200))["memory_cap"] == 1 << 40
 
     wrong = {"headers": {"Authorization": "token wrong"}}
     await call("GET", "status", expect=403, **wrong)
@@ -280,6 +285,7 @@ async def test_every_endpoint_answers_every_listed_status_as_the_contract_says(
     await call("POST", "kernels", a.id, "release", expect=403, **wrong)
     await call("POST", "kernels", a.id, "restore", expect=403, **wrong)
     await call("PUT", "kernels", a.id, "pin", body={"pinned": True}, expect=403, **wrong)
+    await call("PUT", "kernels", a.id, "cap", body={"memory_cap": 1}, expect=403, **wrong)
     assert gpushare_app.controller.get(a.id).pinned is False  # refused: nothing changed
 
     # a holds 160 MiB and is released; then b takes 160 MiB of the 256 MiB GPU

@@ -33,6 +33,7 @@ from typing import Any
 
 from .. import clock, policy
 from ..node.node_locks import NodeLocks
+from ..policy import caps
 from ..policy.room import to_reserve
 from ..reclaim import KernelTarget, ReclaimError, ReclaimMethod
 from ..states import (
@@ -139,6 +140,9 @@ class Controller:
         self.freed = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._busy_since: dict[str, float] = {}
+        #: the admin's default cap for this server's kernels, bytes per GPU (None: none);
+        #: the server sets it (GPUShareApp.memory_limit, the hub service's caps)
+        self.default_cap: Callable[[], int | None] = lambda: None
 
     # -- reading -------------------------------------------------------------------------
     def get(self, kernel_id: str) -> Lifecycle:
@@ -146,7 +150,9 @@ class Controller:
             if kernel_id not in self.tracker.kernels and kernel_id not in self.tracker.km:
                 raise ControllerError(404, f"no kernel {kernel_id!r} on this server")
             st = self.states[kernel_id] = Lifecycle(kernel_id)
-            st.idle_timeout = self.kernels.overrides(kernel_id).get("idle_timeout")
+            overrides = self.kernels.overrides(kernel_id)
+            st.idle_timeout = overrides.get("idle_timeout")
+            st.cap_ceiling = caps.ceiling(overrides.get("memory_limit"), self.default_cap())
         return self.states[kernel_id]
 
     def find(self, kernel_id: str) -> Lifecycle | None:
@@ -164,6 +170,10 @@ class Controller:
     def needs_restore(self, kernel_id: str) -> bool:
         st = self.states.get(kernel_id)
         return st is not None and st.is_held
+
+    def memory_cap(self, st: Lifecycle) -> int | None:
+        """The kernel's memory cap in effect, bytes per GPU (None: uncapped)."""
+        return caps.effective(st.own_cap, st.cap_ceiling)
 
     def idle_timeout(self, st: Lifecycle) -> float:
         """The kernel's idle timeout in effect (its own, else the server's; 0 = never)."""
@@ -183,6 +193,7 @@ class Controller:
             gpu_bytes=rec.gpu_bytes,
             idle_timeout=st.idle_timeout,
             releasable=self.method_for(st.kernel_id) is not None and st.release_blocked is None,
+            memory_cap=self.memory_cap(st),
             pressure_window=pressure_window,
         )
 
@@ -716,6 +727,16 @@ class Controller:
     def set_idle_timeout(self, kernel_id: str, seconds: float | None) -> Lifecycle:
         st = self.get(kernel_id)
         st.idle_timeout = seconds
+        return st
+
+    def set_memory_cap(self, kernel_id: str, cap: int | None) -> Lifecycle:
+        """The kernel's own cap (None: back to its ceiling); never above the ceiling."""
+        st = self.get(kernel_id)
+        if cap is not None and st.cap_ceiling is not None and cap > st.cap_ceiling:
+            raise ControllerError(409, f"this kernel's cap can be at most "
+                                       f"{caps.describe(st.cap_ceiling)} per GPU (its kernelspec's "
+                                       "or the admin's): a kernel may lower its cap, not raise it")
+        st.own_cap = cap
         return st
 
     def set_allow_background(self, kernel_id: str, allow: bool) -> Lifecycle:

@@ -137,6 +137,10 @@ class Lifecycle:
     waiting_note: str | None = None  # what the node-wide service says about that wait
     release_failed_at: float | None = None
     idle_timeout: float | None = None  # per-kernel override (kernelspec metadata, magic)
+    #: memory caps, bytes per GPU (policy/caps.py): the kernel's own (magic, REST) and the
+    #: ceiling it may not exceed (kernelspec memory_limit, the admin's default)
+    own_cap: int | None = None
+    cap_ceiling: int | None = None
     background: str | None = None  # the agent saw threads use the GPU outside cells (sticky)
     idle_gpu_work_at: float | None = None  # last sample with GPU work while no cell ran
     allow_background: bool = False  # the user accepts releases despite background work

@@ -65,9 +65,17 @@ GPU_CONTENDED = Gauge(
 KERNEL_MOVES = Counter(
     "gpushare_kernel_moves",
     "Idle kernels moved off a contended GPU onto a quiet one (rebalance)", ["method", "outcome"])
+KERNEL_CAP = Gauge(
+    "gpushare_kernel_memory_cap_bytes",
+    "A capped kernel's memory cap, bytes per GPU (uncapped kernels have no series)", ["kernel_id"])
+KERNEL_OVER_CAP = Gauge(
+    "gpushare_kernel_over_cap",
+    "1 when the node sees a capped kernel hold more than its cap on a GPU, else 0", ["kernel_id"])
 
 _known_kernel_series: set[tuple[str, str]] = set()
 _known_host_room: set[tuple[str, ...]] = set()
+_known_caps: set[tuple[str, ...]] = set()
+_known_over_cap: set[tuple[str, ...]] = set()
 
 
 def _replace_series(gauge: Gauge, known: set[Any], values: dict[Any, int]) -> None:
@@ -86,6 +94,13 @@ def set_kernel_memory(values: dict[tuple[str, str], int]) -> None:
 
 def set_kernel_host_room(values: dict[str, int]) -> None:
     _replace_series(KERNEL_HOST_ROOM, _known_host_room, {(k,): v for k, v in values.items()})
+
+
+def set_caps(values: dict[str, tuple[int, bool]]) -> None:
+    """Per capped kernel: its cap and whether it holds more."""
+    _replace_series(KERNEL_CAP, _known_caps, {(k,): cap for k, (cap, _) in values.items()})
+    _replace_series(KERNEL_OVER_CAP, _known_over_cap,
+                    {(k,): int(over) for k, (_, over) in values.items()})
 
 
 def set_contention(values: dict[int, tuple[float, bool]]) -> None:
@@ -126,8 +141,11 @@ def clear() -> None:
     """Drop every series the extension set (it stopped: nothing it showed holds any more).
     Counters and histograms keep their totals, as Prometheus expects."""
     for gauge in (GPU_MEMORY_TOTAL, GPU_MEMORY_USED, GPU_UTILIZATION, KERNEL_MEMORY,
-                  KERNEL_HOST_BYTES, KERNELS, KERNEL_HOST_ROOM, GPU_LOAD, GPU_CONTENDED):
+                  KERNEL_HOST_BYTES, KERNELS, KERNEL_HOST_ROOM, GPU_LOAD, GPU_CONTENDED,
+                  KERNEL_CAP, KERNEL_OVER_CAP):
         gauge.clear()
     HOST_BYTES.set(0)
     _known_kernel_series.clear()
     _known_host_room.clear()
+    _known_caps.clear()
+    _known_over_cap.clear()

@@ -25,6 +25,7 @@ from ..protocol import (
     RemoteError,
     cap_list,
 )
+from . import caps as kernel_caps
 from . import lazy
 from .client import AgentClient, RemoteBackend
 
@@ -67,6 +68,7 @@ class Agent:
         # that starts sets the event (it never waits), a release waits for the thread
         self._precopy_thread: threading.Thread | None = None
         self._precopy_stop = threading.Event()
+        self._cap_note = ""  # "holds 9.1 GiB of its 8 GiB cap", said in the next cell
 
     # -- connection -------------------------------------------------------------------
     def start(self) -> None:
@@ -106,6 +108,8 @@ class Agent:
             self.restore_mode = reply["restore_mode"]
         if isinstance(reply.get("state"), str):
             self.note_state(reply["state"])
+        if "memory_cap" in reply:  # before any cell: frameworks imported later are capped too
+            self.apply_cap(reply)
 
     def _on_connect(self, reply: dict[str, Any]) -> None:
         """After every (re)connection: our simulated GPU memory, so that the server's
@@ -162,7 +166,38 @@ class Agent:
             "report": lambda msg: self.report(),
             "precopy": self._precopy,
             "drop_host_copies": self._drop_host_copies,
+            "cap": lambda msg: {"applied": self.apply_cap(msg)},
+            "cap_note": self._on_cap_note,
         }
+
+    # -- the memory cap ----------------------------------------------------------------------
+    def apply_cap(self, fields: dict[str, Any]) -> list[str]:
+        """Apply the server's word on this kernel's cap (``memory_cap`` bytes per GPU or None,
+        ``gpu_memory_total``) to every framework; one line per framework, as said."""
+        cap, total = fields.get("memory_cap"), fields.get("gpu_memory_total")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
+            raise ValueError(f"memory_cap must be bytes > 0 or null, got {cap!r:.60}")
+        if total is not None and (isinstance(total, bool) or not isinstance(total, int)):
+            raise ValueError(f"gpu_memory_total must be bytes or null, got {total!r:.60}")
+        lines = kernel_caps.get().set(cap, total or None)
+        for line in lines:
+            log.info("gpushare: %s", line)
+        return lines
+
+    def _on_cap_note(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The server saw this kernel hold more than its cap: say so in the cell that runs
+        now, else in the next one."""
+        text = (f"gpushare: this kernel {str(msg.get('text', ''))[:200]}: what holds it was "
+                "not limited by the cap (a framework started before it, or raw CUDA); it is "
+                "released first when others need room\n")
+        kernel = getattr(self.shell, "kernel", None)
+        parent = getattr(self.shell, "parent_header", None)
+        if self.executing and kernel is not None and parent:
+            kernel.session.send(kernel.iopub_socket, "stream", {"name": "stderr", "text": text},
+                                parent=parent)
+        else:
+            self._cap_note = text
+        return {}
 
     # -- server requests -----------------------------------------------------------------
     def _begin_release(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -407,12 +442,19 @@ class Agent:
     # -- restore before a cell (trigger 2) -------------------------------------------------
     def post_run_cell(self, result: Any = None) -> None:
         self.executing = False
+        error = getattr(result, "error_in_exec", None)
+        line = kernel_caps.get().oom_line()
+        if line and kernel_caps.is_oom(error) and "gpushare memory cap" not in str(error):
+            print(line, file=sys.stderr)  # under the framework's own out-of-memory error
 
     def pre_run_cell(self, info: Any = None) -> None:
         self._precopy_stop.set()  # the cell runs at once; what it changes is copied again
         with self._cell_lock:
             self.executing = True
             released = self.released
+        if self._cap_note:
+            note, self._cap_note = self._cap_note, ""
+            print(note, end="", file=sys.stderr)
         if not released or self.client is None:
             return  # the fast path: one flag check per cell
         code = getattr(info, "raw_cell", "") or ""

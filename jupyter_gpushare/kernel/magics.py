@@ -11,6 +11,8 @@ Usage::
                                    a pin wins over it)
     %gpushare allow-background [off]  release automatically even though threads other than
                                    the cells use the GPU (they wait while it is released)
+    %gpushare cap [SIZE | off]     this kernel's memory cap per GPU (8GiB, 512MiB; off = the
+                                   default), applied through each framework it uses
     %%gpushare release-after       run the cell, then release at once
 
 When a released kernel comes back depends on the server's ``restore_mode``: ``eager`` (the
@@ -32,9 +34,11 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.display import display
 
 from .. import states
+from ..policy import caps
 from ..protocol import RemoteError
 from ..units import format_bytes
 from . import agent as agent_module
+from . import caps as kernel_caps
 
 #: what brings a released kernel back, per restore_mode, as the magics say it (`code` shows
 #: as code in HTML and plainly in text)
@@ -45,7 +49,7 @@ RESTORE_MODES = {
 }
 
 USAGE = ("usage: %gpushare [status | release | restore | pin | unpin | idle-timeout SECONDS | "
-         "allow-background [off]]  or  %%gpushare release-after")
+         "allow-background [off] | cap [SIZE or off]]  or  %%gpushare release-after")
 
 
 _CODE = re.compile(r"`([^`]+)`")
@@ -147,6 +151,7 @@ def status_rows(kernel: dict[str, Any], restore_mode: str = "",
         ("method", str(kernel.get("method") or "none")),
         release,
         ("idle timeout", _fmt_idle_timeout(kernel.get("idle_timeout"))),
+        ("memory cap", cap_text(kernel)),
         ("releases / restores", f"{kernel.get('releases', 0)} / {kernel.get('restores', 0)}"),
     ]
     if restore_mode in RESTORE_MODES:
@@ -163,6 +168,16 @@ def status_rows(kernel: dict[str, Any], restore_mode: str = "",
     if kernel.get("error"):
         rows.append(("error", kernel["error"]))
     return rows
+
+
+def cap_text(kernel: dict[str, Any]) -> str:
+    """``8 GiB per GPU``, ``none``, or ``8 GiB per GPU: holds 9.1 GiB of its 8 GiB cap on
+    GPU 0`` when the node sees it hold more."""
+    cap = kernel.get("memory_cap")
+    if not isinstance(cap, int) or isinstance(cap, bool):
+        return "none (%gpushare cap 8GiB sets one)"
+    text = f"{caps.describe(cap)} per GPU"
+    return f"{text}: {kernel['over_cap']}" if kernel.get("over_cap") else text
 
 
 def host_copy_text(kernel: dict[str, Any]) -> str:
@@ -217,6 +232,12 @@ class GPUShareMagics(Magics):
         %gpushare allow-background     release this kernel automatically even though threads
                                        other than the cells use the GPU (they wait while it
                                        is released); `allow-background off` undoes it
+        %gpushare cap SIZE             this kernel's memory cap per GPU (8GiB, 512MiB): each
+                                       framework it uses is limited to it where it can be
+                                       (PyTorch, JAX and TensorFlow before they start, CuPy,
+                                       the simulated GPU); `cap off` goes back to the
+                                       default; `cap` alone shows it. A kernel may lower the
+                                       admin's cap, not raise it
         %%gpushare release-after       run the cell, then release at once (not if it fails)
 
         A released kernel is restored before a cell runs, as the server's restore_mode says:
@@ -246,6 +267,8 @@ class GPUShareMagics(Magics):
             return self._idle_timeout(words[1:])
         if command == "allow-background":
             return self._allow_background(words[1:])
+        if command == "cap":
+            return self._cap(words[1:])
         handler = {
             "status": self._status, "release": self._release, "restore": self._restore,
             "pin": lambda: self._pin(True), "unpin": lambda: self._pin(False),
@@ -396,6 +419,33 @@ class GPUShareMagics(Magics):
             print("gpushare: this kernel is released automatically when idle, even with threads "
                   "using the GPU" if allow else
                   "gpushare: this kernel is not released automatically while threads use the GPU")
+
+    def _cap(self, args: list[str]) -> None:
+        agent = agent_module.get_agent()
+        if not args:
+            reply = self._ask("status")
+            if reply is not None:
+                print(f"gpushare: memory cap: {cap_text(reply['kernel'])}")
+                for line in kernel_caps.get().applied.values():
+                    print(f"  {line}")
+            return
+        if len(args) != 1:
+            print(f"gpushare: cap takes one value: an amount like 8GiB, or 'off'\n{USAGE}")
+            return
+        cap: int | None = None
+        if args[0].lower() not in caps.OFF:
+            try:
+                cap = caps.parse_cap(args[0])
+            except caps.CapError as e:
+                print(f"gpushare: {e}; nothing changed")
+                return
+        reply = self._ask("cap", bytes=cap)
+        if reply is None or agent is None:
+            return
+        lines = agent.apply_cap(reply)
+        print(f"gpushare: memory cap: {cap_text(reply['kernel'])}")
+        for line in lines:
+            print(f"  {line}")
 
     def _release_after(self, cell: str) -> Any:
         """Run ``cell`` like a cell (its errors are the cell's), show its value, then release."""

@@ -233,6 +233,12 @@ class HubLink:
         return out
 
     # -- what status shows ---------------------------------------------------------------------
+    def cap(self) -> int | None:
+        """The admin's memory cap for this user's kernels, bytes per GPU (the service's
+        ``caps`` table, by user or group); None: none, or no answer yet."""
+        cap = self.me.get("cap")
+        return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
+
     def view(self) -> dict[str, Any]:
         me = self.me
         by_uuid = {g.info.uuid: g.info.index for g in self.controller.tracker.gpus.values()}

@@ -37,6 +37,7 @@ from typing import Any
 
 from tornado.web import HTTPError
 
+from ..policy import caps
 from ..policy.fairshare import parse_share
 from ..policy.placement import choose, expected_need
 from ..policy.room import narrow
@@ -108,6 +109,15 @@ def requested_memory(kernel_spec: Any) -> int | None:
     return share.amount
 
 
+def requested_cap(kernel_spec: Any) -> int | None:
+    """``metadata.gpushare.memory_limit`` of a kernelspec, bytes per GPU (None: none);
+    :class:`PlacementError` when it is not an amount of memory (the kernel does not start)."""
+    try:
+        return caps.of_kernelspec(getattr(kernel_spec, "metadata", None) or {})
+    except caps.CapError as e:
+        raise PlacementError(f"kernelspec {_spec_name(kernel_spec)}: {e}") from None
+
+
 def _spec_name(kernel_spec: Any) -> str:
     return repr(getattr(kernel_spec, "display_name", None) or getattr(kernel_spec, "name", "?"))
 
@@ -148,6 +158,7 @@ class Placer:
         service_room: ServiceRoom | None = None,
         load: GpuLoad | None = None,
         recent: Callable[[str], list[int]] | None = None,
+        default_cap: Callable[[], int | None] | None = None,
     ):
         """load: the GPUs' load and this server's placements (shared with the restore room;
         default: the last sample's SM utilization of ``devices``); recent(kernelspec name):
@@ -162,6 +173,7 @@ class Placer:
         self.sample = sample
         self.service_room = service_room
         self.recent = recent or (lambda name: [])
+        self.default_cap = default_cap or (lambda: None)  # the admin's cap per GPU
         self.log = log or logging.getLogger(__name__)
         self.load = load if load is not None else GpuLoad(
             lambda: {g.index: _LastSample(g.utilization) for g in self.devices()}, dict, window=0)
@@ -198,6 +210,7 @@ class Placer:
             service_room=app.service_room,
             load=app.controller.room.load,
             recent=app.tracker.recent_peaks_of,
+            default_cap=app.default_cap,
         )
 
     async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:
@@ -231,8 +244,9 @@ class Placer:
             return Placement([], "", {})  # a kernel that asked for no GPU sees none
         room = await self._room(gpus, [g.index for g, _ in candidates])
         within = await self._service_view([g for g, _ in candidates], room, kernel_id)
-        # cap: None until kernels have memory caps
-        need = expected_need(memory, None, self.recent(getattr(kernel_spec, "name", "") or ""),
+        # a capped kernel can hold no more than its cap: that is what it is expected to need
+        cap = caps.ceiling(requested_cap(kernel_spec), self.default_cap())
+        need = expected_need(memory, cap, self.recent(getattr(kernel_spec, "name", "") or ""),
                              self.min_room)
         self.load.forget(self.kernel_ids())
         views = self.load.views(room, within)

@@ -15,6 +15,8 @@ from typing import Protocol
 
 from traitlets.config import LoggingConfigurable
 
+from . import caps
+
 #: when an idle kernel is released (``c.GPUShareApp.release_policy``): ``proactive``, once it
 #: has idled ``idle_timeout``; ``needs``, only when its GPU needs the memory (free below
 #: ``pressure_free_fraction``, a restore waiting for room) or after ``long_idle``
@@ -76,6 +78,8 @@ class Candidate:
     #: highest SM % over the last ``pressure_idle_timeout`` (pressure releases and make-room
     #: judge quietness over that window); None: as ``max_utilization``
     pressure_utilization: float | None = None
+    #: holds more than its memory cap on some GPU: released first when someone needs room
+    over_cap: bool = False
 
     @property
     def bytes(self) -> int:
@@ -86,7 +90,7 @@ def observed(
     kernel_id: str, cfg: ReleaseSettings, now: float, *, resident: bool, busy: bool,
     pinned: bool, idle_seconds: float, utilization_since: Callable[[float], float],
     gpu_bytes: dict[int, int], idle_timeout: float | None = None, releasable: bool = True,
-    pressure_window: float | None = None,
+    pressure_window: float | None = None, memory_cap: int | None = None,
 ) -> Candidate:
     """A :class:`Candidate` from what was observed of a kernel: the one builder (the server's
     controller, the simulator and the hub's view all use it, so they judge alike).
@@ -108,6 +112,7 @@ def observed(
         gpu_bytes={g: b for g, b in gpu_bytes.items() if g >= 0},
         idle_timeout=idle_timeout,
         releasable=releasable,
+        over_cap=caps.over(gpu_bytes, memory_cap) is not None,
     )
 
 
@@ -193,7 +198,9 @@ def seconds_until_release(c: Candidate, cfg: ReleaseSettings) -> float | None:
 
 
 def _longest_idle_first(cands: list[Candidate]) -> list[Candidate]:
-    return sorted(cands, key=lambda c: (-c.idle_seconds, -c.bytes, c.kernel_id))
+    """Kernels over their memory cap first (they hold what they were not to hold), then
+    the longest idle."""
+    return sorted(cands, key=lambda c: (not c.over_cap, -c.idle_seconds, -c.bytes, c.kernel_id))
 
 
 def pressure_releases(
@@ -243,8 +250,9 @@ def make_room(
 ) -> list[Decision] | None:
     """Kernels to release so ``need`` bytes fit on each GPU; None when it cannot fit.
 
-    Only kernels idle for at least ``pressure_idle_timeout`` are taken, longest idle first,
-    so two people working at once never evict each other.
+    Only kernels idle for at least ``pressure_idle_timeout`` are taken, those over their
+    memory cap first, then longest idle first, so two people working at once never evict
+    each other.
     """
     short = {g: n - free.get(g, 0) for g, n in need.items() if n > free.get(g, 0)}
     if not short:

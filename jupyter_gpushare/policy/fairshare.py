@@ -14,6 +14,11 @@ A user's share is their own entry, else the most generous entry of their groups,
 With no entry at all they are guaranteed nothing: any memory they hold is over their share.
 With an empty table shares are off and nobody is over anything.
 
+Caps (``GPUShareHub.caps``) sit next to shares, keyed the same way: the most one kernel of
+the person may hold per GPU (``{"group:students": "8GiB", "*": "16GiB"}``); bytes only, no
+percentages. A user's cap is their own entry, else the most generous of their groups', else
+``*``, else none (:func:`cap_of`).
+
 No I/O and no clock: the hub service and the simulator both use this module.
 """
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from .caps import parse_cap
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -95,6 +102,28 @@ def shares_of(user: str, groups: Iterable[str], table: Mapping[str, Share]) -> l
     if found:
         return found
     return [table[DEFAULT_KEY]] if DEFAULT_KEY in table else []
+
+
+def parse_caps(table: Mapping[str, object]) -> dict[str, int]:
+    """Check a whole ``caps`` table (keys as for shares, values amounts per GPU); ValueError
+    names the bad entry."""
+    out = {}
+    for key, value in table.items():
+        if not isinstance(key, str) or not key.strip() or key == GROUP_PREFIX:
+            raise ValueError(f"caps: {key!r} is not a user, group:NAME or *")
+        out[key] = parse_cap(value, f"cap {key!r}")
+    return out
+
+
+def cap_of(user: str, groups: Iterable[str], table: Mapping[str, int]) -> int | None:
+    """Bytes per GPU one kernel of ``user`` may hold by the admin's table: their own entry,
+    else the most generous of their groups', else ``*``; None: no cap."""
+    if user in table:
+        return table[user]
+    found = [table[GROUP_PREFIX + g] for g in groups if GROUP_PREFIX + g in table]
+    if found:
+        return max(found)
+    return table.get(DEFAULT_KEY)
 
 
 @dataclass

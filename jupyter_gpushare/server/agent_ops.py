@@ -16,12 +16,15 @@ Everything it needs is passed in; it never imports the app.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..core.controller import ControllerError
 from ..fields import boolean, integer, optional_integer, seconds_or_none, shown, strings
+from ..node.placement import placed_gpus
+from ..policy.caps import parse_cap
 from ..telemetry import Telemetry
 from .channel import AgentConnection, Handler, Refused
 
@@ -114,6 +117,7 @@ class AgentOps:
             "pin": self.pin,
             "idle_timeout": self.idle_timeout,
             "allow_background": self.allow_background,
+            "cap": self.cap,
         }
 
     # -- who may connect, and what a connection changes -----------------------------------------
@@ -131,8 +135,24 @@ class AgentOps:
 
     def hello_reply(self, kernel_id: str) -> dict[str, Any]:
         """The kernel's gpushare state, so a reconnecting agent knows where it stands."""
+        out: dict[str, Any] = {}
         st = self.controller.find(kernel_id)
-        return {"state": st.state} if st is not None else {}
+        if st is not None:
+            out["state"] = st.state
+        with contextlib.suppress(ControllerError):  # a kernel the server does not know (yet)
+            out.update(self.cap_fields(kernel_id))
+        return out
+
+    def cap_fields(self, kernel_id: str) -> dict[str, Any]:
+        """What the kernel's agent needs to apply its memory cap: the cap in effect (bytes per
+        GPU, None: uncapped) and the memory of its largest GPU (so a fraction of it is never
+        more than the cap)."""
+        cap = self.controller.memory_cap(self.controller.get(kernel_id))
+        totals = {g.info.index: g.info.memory_total for g in self.tracker.gpus.values()
+                  if g.info.memory_total}
+        mine = [totals[g] for g in placed_gpus(self.tracker.km, kernel_id) if g in totals]
+        total = max(mine or totals.values(), default=None)
+        return {"memory_cap": cap, "gpu_memory_total": total}
 
     def on_connect(self, conn: AgentConnection) -> None:
         st = self.controller.find(conn.kernel_id)
@@ -205,6 +225,13 @@ class AgentOps:
         seconds = seconds_or_none(msg, "seconds")
         self._controller_call(self.controller.set_idle_timeout, conn.kernel_id, seconds)
         return {"kernel": self._view(conn.kernel_id)}
+
+    def cap(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        """``%gpushare cap``: the kernel's own cap (``bytes`` None: back to its ceiling)."""
+        value = msg.get("bytes")
+        cap = None if value is None else parse_cap(value, "bytes")  # CapError: changes nothing
+        self._controller_call(self.controller.set_memory_cap, conn.kernel_id, cap)
+        return {"kernel": self._view(conn.kernel_id), **self.cap_fields(conn.kernel_id)}
 
     def allow_background(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         allow = boolean(msg, "allow")

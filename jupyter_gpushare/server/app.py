@@ -25,6 +25,7 @@ from traitlets import TraitError
 
 from ..core import metrics
 from ..core.ahead import AheadRestores
+from ..core.capwatch import CapWatch
 from ..core.controller import Controller
 from ..core.options import RestoreOptions, TrackingOptions
 from ..core.precopy import Precopies
@@ -35,6 +36,7 @@ from ..node.daemon_client import NodeDaemonTurns
 from ..node.node_locks import NodeLocks
 from ..node.options import NodeOptions
 from ..node.placement import Placer
+from ..policy.caps import ceiling, parse_cap
 from ..policy.options import ReleaseOptions
 from ..reclaim import MethodContext, ReclaimMethod
 from ..telemetry import Telemetry, TelemetrySettings
@@ -179,6 +181,8 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             raise ExtensionOff(_off(f"cannot create the agent socket {self.socket_path}: {e}")) from e
         teardown.callback(self.channel.close_now)
         self.hub_link = hub_link.connect(self.config, self.controller, self.refresh)
+        self.controller.default_cap = self.default_cap
+        self.capwatch = CapWatch(self.controller, self._tell_over_cap)
         self.ahead = AheadRestores(self.controller, self.ahead_grace)
         self.precopies = Precopies(self.controller, lambda: self.precopy_after,
                                    lambda: self.host_memory_reserve)
@@ -210,6 +214,23 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             self.log.warning("gpushare: %s; nothing is released", choice.reason)
         else:
             self.log.info("gpushare: release method %s (%s)", choice.name, choice.reason)
+
+    def default_cap(self) -> int | None:
+        """The admin's cap for a new kernel of this server, bytes per GPU: the smaller of
+        ``memory_limit`` and the hub service's cap for this user (None: neither)."""
+        own = parse_cap(self.memory_limit) if self.memory_limit else None
+        return ceiling(own, self.hub_link.cap() if self.hub_link is not None else None)
+
+    def tell_cap(self, kernel_id: str) -> None:
+        """The kernel's cap changed from outside it (REST): its agent applies it."""
+        conn = self.channel.connections.get(kernel_id)
+        if conn is not None:
+            conn.notify("cap", **self.agent_ops.cap_fields(kernel_id))
+
+    def _tell_over_cap(self, kernel_id: str, text: str) -> None:
+        conn = self.channel.connections.get(kernel_id)
+        if conn is not None:
+            conn.notify("cap_note", text=text)
 
     async def service_room(self, uuids: list[str]) -> dict[str, tuple[int | None, bool]] | None:
         """The hub service's view of the room on those GPUs (placement and restores that
@@ -360,6 +381,7 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         await self.tracker.poll()
         metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
         await self.controller.tick()
+        self.capwatch.tick()
         self.ahead.tick()
         await self.precopies.tick()
         metrics.export_sample(self.tracker.gpus.values(), self.tracker.kernels)

@@ -20,6 +20,7 @@ from tornado import web
 
 from ..core.ahead import AHEAD
 from ..core.controller import ControllerError
+from ..policy.caps import CapError, parse_cap
 from .views import history_view, kernel_view
 
 KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
@@ -241,6 +242,26 @@ class PinHandler(GPUShareHandler):
         self.write_json(kernel_view(controller, kernel_id))
 
 
+class CapHandler(GPUShareHandler):
+    @web.authenticated
+    @authorized
+    async def put(self, kernel_id: str) -> None:
+        body = self.json_body()
+        if set(body) != {"memory_cap"}:
+            raise BadRequest('body must be {"memory_cap": "8GiB"} (bytes per GPU, a whole number '
+                             'or an amount) or {"memory_cap": null} (back to the default)')
+        value = body["memory_cap"]
+        try:
+            cap = None if value is None else parse_cap(value, "memory_cap")
+        except CapError as e:
+            raise BadRequest(str(e)) from None
+        await self.gpushare.ready()
+        controller = self.gpushare.controller
+        controller.set_memory_cap(kernel_id, cap)
+        self.gpushare.tell_cap(kernel_id)  # the kernel's frameworks follow
+        self.write_json(kernel_view(controller, kernel_id))
+
+
 def handlers() -> list[tuple[str, type]]:
     """Routes relative to the server's base_url (ExtensionApp prefixes it)."""
     root = "/api/gpushare"
@@ -250,4 +271,5 @@ def handlers() -> list[tuple[str, type]]:
         (f"{root}/kernels/{KERNEL_ID}/release", ReleaseHandler),
         (f"{root}/kernels/{KERNEL_ID}/restore", RestoreHandler),
         (f"{root}/kernels/{KERNEL_ID}/pin", PinHandler),
+        (f"{root}/kernels/{KERNEL_ID}/cap", CapHandler),
     ]

@@ -10,6 +10,7 @@ from typing import Any
 from traitlets import Bool, Dict, Int, List, TraitError, Type, Unicode, default, validate
 from traitlets.config import Configurable
 
+from ..policy.caps import CapError, parse_cap
 from ..telemetry import SIMULATED_GPUS_DEFAULT, SIMULATED_NODE_ENV, Telemetry
 from . import selection
 
@@ -106,6 +107,25 @@ class KernelOptions(Configurable):
         not set them. Default turns off TensorFlow's and JAX's grab-all-memory at start, so
         memory held is memory used. {} = none.""",
     ).tag(config=True)
+
+    memory_limit = Unicode(
+        "",
+        help="""The most GPU memory one kernel may hold per GPU, as "8GiB" or "512MiB" (bytes
+        per GPU; each framework the kernel uses is limited to it where it can be, and the
+        server flags a kernel over it). A kernelspec's metadata.gpushare.memory_limit or the
+        hub service's caps may lower it for a kernel; %gpushare cap may lower it, not raise
+        it. Default "" = no cap.""",
+    ).tag(config=True)
+
+    @validate("memory_limit")
+    def _check_memory_limit(self, proposal: Any) -> str:
+        value = str(proposal["value"]).strip()
+        if value:
+            try:
+                parse_cap(value, "GPUShareApp.memory_limit")
+            except CapError as e:
+                raise TraitError(str(e)) from None
+        return value
 
     load_agent = Bool(
         True,

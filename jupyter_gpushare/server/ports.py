@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
 from ..core.hostmem import HostRoom
 from ..core.tracker import Tracker
 from ..node.placement import ServiceRoom
+from ..policy import caps
+from ..policy.caps import CapError
 from ..reclaim import ReclaimMethod
 from ..telemetry import Telemetry
 from .selection import method_for_kernel
@@ -108,6 +111,8 @@ class ServerKernels:
         out: dict[str, Any] = {}
         if isinstance(meta.get("idle_timeout"), (int, float)) and meta["idle_timeout"] >= 0:
             out["idle_timeout"] = float(meta["idle_timeout"])
+        with suppress(CapError):  # a bad one never starts: the provisioner refuses it
+            out["memory_limit"] = caps.of_kernelspec({"gpushare": meta})
         return out
 
     def method_for(self, kernel_id: str) -> str | None:

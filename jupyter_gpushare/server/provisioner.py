@@ -16,7 +16,7 @@ from typing import Any
 
 from jupyter_client.provisioning import LocalProvisioner
 
-from ..node.placement import VISIBLE_ENV, Placement, PlacementError, Placer
+from ..node.placement import VISIBLE_ENV, Placement, PlacementError, Placer, requested_cap
 from ..protocol import KERNEL_ID_ENV, PLACEMENT_NOTE_ENV, SOCKET_ENV
 
 NAME = "gpushare-provisioner"
@@ -50,6 +50,7 @@ class GPUShareProvisioner(LocalProvisioner):
         if settings is None:
             return kwargs
         launch = settings  # the same settings throughout, whatever happens while placing
+        requested_cap(self.kernel_spec)  # a bad memory_limit: the kernel does not start
         env = kwargs.setdefault("env", {})
         for key, value in settings.kernel_env.items():
             env.setdefault(key, str(value))

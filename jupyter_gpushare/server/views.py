@@ -13,6 +13,7 @@ from ..core.controller import Controller
 from ..core.lifecycle import Lifecycle
 from ..core.tracker import KernelRecord, Tracker
 from ..node.placement import placed_gpus
+from ..policy import caps
 
 
 def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
@@ -57,6 +58,10 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         # bytes a release would still copy (None: the kernel's agent did not say)
         "host_copy_bytes": rec.host_copy_bytes if rec else None,
         "to_copy_bytes": rec.to_copy_bytes if rec else None,
+        # its memory cap (bytes per GPU, None: uncapped) and, when the node sees it hold more
+        # on a GPU, "holds 9.1 GiB of its 8 GiB cap on GPU 0"
+        "memory_cap": controller.memory_cap(st),
+        "over_cap": caps.over_text(rec.gpu_bytes, controller.memory_cap(st)) if rec else None,
     }
 
 

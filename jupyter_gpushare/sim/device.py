@@ -279,6 +279,10 @@ class SimDevice:
         #: node GPU a process device started on -> node GPU it is on now, after restores onto
         #: other GPUs (as CUDA's numbering follows a restore with a GPU mapping)
         self.remap: dict[int, int] = {}
+        #: bytes this process may hold per GPU (its gpushare memory cap; None: uncapped): an
+        #: allocation or a restore past it raises the out-of-memory error, as a framework's
+        #: own limit does (PyTorch's memory fraction)
+        self.cap: int | None = None
 
     # -- the process's device numbering ------------------------------------------
     def visible(self) -> list[int]:
@@ -305,10 +309,23 @@ class SimDevice:
         array is collected."""
         gpu = self.physical(gpu)
         with self.op():
+            self._check_cap(gpu, nbytes)
             self.backend.alloc(gpu, nbytes)
             block = _Block(gpu, nbytes)
             self._blocks[array] = block
             weakref.finalize(array, self._release_block, block)
+
+    def _check_cap(self, gpu: int, nbytes: int, held: int | None = None) -> None:
+        """Refuse an allocation that would take this process past its cap on ``gpu``."""
+        cap = self.cap
+        if cap is None:
+            return
+        held = self.allocated(gpu) if held is None else held
+        if held + nbytes > cap:
+            raise SimOutOfMemoryError(
+                f"simulated GPU {gpu} out of memory: tried to allocate {format_bytes(nbytes)} with "
+                f"{format_bytes(held)} in use; this kernel's gpushare memory cap is "
+                f"{format_bytes(cap)} per GPU (%gpushare cap)")
 
     def _release_block(self, block: _Block) -> None:
         with self._cond:
@@ -711,6 +728,8 @@ class SimDevice:
             arrays = [(a, b) for a, b in list(self._blocks.items()) if not b.on_device]
         onto = [moves.get(b.gpu, b.gpu) for _, b in arrays]  # where each block comes back
         needed = _per_gpu(_Block(gpu, b.nbytes) for gpu, (_, b) in zip(onto, arrays, strict=True))
+        for key, nbytes in needed.items():  # a restore never brings back more than the cap
+            self._check_cap(int(key), nbytes)
         allocated: list[tuple[int, int]] = []
         try:
             for key, nbytes in needed.items():  # per GPU: one request each, freed on failure

@@ -19,6 +19,14 @@ export interface IPinRequest {
   pinned: boolean;
 }
 
+export interface ICapRequest {
+  /**
+   * Bytes per GPU (> 0), or an amount like "8GiB"; null = back to the default. Above the kernel's
+   * ceiling (its kernelspec's or the admin's cap): 409.
+   */
+  memory_cap: number | string | null;
+}
+
 /** The kernel's state (see docs/how-it-works.md, Kernel states). */
 export type KernelState =
   'active' | 'idle' | 'releasing' | 'released' | 'restoring' | 'failed' | 'untracked';
@@ -251,6 +259,16 @@ export interface IKernel {
    * driver method copies everything); null when the kernel's agent did not say.
    */
   to_copy_bytes?: number | null;
+  /**
+   * The kernel's memory cap in bytes per GPU (its own, else its kernelspec's memory_limit or the
+   * admin's default, the smaller); null = uncapped.
+   */
+  memory_cap: number | null;
+  /**
+   * When the node sees the kernel hold more than its cap on a GPU: "holds 9.1 GiB of its 8 GiB cap
+   * on GPU 0"; else null.
+   */
+  over_cap: string | null;
   /**
    * While a restore waits: the bytes it needs free, per GPU index (keys are strings); empty
    * otherwise.

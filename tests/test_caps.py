@@ -1,0 +1,100 @@
+"""Memory caps: a kernel's cap holds where its framework can be limited (the simulated GPU
+raises its own out-of-memory error at the cap, with a line that names it) and is watched
+where it cannot (memory taken past the device's accounting, as raw CUDA would), flagged in
+the cell, status and metrics. Real server, real kernels, the simulated node."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from traitlets import TraitError
+
+from jupyter_gpushare.policy import Candidate, PolicyConfig, make_room
+from jupyter_gpushare.server.options import KernelOptions
+
+from .helpers import kernel_status, rest, wait_for
+from .scenarios import MiB, hold, intact
+from .test_compute_placement import kernelspec, start
+
+CAPPED = {"metadata": {"gpushare": {"memory_limit": "64MiB"}}}
+
+
+async def test_a_capped_kernels_allocation_past_its_cap_fails_and_a_restore_never_exceeds_it(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, jp_data_dir
+):
+    k = await start(jp_fetch, jp_ws_fetch, kernels, gpushare_app,
+                    kernelspec(jp_data_dir, "capped", **CAPPED))
+    assert (await kernel_status(jp_fetch, k.id))["memory_cap"] == 64 * MiB
+
+    ex = await k.run(hold(96, chunk=32), ok=False)  # the third 32 MiB array is past the cap
+    assert ex.error is not None and ex.error["ename"] == "SimOutOfMemoryError", ex.error
+    assert "gpushare memory cap is 64.0 MiB per GPU" in ex.error["evalue"], ex.error
+    await k.run(hold(48, chunk=48))  # under the cap: fine
+
+    # bad input changes nothing; a kernel may lower its cap, not raise it past its kernelspec's
+    for bad in ("-1GiB", "lots", "0"):
+        out = await k.run(f"%gpushare cap {bad}")
+        assert "nothing changed" in out.stdout, out.stdout
+    raised = await k.run("%gpushare cap 1GiB")
+    assert "can be at most 64 MiB per GPU" in raised.stdout, raised.stdout
+    for body in ({"memory_cap": -5}, {"memory_cap": "8 apples"}, {"cap": 1}, {"memory_cap": True}):
+        code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body=body)
+        assert code == 400, (body, answer)
+    code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": "1GiB"})
+    assert code == 409 and "at most 64 MiB" in answer["message"], answer
+    assert (await kernel_status(jp_fetch, k.id))["memory_cap"] == 64 * MiB
+
+    # released, then capped below what it holds: the restore fails naming the cap and the
+    # state stays held; back to its default cap, the state comes back whole
+    await wait_for(lambda: gpushare_app.tracker.kernels[k.id].gpu_memory_bytes == 48 * MiB,
+                   what="the server to see the 48 MiB")
+    code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "release")
+    assert code == 200 and answer["state"] == "released", answer
+    code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": "32MiB"})
+    assert code == 200 and answer["memory_cap"] == 32 * MiB, answer
+    code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "restore")
+    assert code == 409 and "cap is 32.0 MiB per GPU" in answer["message"], answer
+    assert (await kernel_status(jp_fetch, k.id))["state"] in ("released", "failed")
+    out = await k.run("%gpushare cap off")
+    assert "64 MiB per GPU" in out.stdout, out.stdout
+    assert "intact" in (await k.run(intact())).stdout
+
+
+@pytest.mark.parametrize("gpushare_config", [{"memory_limit": "64MiB"}])
+async def test_memory_no_framework_limited_is_watched_and_flagged(jp_fetch, kernels, gpushare_app):
+    k = await kernels.start()  # the server's default cap applies to every kernel
+    assert (await kernel_status(jp_fetch, k.id))["memory_cap"] == 64 * MiB
+    # 96 MiB taken past the simulated device's own accounting, as raw CUDA takes it
+    await k.run("from jupyter_gpushare.sim import device\n"
+                "device.get_device().backend.alloc(0, 96 << 20)")
+    over = "holds 96.0 MiB of its 64 MiB cap on GPU 0"
+    status = await wait_for(_over(jp_fetch, k.id), what="the kernel flagged over its cap")
+    assert status["over_cap"] == over, status
+    metrics = dict(line.rsplit(" ", 1) for line in
+                   (await jp_fetch("metrics")).body.decode().splitlines() if k.id in line)
+    assert float(metrics[f'gpushare_kernel_over_cap{{kernel_id="{k.id}"}}']) == 1
+    assert float(metrics[f'gpushare_kernel_memory_cap_bytes{{kernel_id="{k.id}"}}']) == 64 * MiB
+    said = await k.run("1")  # the cell that runs next says so
+    assert over in said.stderr, said.stderr
+    shown = await k.run("%gpushare")
+    assert over in shown.stdout or any(over in json.dumps(d) for d in shown.displays)
+    with pytest.raises(TraitError, match="cannot be negative"):  # a bad default never loads
+        KernelOptions(memory_limit="-3GiB")
+
+
+def _over(jp_fetch, kernel_id):
+    async def check():  # the kernel's status once it is flagged
+        status = await kernel_status(jp_fetch, kernel_id)
+        return status if status and status["over_cap"] else None
+    return check
+
+
+def test_kernels_over_their_cap_are_released_first_to_make_room():
+    def cand(kid: str, idle: float, over: bool) -> Candidate:
+        return Candidate(kid, resident=True, busy=False, pinned=False, idle_seconds=idle,
+                         max_utilization=0.0, gpu_bytes={0: 4 * MiB}, over_cap=over)
+
+    cands = [cand("long-idle", 900, False), cand("over-cap", 200, True)]
+    decisions = make_room({0: 4 * MiB}, {0: 0}, cands, PolicyConfig(pressure_idle_timeout=60, min_release_bytes=0))
+    assert [d.kernel_id for d in decisions or []] == ["over-cap"]
