@@ -70,20 +70,25 @@ def test_the_crowded_node_exercises_releases_and_waiting_restores(crowded):
 
 
 def test_a_released_kernels_cell_waits_at_least_the_restore(crowded):
-    restored_bytes: list[int] = []
+    restores: dict[tuple[int, float], tuple[int, str]] = {}  # (kernel, end) -> bytes, trigger
 
     def watch(t, k, what, data):
         if what == "restored":
-            restored_bytes.append(k.nbytes)
+            restores[(k.index, t)] = (k.nbytes, data["trigger"])
 
     sim = simulate(crowded, "gpushare", observer=watch)
     restored = [r for r in sim.cells if r.restore_seconds > 0]
-    assert len(restored) > 10 and len(restored) == len(restored_bytes)
+    assert len(restored) > 10
     model = CROWDED.transfer
-    # cells start in the order their restores end: each waited its own kernel's restore
-    by_start = sorted(restored, key=lambda r: r.start)
-    for r, nbytes in zip(by_start, restored_bytes, strict=True):
-        assert r.restore_seconds == pytest.approx(model.restore_seconds(nbytes))
+    # each such cell starts as its kernel's restore ends and waited for it: all of a restore
+    # its cell asked for, what was left of one in flight (a rebalance's) when it came
+    for r in restored:
+        nbytes, trigger = restores[(r.kernel, r.start)]
+        full = model.restore_seconds(nbytes)
+        if trigger == "cell":
+            assert r.restore_seconds == pytest.approx(full)
+        else:
+            assert r.restore_seconds <= full + 1e-9
         assert r.delay >= r.restore_seconds - 1e-9
 
 

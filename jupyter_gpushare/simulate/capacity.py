@@ -22,7 +22,7 @@ from .engine import Simulation
 from .figures import figures
 from .policies import RELEASE_POLICIES
 from .settings import POLICIES, Settings
-from .transfer import TransferModel
+from .transfer import PRESETS, TransferModel
 from .workload import GiB, Workload
 
 AHEAD_LEADS = (0.0, 2.0, 5.0, 10.0, 30.0)  # s: the sensitivity table's leads
@@ -51,7 +51,8 @@ def run(workload: Workload, policy: str, s: Settings, series: bool = False,
                      nodes=s.nodes, bin_seconds=s.bin_seconds, restore_mode=s.restore_mode,
                      placement=s.placement, total_gpus=total_gpus, ahead_lead=s.ahead_lead,
                      ahead_share=s.ahead_share, seed=s.seed, servers=s.servers,
-                     load_window=s.load_window)
+                     load_window=s.load_window, release_copies=s.release_copies,
+                     precopy_after=s.precopy_after)
     return figures(sim.run(), series=series)
 
 
@@ -199,6 +200,31 @@ def ahead_sensitivity(policy: str, workload: Workload, s: Settings,
                                               "ahead_restores", "ahead_released_again",
                                               "ahead_cancelled")},
                          "fewest_gpus": fewest})
+    return rows
+
+
+RELEASE_MODELS = ("driver", "pinned", "sim")  # the release table's transfer models
+
+
+def release_comparison(policy: str, workload: Workload, s: Settings) -> list[dict[str, Any]]:
+    """``policy`` on ``workload`` under each transfer model (``s.transfer`` first, then
+    ``RELEASE_MODELS``), releases that copy everything (the baseline) against those that copy
+    what changed since the host copy (the product's): at the node's GPUs, the cells whose
+    restore found no room at once (their p99 and worst delay), every cell's p99, the bytes
+    copied; and the fewest GPUs that serve every user."""
+    models = [s.transfer] + [PRESETS[m] for m in RELEASE_MODELS if m != s.transfer.name]
+    rows = []
+    for m in models:
+        for copies in ("all", "changed"):
+            at = replace(s, transfer=m, release_copies=copies)
+            f = run(workload, policy, at)
+            c = fewest_gpus(policy, workload, at)
+            rows.append({"model": m.name, "incremental": m.incremental, "release_copies": copies,
+                         "gpus": f["gpus"],
+                         **{k: f[k] for k in ("room_waits", "room_wait_p99_s", "room_wait_max_s",
+                                              "cell_delay_p99_s", "delay_max_s", "releases",
+                                              "release_gib_copied")},
+                         "fewest_gpus": c["gpus"]})
     return rows
 
 

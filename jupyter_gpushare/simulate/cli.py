@@ -10,7 +10,7 @@ gpushare runs as the product ships, by default: release_policy ``needs``, kernel
 the product's placement rule (room, then SM load over a window), restores that move after
 ``--move-after`` s, idle kernels moved off contended GPUs (rebalance); the baselines are named
 options (``--release-policy proactive``, ``--placement round-robin``, ``--servers
-round-robin``, ``--move-after 0``, ``--no-rebalance``).
+round-robin``, ``--move-after 0``, ``--no-rebalance``, ``--release-copies all``).
 
 The headline: for each policy, the fewest GPUs that serve all the workload's users, and the
 GPU-hours they cost against reserving GPUs for each user's sessions; under the transfer
@@ -21,6 +21,8 @@ delays and fewest GPUs for leads of 0-30 s between a person's first activity and
 (restores ahead), under both release policies. ``--placement-table``: gpushare's delays,
 moves and fewest GPUs with the product's placement and round-robin, each without and with
 restores that move onto other GPUs after ``--move-after`` s and rebalance.
+``--release-table``: gpushare's cells that waited for room (p99, worst) and fewest GPUs with
+releases that copy everything and with releases that copy only what changed, per restore model.
 """
 
 from __future__ import annotations
@@ -43,9 +45,10 @@ from .capacity import (
     fewest_gpus,
     most_users,
     placement_comparison,
+    release_comparison,
     run,
 )
-from .engine import PLACEMENTS, RESTORE_MODES, SERVERS
+from .engine import PLACEMENTS, RELEASE_COPIES, RESTORE_MODES, SERVERS
 from .generator import generate
 from .policies import RELEASE_POLICIES, GPUShare
 from .replay import read_replay
@@ -111,6 +114,20 @@ def parser() -> argparse.ArgumentParser:
                          "kernel then living there; a restore whose own GPUs' SMs are "
                          "contended goes onto a quieter one at once (the product's "
                          f"restore_move_after; default {defaults.MOVE_AFTER:g}; 0: never move)")
+    ap.add_argument("--release-copies", choices=RELEASE_COPIES, default="changed",
+                    help="what a release copies: changed (the product's: a restore keeps the "
+                         "host copy and a release copies what changed since, with a "
+                         "restore model whose method does so: pinned, sim) or all (a "
+                         "baseline: every release copies the whole state) (default changed)")
+    ap.add_argument("--precopy-after", type=float, default=defaults.PRECOPY_AFTER,
+                    metavar="SECONDS",
+                    help="s a kernel sits idle before it copies what changed to host in the "
+                         "background, so that a release has less left to copy (the product's "
+                         f"precopy_after; default {defaults.PRECOPY_AFTER:g}; 0: never)")
+    ap.add_argument("--release-table", action="store_true",
+                    help="a table of gpushare's cells that waited for room (their p99 and "
+                         "worst delay) and fewest GPUs, with releases that copy everything "
+                         "and with releases that copy what changed, under each restore model")
     ap.add_argument("--placement-table", action="store_true",
                     help="a table of gpushare's delays, moves and fewest GPUs with round-robin "
                          "and the product's placement, without and with restores that move "
@@ -217,6 +234,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         model.release_bandwidth if args.release_bandwidth is None else args.release_bandwidth * GB,
         model.restore_overhead if args.restore_overhead is None else args.restore_overhead,
         model.restore_bandwidth if args.restore_bandwidth is None else args.restore_bandwidth * GB,
+        incremental=model.incremental,
     )
     config = PolicyConfig(idle_timeout=args.idle_timeout, idle_utilization=args.idle_utilization,
                           min_release_bytes=args.min_release_bytes,
@@ -235,7 +253,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     max_users_per_gpu=min(args.max_users_per_gpu, 8) if args.quick else args.max_users_per_gpu,
                     seed=args.seed, ahead_lead=args.ahead_lead, ahead_share=args.ahead_share,
                     ahead_grace=args.ahead_grace, release_policy=args.release_policy,
-                    long_idle=args.long_idle, move_after=args.move_after)
+                    long_idle=args.long_idle, move_after=args.move_after,
+                    release_copies=args.release_copies, precopy_after=args.precopy_after)
 
 
 def moves_state(policy: str, s: Settings) -> bool:
@@ -271,7 +290,7 @@ def headline(workload: Workload, s: Settings, policies: list[str]) -> dict[str, 
 def compare(name: str, source: str, workload_for: Any, reference_users: int, s: Settings,
             policies: list[str], capacity: bool, stats: dict[str, Any],
             recorded: dict[str, Any] | None = None, ahead: bool = False,
-            placement: bool = False) -> dict[str, Any]:
+            placement: bool = False, releases: bool = False) -> dict[str, Any]:
     """Every policy on the same workload; (optionally) each one's fewest GPUs for all its
     users, under each compared transfer model, and its most users per GPU on the node."""
     reference = {p: run(workload_for(reference_users), p, s, series=True) for p in policies}
@@ -288,6 +307,9 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
     if ahead and moving:
         result["ahead_sensitivity"] = {"policy": moving[0], "rows": ahead_sensitivity(
             moving[0], workload_for(reference_users), s, compared_models(s))}
+    if releases and moving:
+        result["release_table"] = {"policy": moving[0], "rows": release_comparison(
+            moving[0], workload_for(reference_users), s)}
     if placement and moving:
         result["placement_table"] = {"policy": moving[0], "rows": placement_comparison(
             moving[0], workload_for(reference_users), s, compared_models(s))}
@@ -343,6 +365,13 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
             f"{r['reference_users']} users; at the node's {node['nodes'] * node['gpus_per_node']}"
             f" GPUs, then at the fewest that serve them (transfer model {s.transfer.name} first):")
         print(report.ahead_table(a["rows"], wide, r.get("compute_limit")))
+    if "release_table" in r:
+        t = r["release_table"]
+        print()
+        say(f"what a release copies (--release-copies, --precopy-after {s.precopy_after:g} s): "
+            f"{t['policy']}, {r['reference_users']} users on the node's "
+            f"{node['nodes'] * node['gpus_per_node']} GPUs:")
+        print(report.release_table(t["rows"], wide))
     if "placement_table" in r:
         p = r["placement_table"]
         print()
@@ -390,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
                                policies, not args.no_capacity,
                                trace_statistics(synthetic.first_users(reference)),
                                ahead=args.ahead_sensitivity,
-                               placement=args.placement_table))
+                               placement=args.placement_table,
+                               releases=args.release_table))
     for path, tw, node in traces:
         s = replace(base, gpus=args.gpus or int(node.get("gpus", base.gpus)),
                     gpu_gib=args.gpu_gib or float(node.get("gpu_gib", base.gpu_gib)))
@@ -402,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                                lambda n, w=tw, seed=s.seed: with_users(w, n, seed),
                                len(tw.users), s, policies, not args.no_capacity,
                                trace_statistics(tw), ahead=args.ahead_sensitivity,
-                               placement=args.placement_table))
+                               placement=args.placement_table,
+                               releases=args.release_table))
     for path in args.replay or ([] if args.trace else [str(EXAMPLE)]):
         rep = read_replay(path)
         s = replace(base, gpus=args.gpus or int(rep.node.get("gpus", base.gpus)),
@@ -413,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
                                len(w.users), s, policies, not args.no_capacity,
                                trace_statistics(w, marks_cpu_cells=False), rep.recorded,
                                ahead=args.ahead_sensitivity,
-                               placement=args.placement_table))
+                               placement=args.placement_table,
+                               releases=args.release_table))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     notes = []

@@ -31,6 +31,8 @@ AHEAD_GRACE: float = _default(RestoreOptions, "ahead_grace", 300.0)
 MIN_ROOM: int = _default(RestoreOptions, "context_bytes", 512 << 20)
 #: s of SM history a GPU's load is the mean of
 LOAD_WINDOW: float = _default(NodeOptions, "load_window", 120.0)
+#: s a kernel sits idle before it copies what changed to host in the background (0: never)
+PRECOPY_AFTER: float = _default(RestoreOptions, "precopy_after", 60.0)
 
 
 #: whether idle kernels are moved off GPUs whose SMs are contended

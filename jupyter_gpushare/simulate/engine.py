@@ -27,6 +27,14 @@ first kernel's start, by the same rule's ``rank_groups`` over the machines) or
 released kernel onto other GPUs of its machine before it restores it
 (:meth:`Simulation.move`), or move an idle resident one (:meth:`Simulation.relocate`): the
 kernel then lives there.
+
+What a release copies (``release_copies``): ``changed`` (the product's, where the transfer
+model's method is incremental): a restore keeps the host copy, a cell that uses the GPU
+changes all its kernel holds there (nothing says how much less: the worst case), and a
+kernel idle for ``precopy_after`` s copies what changed in the background at the release
+bandwidth (a cell that starts stops it), so a release copies only what is left; ``all`` (a
+baseline, and always with a method that is not incremental): every release copies the
+kernel's whole state. Host memory is not modelled: kept copies are never dropped.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..policy import placement as rule
-from .defaults import LOAD_WINDOW, MIN_ROOM, REBALANCE_WINDOW
+from .defaults import LOAD_WINDOW, MIN_ROOM, PRECOPY_AFTER, REBALANCE_WINDOW
 from .meter import Meter
 from .node import Node
 from .transfer import TransferModel
@@ -61,6 +69,7 @@ ENDED = "ended"  # shut down by its person
 RESTORE_MODES = ("eager", "lazy")
 PLACEMENTS = ("room", "round-robin")  # the product's, then the baseline
 SERVERS = ("rule", "round-robin")  # where a user's server runs: the cluster rule, the baseline
+RELEASE_COPIES = ("changed", "all")  # what a release copies: the product's, the baseline
 
 
 def reason_kind(reason: str) -> str:
@@ -80,6 +89,7 @@ class Waiting:
     arrival: float
     restore_seconds: float = 0.0  # the restore this cell waited for, if any
     gpu: int = 0  # its kernel's first GPU when it arrived (a restore may move the kernel)
+    room: bool = False  # its restore found no room at once (waited for releases or a move)
 
 
 @dataclass
@@ -89,6 +99,7 @@ class Kernel:
     user_index: int
     gpus: list[int] = field(default_factory=lambda: [0])  # where it runs: all on one machine
     held: int = 0  # bytes per GPU of its state (on the GPUs or, released, on the host)
+    changed: int = 0  # of which: changed since its host copy, as of ``last_activity``
     state: str = NEW
     busy: bool = False
     running_utilization: float = 0.0  # SM % of the cell it runs now
@@ -143,6 +154,7 @@ class CellRecord:
     end: float | None = None  # None: still running at the end of the trace
     waited_on: int = 0  # its kernel's first GPU when it arrived
     ran_on: int = 0  # and when it started (another where its restore moved the kernel)
+    waited_for_room: bool = False  # its restore found no room at once
 
     @property
     def delay(self) -> float:
@@ -172,6 +184,7 @@ class Counters:
     ahead_cancelled: int = 0  # no room found within ahead_grace: never restored ahead
     moves: int = 0  # restores onto other GPUs than those the kernel was released from
     rebalances: int = 0  # of which: idle resident kernels moved off contended GPUs
+    release_bytes: int = 0  # bytes releases copied to host (all GPUs)
 
 
 class Simulation:
@@ -180,17 +193,29 @@ class Simulation:
                  observer: Observer | None = None, restore_mode: str = "eager",
                  placement: str = "room", total_gpus: int | None = None,
                  ahead_lead: float = 0.0, ahead_share: float = 1.0, seed: int = 0,
-                 servers: str = "rule", load_window: float = LOAD_WINDOW):
+                 servers: str = "rule", load_window: float = LOAD_WINDOW,
+                 release_copies: str = "changed", precopy_after: float = PRECOPY_AFTER):
         """``total_gpus``: that many GPUs in machines of ``gpus_per_node`` (the last one
         partly filled), instead of ``nodes`` full machines. ``ahead_lead``: s between a
         person's first activity and their cell (0: no activity is seen, cells alone restore).
-        ``load_window``: s of SM history a GPU's load and busy kernels are judged over."""
+        ``load_window``: s of SM history a GPU's load and busy kernels are judged over.
+        ``release_copies``: ``changed`` (copy what changed since the host copy, where the
+        transfer model is incremental) or ``all``; ``precopy_after``: s idle before a kernel
+        pre-copies what changed (0: never)."""
         if restore_mode not in RESTORE_MODES:
             raise ValueError(f"restore mode {restore_mode!r}: one of {', '.join(RESTORE_MODES)}")
         if placement not in PLACEMENTS:
             raise ValueError(f"placement {placement!r}: one of {', '.join(PLACEMENTS)}")
         if servers not in SERVERS:
             raise ValueError(f"servers {servers!r}: one of {', '.join(SERVERS)}")
+        if release_copies not in RELEASE_COPIES:
+            raise ValueError(f"release copies {release_copies!r}: one of "
+                             f"{', '.join(RELEASE_COPIES)}")
+        if not precopy_after >= 0:  # NaN too
+            raise ValueError(f"precopy_after {precopy_after!r}: seconds, 0 (never) or more")
+        #: a release copies only what changed (else all the kernel holds)
+        self.incremental = release_copies == "changed" and transfer.incremental
+        self.precopy_after = precopy_after
         self.servers = servers
         self.load_window = load_window
         self.restore_mode = restore_mode
@@ -346,6 +371,7 @@ class Simulation:
             return False
         self._allocate(k)
         k.allocated = True
+        k.changed = k.held  # no host copy yet
         self._unplace(k)
         return True
 
@@ -370,6 +396,7 @@ class Simulation:
                 self.counters.oom_failures += 1
                 self.counters.oom_growth += 1
                 k.pending = None
+                k.changed = self.left_to_copy(k)  # as of now, the new last activity
                 k.last_activity = self.now
                 self._next_cell(k, self.now)
                 self.policy.on_idle(self, k)
@@ -377,8 +404,11 @@ class Simulation:
         k.pending = None
         on = k.gpus[:min(cell.n_gpus, len(k.gpus))] if k.state == RESIDENT else []
         rec = CellRecord(k.index, w.arrival, self.now, cell.duration, cell.utilization,
-                         w.restore_seconds, len(on), waited_on=w.gpu, ran_on=k.gpu)
+                         w.restore_seconds, len(on), waited_on=w.gpu, ran_on=k.gpu,
+                         waited_for_room=w.room)
         self.cells.append(rec)
+        if k.state == RESIDENT:  # a cell stops a pre-copy: what it copied stays copied
+            k.changed = k.held if on else self.left_to_copy(k)
         k.busy, k.running_utilization = True, cell.utilization if on else 0.0
         k.last_activity = self.now
         if not on:
@@ -412,6 +442,7 @@ class Simulation:
             self.node.allocate(self.now, g, delta)
             self._peak(g)
         k.held = nbytes
+        k.changed = nbytes  # the cell that grows it uses the GPU: all of it may change
         self._user_peak(k)
         self.note(k, "memory", nbytes=k.total_bytes)
         for g in k.gpus:
@@ -494,6 +525,7 @@ class Simulation:
         for g in k.gpus:
             self.node.release(self.now, g, k.held - nbytes)
         k.held = nbytes
+        k.changed = min(k.changed, nbytes)
         self.note(k, "memory", nbytes=k.total_bytes)
         self._freed(k)
 
@@ -521,12 +553,15 @@ class Simulation:
         key = reason_kind(reason)
         self.counters.release_reasons[key] = self.counters.release_reasons.get(key, 0) + 1
 
+        copies = self.left_to_copy(k)
+
         def released() -> None:
             self._free(k)
             self._reclaim(k.total_bytes)
             k.state = RELEASED
             self.counters.releases += 1
-            self.note(k, "released", seconds=self.now - started, reason=reason)
+            self.counters.release_bytes += copies * len(k.gpus)
+            self.note(k, "released", seconds=self.now - started, reason=reason, copied=copies)
             self._freed(k)
             if then is not None:
                 then()
@@ -536,8 +571,19 @@ class Simulation:
                 self._ask_ahead(k)
 
         # each GPU's share moves over its own link, all at once: the time of one GPU's bytes
-        self.schedule(self.now + self.transfer.release_seconds(k.held), released)
+        self.schedule(self.now + self.transfer.release_seconds(copies), released)
         return True
+
+    def left_to_copy(self, k: Kernel) -> int:
+        """Bytes per GPU a release of ``k`` copies now: all it holds, or (incremental) what
+        changed since its host copy less what a pre-copy has copied since it became idle
+        ``precopy_after`` s ago, at the release bandwidth."""
+        if not self.incremental:
+            return k.held
+        since = k.last_activity + self.precopy_after
+        if k.busy or self.precopy_after <= 0 or self.now <= since:
+            return k.changed
+        return max(0, k.changed - int((self.now - since) * self.transfer.release_bandwidth))
 
     def move(self, k: Kernel, gpus: list[int]) -> None:
         """Put a released kernel's state back onto ``gpus`` (as many as it had, on its machine)
@@ -569,6 +615,7 @@ class Simulation:
         def restored() -> None:
             k.state = RESIDENT
             k.last_activity = self.now  # the controller counts a restore as activity
+            k.changed = 0  # its host copy is kept: nothing changed since
             self.counters.restores += 1
             self.note(k, "restored", seconds=seconds, trigger=trigger)
             if k.pending is not None:

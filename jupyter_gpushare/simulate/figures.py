@@ -31,6 +31,10 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
     # a cell still waiting at the end has waited at least this long: count it, do not hide it
     delays = [r.delay for r in sim.cells] + [duration - a for a in c.still_waiting]
     delayed = [d for d in delays if d > DELAYED]
+    # cells whose restore found no room at once: the ones a release elsewhere holds up
+    room = [r.delay for r in sim.cells if r.waited_for_room] + [
+        duration - k.pending.arrival for k in sim.kernels
+        if k.pending is not None and k.pending.room]
     worst = _worst_cell(sim)
     # cells that would have finished by the end at full speed but were still running: slowed
     # by sharing SMs; counted, and in the slowdown figure with their stretch so far (at least)
@@ -74,7 +78,12 @@ def figures(sim: Simulation, series: bool = False) -> dict[str, Any]:
         # the tail the p99 does not show: how many cells waited longer than each of these
         "cells_waited_over_s": {str(t): sum(1 for d in delays if d > t) for t in TAIL_SECONDS},
         "worst_cell": worst,
+        "room_waits": len(room),
+        "room_wait_p99_s": quantile(room, 0.99),
+        "room_wait_max_s": max(room, default=0.0),
         "releases": c.releases,
+        "release_copies": "changed" if sim.incremental else "all",
+        "release_gib_copied": c.release_bytes / GiB,
         "release_reasons": dict(sorted(c.release_reasons.items())),
         "restores": c.restores,
         "ahead_lead_s": sim.ahead_lead,

@@ -425,6 +425,8 @@ class GPUShare(Policy):
                 self.short_since.pop(k.index, None)
                 sim.restore(k)
             return
+        if k.pending is not None:
+            k.pending.room = True  # its cell waits for room: releases elsewhere, or a move
         if self.move_after > 0:
             since = self.short_since.get(k.index)
             if since is None:  # its own GPUs lack room from now: look elsewhere move_after on

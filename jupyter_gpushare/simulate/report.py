@@ -367,6 +367,30 @@ def ahead_table(rows: list[dict[str, Any]], wide: bool = False,
     ])
 
 
+def release_table(rows: list[dict[str, Any]], wide: bool = False) -> str:
+    """What a release copies: per transfer model, everything (the baseline) against what
+    changed since the host copy (the product's), at the node's GPUs and at the fewest GPUs."""
+    out = [[r["model"] + ("" if r["incremental"] else " (copies all)"), r["release_copies"],
+            f"{r['room_waits']:,}", _s(r["room_wait_p99_s"]), _s(r["room_wait_max_s"]),
+            _s(r["cell_delay_p99_s"]), f"{r['releases']:,}", _n(r["release_gib_copied"]),
+            r["fewest_gpus"] if r["fewest_gpus"] is not None else "none"] for r in rows]
+    headers = (["transfer model", "release copies", "cells that waited for room",
+                "p99 of their delay s", "worst s", "p99 all cells s", "releases",
+                "GiB copied by releases", "fewest GPUs"] if wide else
+               ["model", "copies", "room waits", "p99", "worst", "p99 all", "releases",
+                "GiB copied", "fewest"])
+    return "\n".join([
+        table(headers, out, None if wide else WIDTH),
+        wrap("all: every release copies the kernel's whole state (the baseline); changed: a "
+             "restore keeps the host copy and a kernel idle for precopy_after copies what "
+             "changed in the background, so a release copies what is left (the product's, "
+             "with the framework and simulated methods; the driver's checkpoint copies all by "
+             "its nature). At the node's GPUs: cells whose restore found no room at once (it "
+             "waited for releases or a move), the p99 and worst of their delay, p99 over every "
+             "cell, releases and what they copied; fewest: GPUs that serve every user."),
+    ])
+
+
 def placement_table(rows: list[dict[str, Any]], wide: bool = False,
                     limit: dict[str, Any] | None = None) -> str:
     """Placement and migration: per configuration (round-robin and the product's placement,

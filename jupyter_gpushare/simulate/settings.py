@@ -1,8 +1,8 @@
 """One run's settings, and the policies by name (one more policy = one more entry).
 
 Every default is the product's as shipped (``defaults.py`` reads its options); the baselines
-(``proactive`` releases, ``round-robin`` placement or servers, no moves, no rebalance) are
-named settings."""
+(``proactive`` releases, ``round-robin`` placement or servers, no moves, no rebalance, releases
+that copy everything) are named settings."""
 
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ class Settings:
     rebalance_idle: float = defaults.REBALANCE_IDLE  # s idle before a kernel may be moved
     rebalance_per_hour: int = defaults.REBALANCE_PER_HOUR  # moves per kernel per hour, at most
     load_window: float = defaults.LOAD_WINDOW  # s of SM history a GPU's load is judged over
+    release_copies: str = "changed"  # changed | all (engine.RELEASE_COPIES)
+    precopy_after: float = defaults.PRECOPY_AFTER  # s idle before a pre-copy (0: never)
 
     @property
     def total_gpus(self) -> int:

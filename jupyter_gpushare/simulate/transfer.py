@@ -26,6 +26,10 @@ release method it models and is a line fitted to published pairs of points:
 
 Any other pair of numbers: ``--restore-overhead``, ``--restore-bandwidth`` and the release
 ones on the command line.
+
+``incremental``: whether the method keeps its host copy after a restore and so copies at
+release only what changed since (the framework and simulated methods: ``pinned``, ``sim``);
+the driver's checkpoint copies everything by its nature (``driver``, ``h100``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class TransferModel:
     release_bandwidth: float  # bytes/s
     restore_overhead: float  # s
     restore_bandwidth: float  # bytes/s
+    incremental: bool = False  # a release copies only what changed since the host copy
 
     def release_seconds(self, nbytes: int) -> float:
         return self.release_overhead + nbytes / self.release_bandwidth
@@ -53,7 +58,9 @@ class TransferModel:
     def describe(self) -> str:
         return (f"transfer model {self.name}: restore {self.restore_overhead:.3f} s + bytes / "
                 f"{self.restore_bandwidth / GB:.1f} GB/s, release {self.release_overhead:.3f} s"
-                f" + bytes / {self.release_bandwidth / GB:.1f} GB/s")
+                f" + bytes / {self.release_bandwidth / GB:.1f} GB/s"
+                + (", a release copies what changed since its host copy" if self.incremental
+                   else ", a release copies everything"))
 
 
 def _line(size_a: int, secs_a: float, size_b: int, secs_b: float) -> tuple[float, float]:
@@ -72,7 +79,8 @@ _sim_restore = _line(1 * GiB, 0.18, 12 * GiB, 3.02)
 PRESETS: dict[str, TransferModel] = {
     "driver": TransferModel("driver", _driver_release[0], _driver_release[1], _driver_restore[0],
                             _driver_restore[1]),
-    "pinned": TransferModel("pinned", 0.0, _PCIE_GEN5_PINNED, 0.0, _PCIE_GEN5_PINNED),
+    "pinned": TransferModel("pinned", 0.0, _PCIE_GEN5_PINNED, 0.0, _PCIE_GEN5_PINNED,
+                            incremental=True),
     "h100": TransferModel(
         "h100",
         release_overhead=0.609 - _ANCHOR_BYTES / _PCIE_GEN5_PINNED,
@@ -80,5 +88,6 @@ PRESETS: dict[str, TransferModel] = {
         restore_overhead=0.427 - _ANCHOR_BYTES / _PCIE_GEN5_PINNED,
         restore_bandwidth=_PCIE_GEN5_PINNED,
     ),
-    "sim": TransferModel("sim", _sim_release[0], _sim_release[1], _sim_restore[0], _sim_restore[1]),
+    "sim": TransferModel("sim", _sim_release[0], _sim_release[1], _sim_restore[0], _sim_restore[1],
+                         incremental=True),
 }
