@@ -507,3 +507,31 @@ async def test_a_daemon_of_another_user_is_not_trusted(tmp_path, peer_user):
 def test_nothing_at_the_socket_path_is_a_refusal_that_says_so(tmp_path):
     why = NodeDaemonTurns(str(tmp_path / "none.sock")).refusal()
     assert why is not None and "cannot be used" in why and "No such file" in why, why
+
+
+# -- (h) room checks read free memory from the daemon ----------------------------------------------
+async def test_room_checks_read_the_daemons_free_memory(tmp_path):
+    node_path = str(tmp_path / "node.sqlite")
+    SharedSimNode(node_path, (1 * GiB,)).close()
+    # the daemon reads a copy of the node (the same GPU UUIDs), filled where the server's is not:
+    # a restore that waits shows that the daemon's reading, not the server's own, decided
+    daemons_view = str(tmp_path / "daemons-view.sqlite")
+    shutil.copy(node_path, daemons_view)
+    seen = SharedSimNode(daemons_view)
+    d = Daemon(daemons_view).start()
+    config = {"simulated_node": node_path, "node_daemon_socket": d.socket, "idle_timeout": 0,
+              "pressure_idle_timeout": 3600, "poll_interval": 0.5}
+    try:
+        async with Server("daemon-free", gpushare=config) as srv:
+            (k,) = await released_on((srv,), 256)
+            seen.alloc(os.getpid(), 0, 900 * MiB)
+            try:
+                code, body = await post(srv, f"/api/gpushare/kernels/{k.id}/restore")
+                assert code == 202 and "waiting for memory" in (body.get("waiting") or ""), body
+            finally:
+                seen.release(os.getpid(), 0, 900 * MiB)
+            await _restored(srv, k.id)
+            assert await k.value(_same("x")) is True
+    finally:
+        seen.close()
+        d.stop()

@@ -96,13 +96,15 @@ class NodeDaemons:
             answers = await asyncio.gather(*(self._ask(node, group, users)
                                              for node, group in route.items()))
             again: dict[str, list[Ask]] = {}
+            for node, answer in zip(route, answers, strict=True):
+                if answer is not None:  # every answer's GPUs first: a server may be routed by them
+                    for uuid in answer[0].gpus:
+                        self.by_uuid[uuid] = node
+                        per_gpu[uuid] = answer[0]
             for (node, group), answer in zip(route.items(), answers, strict=True):
                 if answer is None:
                     continue
                 whole, each = answer
-                for uuid in whole.gpus:
-                    self.by_uuid[uuid] = node
-                    per_gpu[uuid] = whole
                 for a, m in zip(group, each, strict=True):
                     if a.uuids & whole.gpus.keys():
                         per_server[a.key] = m

@@ -47,9 +47,10 @@ class NodeOptions(Configurable):
         turns, all at once, and holds them until its bytes have landed; the daemon knows each
         server by its Unix user (SO_PEERCRED) and revokes a turn held longer than its
         --turn-timeout, so no user stalls the others' restores for longer. When set,
-        node_lock_dir is not used (no lock files). The daemon is used only when its process
-        runs as root or as this server's user. When it cannot be reached (or is not trusted,
-        or refuses), restores go on without a turn and ask for room for twice their state,
+        node_lock_dir is not used (no lock files). Room checks read free GPU memory from the
+        daemon too (this server's own reading when it does not answer within 1 s). The daemon
+        is used only when its process runs as root or as this server's user. When it cannot
+        be reached (or is not trusted, or refuses), restores go on without a turn and ask for room for twice their state,
         read twice 0.5 s apart, with a warning in the log that says why, as with a refused
         node_lock_dir. Default: the environment variable JUPYTER_GPUSHARE_NODE_DAEMON, else ""
         = not used (lock files in node_lock_dir). Not used with a private simulated node.""",

@@ -154,8 +154,11 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             agent_reports=lambda kid: self.agent_ops.report_of(kid), settings=self,
         )
         teardown.callback(self.tracker.close)
+        daemon = self.node_daemon_socket and self._source.shares_node_locks()  # its free memory
         self.node_room = ServerNodeRoom(self.tracker, self.telemetry, self.poller.refresh,
-                                        service_room=self.service_room)
+                                        service_room=self.service_room,
+                                        daemon_free=NodeDaemonTurns(self.node_daemon_socket).free
+                                        if daemon else None)
         self.controller = self._make_controller()
         self.agent_ops = AgentOps(
             self.controller, self.tracker, self.telemetry, poll=self.poll_once,

@@ -23,6 +23,7 @@ from .selection import method_for_kernel
 log = logging.getLogger(__name__)
 
 READ_TIMEOUT = 10.0  # s a read on the sampling thread may take before it counts as unknown
+DAEMON_TIMEOUT = 1.0  # s the node daemon's reading of free memory may take before our own is used
 
 
 class ServerNodeRoom:
@@ -30,21 +31,50 @@ class ServerNodeRoom:
 
     def __init__(self, tracker: Tracker, source: Telemetry,
                  refresh: Callable[[], Awaitable[None]],
-                 service_room: ServiceRoom | None = None) -> None:
+                 service_room: ServiceRoom | None = None,
+                 daemon_free: Callable[[list[str]], Awaitable[dict[str, int | None]]] | None = None) -> None:
         """service_room(uuids): the hub service's view of those GPUs (None: no service, or no
-        answer)."""
+        answer); daemon_free(uuids): the node daemon's reading of their free bytes (None: no
+        daemon)."""
         self.tracker = tracker
         self.source = source
         self._refresh = refresh
         self._service_room = service_room
+        self._daemon_free = daemon_free
+        self._daemon_error: str | None = None
 
     async def read_free(self, gpus: list[int]) -> dict[int, int | None]:
+        """Free bytes per GPU: the node daemon's reading where it runs (a party the server's
+        user cannot change), else this server's own."""
         try:
-            return await self.tracker.off_loop(
+            own = await self.tracker.off_loop(
                 lambda: {g: self.source.free_bytes(g) for g in gpus}, READ_TIMEOUT)
         except asyncio.TimeoutError:
             log.warning("gpushare: reading free GPU memory took longer than %g s", READ_TIMEOUT)
-            return {g: None for g in gpus}
+            own = {g: None for g in gpus}
+        theirs = await self._read_daemon(gpus)
+        return {g: theirs[g] if theirs.get(g) is not None else own[g] for g in gpus}
+
+    async def _read_daemon(self, gpus: list[int]) -> dict[int, int | None]:
+        if self._daemon_free is None:
+            return {}
+        uuids = {rec.info.uuid: rec.info.index for rec in self.tracker.gpus.values()
+                 if rec.info.uuid and rec.info.index in gpus}
+        if not uuids:
+            return {}
+        try:
+            free = await asyncio.wait_for(self._daemon_free(list(uuids)), DAEMON_TIMEOUT)
+        except (OSError, ValueError, asyncio.TimeoutError) as e:
+            why = str(e) or type(e).__name__
+            if self._daemon_error is None:
+                log.warning("gpushare: the node daemon's reading of free GPU memory: %s; this "
+                            "server's own is used until it answers", why)
+            self._daemon_error = why
+            return {}
+        if self._daemon_error is not None:
+            log.info("gpushare: free GPU memory is the node daemon's reading again")
+            self._daemon_error = None
+        return {uuids[u]: n for u, n in free.items() if u in uuids}
 
     def total_bytes(self) -> dict[int, int]:
         known = self.source.total_bytes()

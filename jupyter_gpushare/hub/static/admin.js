@@ -133,6 +133,11 @@
                   title: 'SM load: the mean over the load window; contended: two or more kernels computing on a busy GPU slow each other down' },
         `SM load ${gpu.load.toFixed(0)} % · ${gpu.computing} of ${gpu.kernels} kernel${gpu.kernels === 1 ? '' : 's'} computing` +
         (gpu.contended ? ' · contended' : '')),
+      gpu.checked_by
+        ? el('div', { class: 'check muted', 'data-checked': 'true' }, `claims checked against ${gpu.checked_by}'s measurement`)
+        : el('div', { class: 'check error', 'data-checked': 'false',
+                      title: 'a server may claim a restore it does not hold or the GPU empty: only shares and the cost of unused claims bound it' },
+          `weaker mode: servers' claims are taken as they are (${gpu.unchecked || 'nothing measures this GPU'})`),
       chart(gpu));
   }
   async function act(user, server, kernel, action) {
