@@ -32,6 +32,7 @@ c.GPUShareHub.pressure_idle_timeout = 2
 c.GPUShareHub.over_share_idle_timeout = 1
 c.GPUShareHub.min_release_bytes = 0
 c.GPUShareHub.shares = {"carol": "256MiB"}
+c.GPUShareHub.caps = {"group:students": "64MiB"}
 """
 KEEP = bool(os.environ.get("GPUSHARE_KEEP_HUB_DIR"))  # to read hub.log after a failure
 BIG = 320  # MiB: two such kernels do not fit on the 512 MiB GPU together
@@ -42,7 +43,7 @@ GARBAGE = Path(__file__).with_name("garbage_server.py")
 def hub():
     directory = Path(tempfile.mkdtemp(prefix="gh-", dir="/tmp"))  # short: AF_UNIX paths fit
     hub = start_hub(
-        directory, ["alice", "bob", "carol", "dave", "mallory"], ["admin"], SERVICE_CONFIG,
+        directory, ["alice", "bob", "carol", "dave", "mallory", "erin"], ["admin"], SERVICE_CONFIG,
         user_env={"dave": {"JUPYTER_GPUSHARE_HUB_URL": "http://127.0.0.1:9/nowhere/"},
                   "mallory": {"GPUSHARE_GARBAGE": "1"}},
         user_cmd={"mallory": [sys.executable, str(GARBAGE)]}, gpus=(512 * MiB,),
@@ -220,6 +221,28 @@ async def test_shares_decide_who_is_released(servers):
         await alice.wait(busy)
     finally:
         await shut(alice, bob, carol)
+
+
+async def test_an_admins_group_cap_applies_to_a_new_kernel_of_its_member(servers):
+    hub = servers
+    code, _ = await hub.request("/hub/api/groups/students", method="POST", body={"users": ["erin"]},
+                                ok=False)
+    assert code in (201, 409), code  # 409: made by an earlier run of this test in this hub
+    await hub.start_server("erin")
+    await until(lambda: hub.gpushare("erin", "status"), lambda r: r[1]["hub"]["cap"] == 64 * MiB,
+                "erin's server learns the cap of her group")
+    erin = await hub.kernel("erin")
+    try:
+        status = await hub.kernel_status("erin", erin.id)
+        assert status is not None and status["memory_cap"] == 64 * MiB, status
+        out = await erin.run(hold(96, chunk=32), ok=False)
+        assert "gpushare memory cap is 64.0 MiB per GPU" in out["text"] + str(out["error"]), out
+        admin = await until(lambda: admin_view(hub),
+                            lambda v: any(u["name"] == "erin" and u.get("cap") for u in v["users"]),
+                            "the admin page shows erin's cap")
+        assert next(u for u in admin["users"] if u["name"] == "erin")["cap"] == 64 * MiB
+    finally:
+        await shut(erin)
 
 
 async def test_when_the_push_cannot_reach_the_service_the_poll_makes_room(servers):

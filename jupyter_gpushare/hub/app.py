@@ -23,7 +23,7 @@ from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, Union, 
 from traitlets.config import Application
 
 from ..node.measure import BACKENDS, open_meter
-from ..policy.fairshare import parse_table
+from ..policy.fairshare import parse_caps, parse_table
 from .coordinator import Coordinator, Settings, hub_policy
 from .daemons import NodeDaemons
 from .hubapi import HubAPI
@@ -146,6 +146,24 @@ class GPUShareHub(Application):
         Someone without an entry (and no "*") is guaranteed nothing. Example:
         {"group:research": "40GiB per node", "alice": "16GiB", "*": "4GiB"}.""",
     ).tag(config=True)
+
+    caps = Dict(
+        help="""The most GPU memory one kernel may hold per GPU, by user ("alice"), group
+        ("group:NAME") or everyone else ("*"), keyed as shares: bytes (an int, or "8GiB",
+        "512MiB"; no percentages). A user's cap is their own entry, else the most generous
+        of their groups', else "*". Their servers apply it to each new kernel (through the
+        kernel's frameworks where they can be limited; the server flags a kernel over it);
+        a kernel may lower it, not raise it. Default {} = no caps. Example:
+        {"group:students": "8GiB", "*": "40GiB"}.""",
+    ).tag(config=True)
+
+    @validate("caps")
+    def _check_caps(self, proposal: Any) -> dict:
+        try:
+            parse_caps(proposal["value"])
+        except ValueError as e:
+            raise TraitError(f"GPUShareHub.caps: {e}") from None
+        return proposal["value"]
 
     @validate("shares")
     def _check_shares(self, proposal: Any) -> dict:
@@ -310,6 +328,7 @@ class GPUShareHub(Application):
         api = HubAPI(self.api_url, self.proxy_url, self.api_token, self.request_timeout, self.concurrency)
         settings = Settings(
             shares=parse_table(self.shares),
+            caps=parse_caps(self.caps),
             policy=hub_policy(self.pressure_idle_timeout, self.over_share_idle_timeout,
                               self.idle_utilization, self.min_release_bytes),
             admin_url=self.prefix,

@@ -48,7 +48,7 @@ from ..core.ahead import AHEAD_TEXT
 from ..node.measure import Measured, Meter
 from ..policy import crossuser
 from ..policy import placement as rule
-from ..policy.fairshare import Share, shares_of
+from ..policy.fairshare import Share, cap_of, shares_of
 from ..states import RESIDENT
 from ..units import format_bytes
 from . import claims
@@ -99,6 +99,7 @@ class Settings:
     claim_penalty: float = 600.0  # s a user's claims pause after an unused one (0: never)
     load_window: float = 120.0  # s of SM history a GPU's load is the mean of (0: the last reading)
     server_memory: int = 1 << 30  # bytes a new server is expected to need on a GPU of its node
+    caps: dict[str, int] = field(default_factory=dict)  # the admin's caps per kernel (fairshare)
 
 
 @dataclass
@@ -724,8 +725,10 @@ class Coordinator:
         share = None
         if ledger.enabled and shares:
             share = " or ".join(f"{s.describe()} ({s.source})" for s in shares)
+        cap = cap_of(user, self.groups.get(user, []), self.settings.caps)
         return {"user": user, "admin": admin, "admin_url": self.settings.admin_url if admin else None,
-                "share": share, "usage": usage, "guaranteed": guaranteed, "over_share": over}
+                "share": share, "usage": usage, "guaranteed": guaranteed, "over_share": over,
+                "cap": cap}
 
     def admin_view(self) -> dict[str, Any]:
         """Everything the admin page shows."""
@@ -763,11 +766,12 @@ class Coordinator:
                 "idle_seconds": round(k.idle_seconds + (0 if k.busy else p.age), 1),
                 "gpus": [{"uuid": self.view.gpus[g].uuid, "bytes": n} for g, n in p.gpu_bytes.items()],
                 "released_bytes": k.released_bytes, "waiting": k.waiting, "error": k.error,
+                "memory_cap": k.memory_cap, "over_cap": k.over_cap,
                 "claim_refused": self.entries[p.ref.key].refused.get(k.id) if p.ref.key in self.entries else None,
             })
         for name, u in users.items():
             me = self.me(name)
-            u.update(share=me["share"], over_share=me["over_share"],
+            u.update(share=me["share"], over_share=me["over_share"], cap=me["cap"],
                      usage_bytes=sum(me["usage"].values()),
                      claims_paused_seconds=round(self.paused(name), 1))
         waits = [{"user": u, "server": s, "kernel": k, "seconds": round(t - w.since, 1),

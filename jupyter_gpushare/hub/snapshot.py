@@ -49,6 +49,8 @@ class KernelSnap:
     restores: int = 0
     last_restore_seconds: float | None = None
     pids: list[int] = field(default_factory=list)  # the kernel's processes, as its server says
+    memory_cap: int | None = None  # its memory cap per GPU (None: none, or an older server)
+    over_cap: str | None = None  # "holds 9.1 GiB of its 8 GiB cap on GPU 0", as its server says
 
 
 @dataclass
@@ -143,5 +145,7 @@ def parse_status(raw: bytes, at: float) -> Snapshot:
             waiting=_get(k, "waiting", str, nullable=True), restore_need=need, method=method,
             error=_get(k, "error", str, nullable=True), restores=_count(k, "restores") or 0,
             last_restore_seconds=_get(k, "last_restore_seconds", (int, float), nullable=True),
-            pids=[p for p in pids[:MAX_PIDS] if isinstance(p, int) and not isinstance(p, bool) and p > 0]))
+            pids=[p for p in pids[:MAX_PIDS] if isinstance(p, int) and not isinstance(p, bool) and p > 0],
+            memory_cap=_count(k, "memory_cap", nullable=True),
+            over_cap=(_get(k, "over_cap", str, nullable=True) or "")[:200] or None))
     return snap

@@ -214,6 +214,7 @@ class NodeView:
                 gpu_bytes=dict(p.gpu_bytes),
                 idle_timeout=k.idle_timeout,
                 releasable=k.releasable,
+                memory_cap=k.memory_cap,  # over it: released first when someone needs room
             )))
         return out
 

@@ -205,6 +205,8 @@ def hub_rows(hub: dict[str, Any] | None) -> list[tuple[str, str]]:
         rows.append((f"your GPU {u.get('index')} memory", format_bytes(u.get("bytes") or 0)
                      + (f" of {format_bytes(limit)} guaranteed" if isinstance(limit, int) else "")
                      + " (all your servers)"))
+    if isinstance(hub.get("cap"), int):
+        rows.append(("your cap", f"{caps.describe(hub['cap'])} per GPU for each kernel (the admin's)"))
     if hub.get("admin_url"):
         rows.append(("admin page", str(hub["admin_url"])))
     return rows

@@ -261,6 +261,7 @@ class HubLink:
             "share": share if isinstance(share, str) else None,
             "usage": rows,
             "over_share": me.get("over_share") is True,
+            "cap": self.cap(),
         }
 
 

@@ -111,6 +111,11 @@ export interface IHub {
    * sooner to make room for others.
    */
   over_share: boolean;
+  /**
+   * The admin's memory cap for the user's kernels (the service's caps table), bytes per GPU; each
+   * new kernel of this server is capped at it. null = none.
+   */
+  cap: number | null;
 }
 
 export interface IHubUsage {

@@ -160,7 +160,8 @@
       el('td', {}, ...(held ? [`${bytes(k.released_bytes)} in host memory`] : gpus)),
       el('td', {}, seconds(k.idle_seconds)),
       el('td', {}, k.utilization.toFixed(0) + ' %'),
-      el('td', {}, k.claim_refused ? 'claimed wait not believed: ' + k.claim_refused : (k.waiting || k.error || '')),
+      el('td', k.over_cap ? { class: 'over' } : {}, k.claim_refused ? 'claimed wait not believed: ' + k.claim_refused
+        : (k.over_cap || k.waiting || k.error || '')),
       el('td', {},
         el('button', { onclick: () => act(user, k.server, k.id, 'release'), disabled: held ? '' : null }, 'Release'),
         ' ',
@@ -169,7 +170,7 @@
   // A person's memory and share. Without shares, or without a share of their own, nothing is
   // over anything worth an alarm: red only for a person over the share they have.
   function shareLine(u, sharesOn) {
-    const held = `${bytes(u.usage_bytes)} on GPUs`;
+    const held = `${bytes(u.usage_bytes)} on GPUs` + (u.cap ? `; cap ${bytes(u.cap)} per kernel per GPU` : '');
     if (!sharesOn) return el('span', { class: 'muted share' }, held);
     if (!u.share) {
       return el('span', { class: 'muted share', title: 'No share applies to this person: when ' +
