@@ -16,7 +16,7 @@ server cannot reach the service; poll_interval 10 s, the default).
     python benchmarks/hub_room_latency.py [--quick]
 
 ``--smoke``: one round of each, 80 MiB states on a 128 MiB GPU, the service polling every
-2 s: the whole path, no figures.
+second and releasing a kernel idle 0.5 s: the whole path, no figures.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from jupyter_gpushare.sim.shared import SharedSimNode
 
 MiB = 1 << 20
 SIZE, GPU = 640, 1024  # MiB per kernel, MiB of the GPU: two kernels do not fit (--smoke: 80, 128)
+IDLE = 1.0  # s: the service's pressure_idle_timeout (--smoke: 0.5)
 
 EXTRA = """
 c.JupyterHub.services.append({{"name": "bench", "api_token": {token!r}}})
@@ -57,7 +58,7 @@ c.Spawner.pre_spawn_hook = _no_push_for_carol
 """
 SERVICE = """
 c.GPUShareHub.poll_interval = {poll}
-c.GPUShareHub.pressure_idle_timeout = 1
+c.GPUShareHub.pressure_idle_timeout = {idle}
 c.GPUShareHub.min_release_bytes = 0
 """
 HOLD = ("from jupyter_gpushare.sim import simgpu\nimport numpy as np\n"
@@ -156,7 +157,7 @@ async def round_(hub: Hub, waiter: str, owner: str) -> tuple[float, float]:
     await hub.call(f"/user/{waiter}/api/gpushare/kernels/{a.id}/release", "POST")
     b = await Kernel(hub, owner).start()
     await b.run(HOLD.format(nbytes=SIZE * MiB))
-    while (await hub.status(owner, b.id))["idle_seconds"] < 1.5:
+    while (await hub.status(owner, b.id))["idle_seconds"] < 1.5 * IDLE:
         await asyncio.sleep(0.1)
     seen = await a.run("assert x.checksum() == x_sum")
     if "waiting for memory" not in seen or "restoring" not in seen:
@@ -197,12 +198,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="5 + 2 rounds instead of 20 + 5")
     parser.add_argument("--smoke", action="store_true",
-                        help="1 + 1 rounds of 80 MiB on 128 MiB, polls every 2 s")
+                        help="1 + 1 rounds of 80 MiB on 128 MiB, polls every second")
     args = parser.parse_args()
     rounds = (1, 1) if args.smoke else (5, 2) if args.quick else (20, 5)
     if args.smoke:
-        global SIZE, GPU
-        SIZE, GPU = 80, 128
+        global SIZE, GPU, IDLE
+        SIZE, GPU, IDLE = 80, 128, 0.5
     why = demo_hub.missing()
     if why:
         sys.exit(why)
@@ -213,8 +214,8 @@ def main() -> None:
     config, env = demo_hub.prepare(directory, port, idle_timeout=3600)
     with config.open("a", encoding="utf-8") as f:
         f.write(EXTRA.format(token=token))
-    (directory / "gpushare_hub_config.py").write_text(SERVICE.format(poll=2 if args.smoke else 10),
-                                                      encoding="utf-8")
+    (directory / "gpushare_hub_config.py").write_text(
+        SERVICE.format(poll=1 if args.smoke else 10, idle=IDLE), encoding="utf-8")
     log = (directory / "hub.log").open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(config)], cwd=directory,
                             env=env, stdout=log, stderr=subprocess.STDOUT)

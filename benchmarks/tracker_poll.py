@@ -266,10 +266,10 @@ async def main() -> None:
     ap.add_argument("--polls", type=int, default=300)
     ap.add_argument("--window", type=float, default=20.0, help="seconds per /metrics window")
     ap.add_argument("--smoke", action="store_true",
-                    help="3 kernels, 5 polls, 1 s windows: the whole path, no figures")
+                    help="2 kernels, 5 polls, 1 s windows: the whole path, no figures")
     args = ap.parse_args()
-    if args.smoke:
-        args.kernels, args.polls, args.window = 3, 5, 1.0
+    if args.smoke:  # 1 kernel, then 2: the server part's both windows
+        args.kernels, args.polls, args.window = 2, 5, 1.0
     polls = 100 if args.quick else args.polls
 
     if args.kernels < 1 or args.gpus < 1:
