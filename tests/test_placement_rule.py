@@ -14,6 +14,7 @@ from jupyter_gpushare.policy.placement import (
     choose,
     contended,
     expected_need,
+    pressure_floor,
     rank,
     rank_groups,
     rebalance,
@@ -105,6 +106,27 @@ def test_rebalance_does_nothing_without_contention_or_a_quiet_target():
     assert rebalance(residents, crowded) == []
     full = {0: GpuView(0, room=GiB, load=100, busy=2), 1: GpuView(1, room=GiB // 2)}
     assert rebalance(residents, full) == []
+
+
+def test_moves_leave_the_pressure_threshold_free_on_their_target():
+    # GPU 1 is quieter, but taking the state would leave it under the threshold (its idle
+    # kernels would be released for the move); GPU 2 keeps it: the state goes there
+    keep = pressure_floor({0: 80 * GiB, 1: 80 * GiB, 2: 80 * GiB}, 0.1)
+    assert keep[1] == 8 * GiB
+    views = {0: GpuView(0, room=8 * GiB, load=100, busy=2), 1: GpuView(1, room=12 * GiB),
+             2: GpuView(2, room=20 * GiB, load=40)}
+    assert restore_target({0: 6 * GiB}, views) == {0: 1}
+    assert restore_target({0: 6 * GiB}, views, keep=keep) == {0: 2}
+    # a busy home with room keeps the kernel rather than push a GPU below the threshold
+    assert restore_target({0: 6 * GiB}, {**views, 2: GpuView(2, room=GiB)}, keep=keep) == {}
+    # a home without room still moves where the state fits, below the threshold or not
+    bare = {0: GpuView(0, room=0), 1: GpuView(1, room=12 * GiB)}
+    assert restore_target({0: 6 * GiB}, bare, keep=keep) == {0: 1}
+    # rebalance: an optional move, never below the threshold
+    residents = [Resident("away", {0: 6 * GiB}, movable=True, idle_seconds=900)]
+    assert rebalance(residents, views) == [("away", {0: 1})]
+    assert rebalance(residents, {**views, 2: GpuView(2, room=20 * GiB, load=60)},
+                     keep=keep) == []
 
 
 def test_window_mean_weights_samples_by_how_long_they_held():

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from .. import clock
 from ..node.gpu_load import GpuLoad
-from ..policy.placement import GpuView, contended, restore_target
+from ..policy.placement import GpuView, contended, pressure_floor, restore_target
 from ..policy.room import UNKNOWN_GPU, lacking, narrow
 from ..units import format_bytes
 from . import ahead
@@ -223,7 +223,7 @@ class RestoreRoom:
         views = await self.views(st, op, want)
         if views is None:
             return None
-        plan = restore_target(want, views, lacking=short)
+        plan = restore_target(want, views, lacking=short, keep=self.floor())
         if not plan:
             return None
         return await self.onto(st, op, held, want, plan, _why(plan, short, views), shown)
@@ -246,10 +246,16 @@ class RestoreRoom:
         views = await self.views(st, op, need)
         if views is None:
             return None, ""
-        plan = restore_target(need, views)
+        plan = restore_target(need, views, keep=self.floor())
         if not plan:
             return None, ""
         return await self.onto(st, op, held, need, plan, _why(plan, {}, views), shown), ""
+
+    def floor(self) -> dict[int, int]:
+        """Bytes a move should leave free on each GPU: the pressure threshold (below it, the
+        GPU's idle kernels would be released for the move)."""
+        return pressure_floor(self.c.node_room.total_bytes(),
+                              self.c.config.pressure_free_fraction)
 
     def refusal(self, held: Held) -> str | None:
         """Why the held state's method cannot restore onto other GPUs (None: it can)."""

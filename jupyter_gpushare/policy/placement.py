@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import cast
 
 #: % SM: loads closer than this count as equal, and the next keys decide
 LOAD_STEP = 10.0
@@ -103,6 +104,7 @@ def contended(view: GpuView, threshold: float = CONTENDED_LOAD) -> bool:
 def restore_target(
     want: Mapping[int, int], views: Mapping[int, GpuView], *, may_move: bool = True,
     lacking: Iterable[int] = (), threshold: float = CONTENDED_LOAD,
+    keep: Mapping[int, int] | None = None,
 ) -> dict[int, int] | None:
     """Where a restore of ``want`` (bytes per home GPU) should go: {home GPU: other GPU} for
     the GPUs that move ({} = all stay home); None when a GPU of ``want`` that cannot stay
@@ -111,9 +113,14 @@ def restore_target(
     A GPU stays home when it has room (not in ``lacking``, and ``views`` says it fits) and
     its SMs are not contended; otherwise it goes to the best-ranked GPU that is none of
     ``want``'s, fits its bytes and is expected to be less loaded than home (a busy home with
-    nowhere quieter keeps the kernel). ``may_move`` False (a method whose states cannot
-    change GPU): {} when every GPU can stay, else None. Largest state picks first."""
+    nowhere quieter keeps the kernel). ``keep``: bytes per GPU a move should leave free
+    there (the pressure threshold: a move that pushes a GPU below it has that GPU's idle
+    kernels released, whose people then wait for their restores): a busy home moves only
+    onto a GPU that keeps them; a home without room prefers one that does, and takes one that
+    does not only where none does. ``may_move`` False (a method whose states cannot change
+    GPU): {} when every GPU can stay, else None. Largest state picks first."""
     short = set(lacking)
+    floor = keep or {}
     moves: dict[int, int] = {}
     taken = set(want)
     placed: dict[int, GpuView] = dict(views)
@@ -130,7 +137,8 @@ def restore_target(
         others = [v for t, v in placed.items() if t not in taken and fits(v, want[g])]
         if busy and has_room and home is not None:
             others = [v for v in others if _step(v.expected) < _step(home.expected)]
-        best = rank(others, want[g])
+        roomy = [v for v in others if fits(v, want[g] + floor.get(cast(int, v.gpu), 0))]
+        best = rank(roomy if roomy or has_room else others, want[g])
         if not best:
             if has_room:
                 continue
@@ -158,13 +166,17 @@ class Resident:
 def rebalance(
     residents: Sequence[Resident], views: Mapping[int, GpuView], *,
     threshold: float = CONTENDED_LOAD, quiet: float = QUIET_LOAD, most: int = 1,
+    keep: Mapping[int, int] | None = None,
 ) -> list[tuple[str, dict[int, int]]]:
     """Moves that take idle kernels off contended GPUs: [(kernel, {from GPU: to GPU})], at
     most ``most`` per contended GPU, each kernel's GPUs all or none. A kernel moves only when
     it is ``movable`` and every GPU it leaves for is quiet (load + pending at most ``quiet``
-    %) and fits its bytes; the one idle longest goes first. Targets are counted as taken once
-    planned, so two kernels do not crowd onto one quiet GPU."""
+    %) and fits its bytes with ``keep`` (bytes per GPU, the pressure threshold) still free
+    there: a move that pushed a GPU below it would have that GPU's idle kernels released; the
+    one idle longest goes first. Targets are counted as taken once planned, so two kernels
+    do not crowd onto one quiet GPU."""
     placed: dict[int, GpuView] = dict(views)
+    floor = keep or {}
     hot = [g for g, v in placed.items() if contended(v, threshold)]
     out: list[tuple[str, dict[int, int]]] = []
     moved: set[str] = set()
@@ -175,7 +187,7 @@ def rebalance(
                 break
             if not r.movable or r.kernel in moved or g not in r.gpus:
                 continue
-            plan = _move_all(r, placed, quiet)
+            plan = _move_all(r, placed, quiet, floor)
             if plan is None:
                 continue
             for src, dst in plan.items():
@@ -186,13 +198,14 @@ def rebalance(
     return out
 
 
-def _move_all(r: Resident, placed: dict[int, GpuView], quiet: float) -> dict[int, int] | None:
+def _move_all(r: Resident, placed: dict[int, GpuView], quiet: float,
+              keep: Mapping[int, int]) -> dict[int, int] | None:
     plan: dict[int, int] = {}
     taken = set(r.gpus)
     for g in sorted(r.gpus, key=lambda g: (-r.gpus[g], g)):
         options = [v for t, v in placed.items()
-                   if t not in taken and fits(v, r.gpus[g]) and v.expected <= quiet
-                   and not contended(v)]
+                   if t not in taken and fits(v, r.gpus[g] + keep.get(t, 0))
+                   and v.expected <= quiet and not contended(v)]
         best = rank(options, r.gpus[g])
         if not best:
             return None
@@ -201,6 +214,12 @@ def _move_all(r: Resident, placed: dict[int, GpuView], quiet: float) -> dict[int
         plan[g] = target
         taken.add(target)
     return plan
+
+
+def pressure_floor(total: Mapping[int, int], fraction: float) -> dict[int, int]:
+    """Bytes per GPU below which free memory is under pressure (``pressure_free_fraction``
+    of each GPU's ``total``): what a move should leave free there (0: no floor)."""
+    return {g: int(max(0.0, fraction) * t) for g, t in total.items()}
 
 
 def window_mean(samples: Iterable[tuple[float, float | None]], since: float, until: float) -> float:

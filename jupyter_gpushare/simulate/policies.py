@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
 from typing import cast
@@ -467,7 +468,7 @@ class GPUShare(Policy):
                 if g not in want and self.waiting.get(g):
                     views[g] = replace(views[g], room=None)
         short = lacking(want, dict(free)) if lacks else []
-        plan = rule.restore_target(want, views, lacking=short)
+        plan = rule.restore_target(want, views, lacking=short, keep=self.floor(sim, views))
         if not plan:
             return False
         self._stop_waiting(k)  # from the queues of the GPUs it leaves
@@ -475,6 +476,12 @@ class GPUShare(Policy):
         sim.move(k, [plan.get(g, g) for g in k.gpus])
         sim.restore(k)
         return True
+
+    def floor(self, sim: Simulation, gpus: Iterable[int]) -> dict[int, int]:
+        """Bytes a move leaves free on each of ``gpus``: the pressure threshold (the rule's
+        ``keep``, as the product passes it)."""
+        return rule.pressure_floor({g: sim.node.gpus[g].capacity for g in gpus},
+                                   self.config.pressure_free_fraction)
 
     def _wait(self, sim: Simulation, k: Kernel, ahead: bool) -> None:
         """``k``'s restore waits for room: a cell's in ``waiting``, one ahead in
@@ -558,7 +565,7 @@ class GPUShare(Policy):
                        and moves < self.rebalance_per_hour)
             residents.append(rule.Resident(str(o.index), {g: o.held for g in o.gpus}, movable,
                                            idle))
-        for kernel, plan in rule.rebalance(residents, views):
+        for kernel, plan in rule.rebalance(residents, views, keep=self.floor(sim, views)):
             o = sim.kernels[int(kernel)]
             was = ", ".join(str(g) for g in plan)
             if sim.relocate(o, [plan.get(g, g) for g in o.gpus],
