@@ -33,7 +33,7 @@ import runner  # noqa: E402
 #: the steps that mean nothing on the simulated node, skipped there with a reason
 SIM_SKIPS = {("torch", "framework_round_trip"), ("bandwidth", "cold_start"), ("auto", "start"),
              ("auto", "torch_pick"), ("auto", "jax_pool_pick"), ("migrate", "another_gpu"),
-             ("pytest", "gpu_tests")}
+             ("pytest", "gpu_tests"), ("caps", "jax_cap")}
 
 
 def env() -> dict[str, str]:

@@ -55,7 +55,7 @@ import report  # noqa: E402  (the standard library only)
 #: scenes of each stage, in order: what matters most first
 STAGES = {
     "1": ["env", "torch", "bandwidth"],
-    "2": ["env", "frameworks", "lazy", "auto", "migrate", "bandwidth_large"],
+    "2": ["env", "frameworks", "caps", "lazy", "auto", "migrate", "bandwidth_large"],
     "3": ["env", "busy", "pytest"],  # when device time is left
 }
 #: seconds a stage may take on a GPU (the device command's timeout_s leaves the wheelhouse's
@@ -78,6 +78,7 @@ def scene_table() -> dict[str, tuple[dict[str, tuple[str, float]], Callable[[Any
         "torch": (scenes.TORCH_STEPS, scenes.torch_scene),
         "bandwidth": (bandwidth.BANDWIDTH_STEPS, bandwidth.bandwidth_scene),
         "frameworks": (scenes.FRAMEWORKS_STEPS, scenes.frameworks_scene),
+        "caps": (scenes.CAPS_STEPS, scenes.caps_scene),
         "lazy": (scenes.LAZY_STEPS, scenes.lazy_scene),
         "auto": (scenes.AUTO_STEPS, scenes.auto_scene),
         "migrate": (scenes.MIGRATE_STEPS, scenes.migrate_scene),

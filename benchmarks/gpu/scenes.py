@@ -582,6 +582,80 @@ async def jax_room_wait(st: Step) -> None:
              f"after {time.monotonic() - t0:.1f} s; restore {back.get('last_restore_seconds')} s")
 
 
+# -- stage 2: memory caps hold through the frameworks --------------------------------------
+CAPS_STEPS = {
+    "torch_cap": ("%gpushare cap 1GiB, then PyTorch: 512 MiB fits, 1 GiB more fails with "
+                  "PyTorch's OutOfMemoryError; the node sees the kernel within its cap", 90.0),
+    "jax_cap": ("%gpushare cap 1GiB before JAX starts: 256 MiB fits, 2 GiB fails with XLA's "
+                "RESOURCE_EXHAUSTED; the node sees the kernel within its cap; a cap set once "
+                "JAX runs is said not to hold", 120.0),
+}
+#: what a cell of each kind allocates: (the cell's imports, one allocation of {n} bytes)
+CAP_CELLS = {
+    "torch": ("import torch", "torch.empty({n}, dtype=torch.uint8, device='cuda')"),
+    "jax": ("import jax, jax.numpy as jnp",
+            "jnp.zeros(({n} // 4,), dtype=jnp.float32).block_until_ready()"),
+    "sim": ("from jupyter_gpushare.sim import simgpu\nimport numpy as np",
+            "simgpu.array(np.zeros({n}, dtype=np.uint8), copy=False)"),
+}
+#: what each framework's out-of-memory error is called
+CAP_OOM = {"torch": ("OutOfMemoryError",), "jax": ("XlaRuntimeError", "JaxRuntimeError"),
+           "sim": ("SimOutOfMemoryError",)}
+
+
+async def caps_scene(sc: Scene) -> None:
+    async with server(sc, "caps") as srv:
+        sc.shared["srv"] = srv
+        await sc.step("torch_cap", lambda st: cap_holds(st, "torch"))
+        await sc.step("jax_cap", lambda st: cap_holds(st, "jax"))
+
+
+async def cap_holds(st: Step, framework: str) -> None:
+    """The cap set in the kernel before the framework's first allocation: an allocation within
+    it works, one past it fails with the framework's own error, and the node's reading of the
+    kernel (its CUDA context aside) stays under it."""
+    sc = st.scene
+    srv: Server = sc.shared["srv"]
+    if not st.real and framework == "jax":
+        raise Skip("the rehearsal caps the simulated GPU in torch_cap; JAX needs a GPU")
+    if st.real and not installed(framework):
+        raise Skip(f"{framework} is not installed here")
+    kind = framework if st.real else "sim"
+    cap, fits, past = (GiB, (512 if kind == "torch" else 256) * MiB, 2 * GiB if kind == "jax"
+                       else GiB) if st.real else (64 * MiB, 32 * MiB, 48 * MiB)
+    (k,) = await start_kernels(sc, srv, 1)
+    said = (await k.run(f"%gpushare cap {cap}")).stdout
+    st.check("the cap is set", "memory cap:" in said, said.strip()[-300:])
+    imports, alloc = CAP_CELLS[kind]
+    await k.run(f"{imports}\nfits = {alloc.format(n=fits)}", timeout=120)
+    applied = (await k.run("%gpushare cap")).stdout
+    st.figure("applied", applied.strip()[-400:])
+    name = {"torch": "PyTorch", "jax": "JAX", "sim": "simulated GPU"}[kind]
+    st.check(f"{name} is capped", f"{name}: capped at" in applied, applied.strip()[-300:])
+    reply = await k.execute(f"past = {alloc.format(n=past)}", timeout=120)
+    err = reply.error or {}
+    ename, evalue = err.get("ename", ""), str(err.get("evalue", ""))
+    own = ename in CAP_OOM[kind] and (kind != "jax" or "RESOURCE_EXHAUSTED" in evalue)
+    st.check("past the cap: the framework's own out-of-memory error", reply.status == "error" and own,
+             f"{reply.status}: {ename}: {evalue[:200]}")
+    flagged = await k.value("import sys, json\nfrom jupyter_gpushare.kernel import caps\n"
+                            "print(json.dumps([caps.is_oom(getattr(sys, 'last_value', None)), "
+                            "caps.get().oom_line()]))")
+    st.check("the cell's error is followed by a line naming the cap",
+             flagged[0] is True and "memory cap is" in flagged[1], str(flagged))
+    await wait_polls(srv)
+    held = (await view(srv, k.id)).get("gpu_memory_bytes") or 0
+    context = 1 * GiB if st.real else 0  # the CUDA context, which no framework's limit counts
+    st.figure("held_bytes", held)
+    st.check("the node sees the kernel within its cap", held <= cap + context,
+             f"{fmt_bytes(held)} held, cap {fmt_bytes(cap)}")
+    if kind == "jax":
+        late = (await k.run("%gpushare cap 512MiB")).stdout
+        st.check("a cap set once JAX runs is said not to hold", "cannot be limited any more" in late,
+                 late.strip()[-300:])
+    await srv.api("DELETE", f"/api/kernels/{k.id}")
+
+
 # -- stage 2: lazy mode -----------------------------------------------------------------------
 LAZY_STEPS = {
     "cpu_cell_then_gpu_cell": ("restore_mode=lazy: a CPU-only cell on a released kernel runs "

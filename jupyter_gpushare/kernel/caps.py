@@ -41,7 +41,8 @@ JAX_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
 JAX_ALLOCATOR_ENV = "XLA_PYTHON_CLIENT_ALLOCATOR"
 CUPY_LIMIT_ENV = "CUPY_GPU_MEMORY_LIMIT"
 SIM_DEVICE = "jupyter_gpushare.sim.device"
-HOOKED = ("torch", "tensorflow", "cupy", SIM_DEVICE)  # limited the moment they are imported
+#: limited (or said to be) the moment they are imported
+HOOKED = ("torch", "jax", "tensorflow", "cupy", SIM_DEVICE)
 ALWAYS = ("jax", "cupy")  # read their limit from the environment: set before they import
 
 
@@ -59,6 +60,8 @@ class Caps:
         """Apply ``cap`` (None: lift it where that can be done) to every framework here now
         and to those imported later; returns one line per framework present."""
         with self._lock:
+            if cap is None and self.cap is None:
+                return []  # never capped: leave every framework (and its settings) as it is
             self.cap = cap
             if total:
                 self.total = total
@@ -93,6 +96,25 @@ class Caps:
             return ""
         return (f"gpushare: this kernel's memory cap is {format_bytes(self.cap)} per GPU "
                 "(%gpushare cap shows and changes it)")
+
+
+_ORIGINAL_ENV: dict[str, str | None] = {}  # what the kernel had before the cap set it
+
+
+def _set_env(name: str, value: str) -> None:
+    _ORIGINAL_ENV.setdefault(name, os.environ.get(name))
+    os.environ[name] = value
+
+
+def _restore_env(name: str) -> None:
+    """The cap is lifted: the variable as the kernel had it (its own setting stays)."""
+    if name not in _ORIGINAL_ENV:
+        return
+    original = _ORIGINAL_ENV.pop(name)
+    if original is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = original
 
 
 def _fraction(caps: Caps) -> float | None:
@@ -133,24 +155,26 @@ def _jax_started() -> bool:
     if "jax" not in sys.modules:
         return False
     bridge = sys.modules.get("jax._src.xla_bridge")
-    backends = getattr(bridge, "_backends", None)
-    return bool(backends)
+    started = getattr(bridge, "backends_are_initialized", None)
+    if callable(started):
+        return bool(started())
+    return bool(getattr(bridge, "_backends", None))
 
 
 def _jax(caps: Caps) -> str:
     imported = "jax" in sys.modules
     if _jax_started():
-        return ("JAX: already using the GPU: its memory cannot be limited any more in this "
+        return ("JAX: already started: its memory cannot be limited any more in this "
                 "kernel (restart the kernel: the cap then holds from its start)"
                 if caps.cap is not None else "")
     if caps.cap is None:
-        os.environ.pop(JAX_FRACTION_ENV, None)
+        _restore_env(JAX_FRACTION_ENV)
         return "JAX: no cap" if imported else ""
     fraction = _fraction(caps)
     if fraction is None:
         return ("JAX: not limited: the GPU's memory is not known here, so no fraction can be "
                 "set" if imported else "")
-    os.environ[JAX_FRACTION_ENV] = f"{fraction:.4f}"
+    _set_env(JAX_FRACTION_ENV, f"{fraction:.4f}")
     if os.environ.get(JAX_ALLOCATOR_ENV, "").lower() == "platform":
         return (f"JAX: not limited: {JAX_ALLOCATOR_ENV}=platform ignores "
                 f"{JAX_FRACTION_ENV}")
@@ -180,9 +204,9 @@ def _tensorflow(caps: Caps) -> str:
 
 def _cupy(caps: Caps) -> str:
     if caps.cap is None:
-        os.environ.pop(CUPY_LIMIT_ENV, None)
+        _restore_env(CUPY_LIMIT_ENV)
     else:
-        os.environ[CUPY_LIMIT_ENV] = str(caps.cap)
+        _set_env(CUPY_LIMIT_ENV, str(caps.cap))
     cupy = sys.modules.get("cupy")
     if cupy is None or not hasattr(cupy, "get_default_memory_pool"):
         return ""
