@@ -196,3 +196,28 @@ async def test_a_kernelspec_says_how_much_memory_its_kernels_need(
         assert refused.value.code == 400, bad
         message = json.loads(refused.value.response.body)["message"]
         assert "metadata.gpushare.memory must be bytes per GPU" in message, message
+
+
+@pytest.mark.parametrize("gpushare_config", [COMPUTE])
+async def test_a_kernel_is_expected_to_need_what_its_kernelspecs_kernels_held(
+    jp_fetch, jp_ws_fetch, kernels, gpushare_app, jp_data_dir, monkeypatch
+):
+    """jupyter_client leaves a loaded kernelspec's ``name`` empty: placement reads the name
+    from its folder, as the tracker keys its kernels' peaks, so a new kernel of a kernelspec
+    whose kernels held 1.25 GiB goes only where 1.25 GiB fits (not where 512 MiB would)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    app = gpushare_app
+    spec = kernelspec(jp_data_dir, "trainer")
+    first = await start(jp_fetch, jp_ws_fetch, kernels, app, spec)  # GPU 0
+    assert await gpu_of(first) == "'0'"
+    await first.run(hold(1280, name="big"))
+    await app.poll_once()  # its peak: 1.25 GiB on GPU 0
+    await first.run("del big\nimport gc; gc.collect()\n" + hold(256, name="small"))
+    await app.poll_once()
+    # GPU 1: another user's process holds 1 GiB; empty of kernels, 1 GiB of room
+    app.node.alloc(os.getpid(), 1, 1024 * MiB)
+    try:
+        second = await start(jp_fetch, jp_ws_fetch, kernels, app, spec)
+        assert await gpu_of(second) == "'0'"  # 1.75 GiB of room there; GPU 1's 1 GiB is too little
+    finally:
+        app.node.release(os.getpid(), 1, 1024 * MiB)

@@ -31,6 +31,7 @@ with the most, and carries a note its agent prints before its first cell.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -116,6 +117,14 @@ def requested_cap(kernel_spec: Any) -> int | None:
         return caps.of_kernelspec(getattr(kernel_spec, "metadata", None) or {})
     except caps.CapError as e:
         raise PlacementError(f"kernelspec {_spec_name(kernel_spec)}: {e}") from None
+
+
+def spec_name(kernel_spec: Any) -> str:
+    """The kernelspec's name, as the kernel manager (and so the tracker) knows it: a spec
+    jupyter_client loaded from its folder leaves ``name`` empty, its folder is the name."""
+    name = getattr(kernel_spec, "name", "") or ""
+    folder = getattr(kernel_spec, "resource_dir", "") or ""
+    return name or (os.path.basename(os.path.normpath(folder)) if folder else "")
 
 
 def _spec_name(kernel_spec: Any) -> str:
@@ -246,8 +255,7 @@ class Placer:
         within = await self._service_view([g for g, _ in candidates], room, kernel_id)
         # a capped kernel can hold no more than its cap: that is what it is expected to need
         cap = caps.ceiling(requested_cap(kernel_spec), self.default_cap())
-        need = expected_need(memory, cap, self.recent(getattr(kernel_spec, "name", "") or ""),
-                             self.min_room)
+        need = expected_need(memory, cap, self.recent(spec_name(kernel_spec)), self.min_room)
         self.load.forget(self.kernel_ids())
         views = self.load.views(room, within)
         by_index = {g.index: (g, token) for g, token in candidates}
