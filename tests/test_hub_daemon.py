@@ -239,12 +239,16 @@ async def test_bad_input_to_the_daemon_is_refused_and_changes_nothing(cluster):
     writer.write(json.dumps({"op": "auth", "nonce": mine, "proof": proof(SECRET.encode(), "service", nonce, mine)}).encode() + b"\n")
     assert json.loads(await reader.readline())["ok"] is True
     key = bytes.fromhex(proof(SECRET.encode(), "session", nonce, mine))
-    for bad in (b"{not json\n", b'{"op": "measure"}\n', json.dumps(sealed(b"wrong key", "request", {"op": "measure"})).encode() + b"\n",
-                json.dumps(sealed(key, "request", {"op": "measure", "servers": "everyone"})).encode() + b"\n"):
+    good = {"op": "measure"}
+    for n, bad in enumerate((b"{not json\n", b'{"op": "measure"}\n',
+                             json.dumps(sealed(b"wrong key", "request:3", good)).encode() + b"\n",
+                             json.dumps(sealed(key, "request:1", good)).encode() + b"\n",  # a replay
+                             json.dumps(sealed(key, "request:5", {"op": "measure", "servers": "everyone"})).encode() + b"\n"),
+                            start=1):
         writer.write(bad)
         reply = json.loads(await reader.readline())
-        assert reply["msg"]["ok"] is False, reply
-    writer.write(json.dumps(sealed(key, "request", {"op": "measure"})).encode() + b"\n")
+        assert reply["msg"]["ok"] is False and reply["mac"] == sealed(key, f"reply:{n}", reply["msg"])["mac"], reply
+    writer.write(json.dumps(sealed(key, "request:6", good)).encode() + b"\n")
     assert json.loads(await reader.readline())["msg"]["ok"] is True
     writer.close()
     # a service holding another secret is refused and leaves that node in the weaker mode

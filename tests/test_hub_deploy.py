@@ -1,6 +1,7 @@
 """The deployment files agree with the shipped snippet and the service's metrics: the Zero to
 JupyterHub values give the same service, roles and scopes as the one-machine snippet (which
-the hub tests load as it is), and every metric the Grafana dashboard queries exists."""
+the hub tests load as it is), the node daemon's DaemonSet and the values agree on its port,
+secret and network policy, and every metric the Grafana dashboard queries exists."""
 
 from __future__ import annotations
 
@@ -72,3 +73,35 @@ def test_every_dashboard_query_uses_a_metric_the_service_exports():
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("held", "released", "restores", "latency", "waiting", "gpu-hours"):
         assert topic in titles, topic
+
+
+def test_the_daemonset_and_the_values_agree_on_the_daemons_port_secret_and_name():
+    import argparse
+
+    from jupyter_gpushare.node import daemon
+
+    values = yaml.safe_load((DEPLOY / "z2jh-values.yaml").read_text())
+    ds, policy = yaml.safe_load_all((DEPLOY / "node-daemon-daemonset.yaml").read_text())
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    parser = argparse.ArgumentParser()
+    daemon.add_arguments(parser)
+    args = parser.parse_args([a.replace("$(JUPYTER_GPUSHARE_NODE)", "gpu-1") for a in container["command"][2:]])
+    assert args.node == "gpu-1" and args.unix_user == "" and pod["hostPID"] is True
+    config = Config()
+    exec(compile(values["hub"]["extraFiles"]["gpushare-config"]["stringData"], "config", "exec"), {"c": config})
+    port = int(args.listen.rsplit(":", 1)[1])
+    assert config.GPUShareHub.node_daemons == f"{{node}}:{port}"
+    assert {"name": "gpushare", "containerPort": port, "hostPort": port, "protocol": "TCP"} in container["ports"]
+    # the one secret, mounted where each side reads it
+    hub_secret = values["hub"]["extraVolumes"][0]["secret"]
+    ds_secret = next(v["secret"] for v in pod["volumes"] if "secret" in v)
+    assert hub_secret["secretName"] == ds_secret["secretName"] == "gpushare-node-daemon"
+    assert config.GPUShareHub.node_daemon_secret_file.startswith(values["hub"]["extraVolumeMounts"][0]["mountPath"])
+    assert args.secret_file.startswith(next(m["mountPath"] for m in container["volumeMounts"] if m["name"] == "secret"))
+    assert hub_secret["defaultMode"] & 0o007 == 0 and ds_secret["defaultMode"] == 0o400
+    # the hub pod alone reaches the port; the hub may call it; the user pods use the socket
+    assert policy["spec"]["ingress"] == [{"ports": [{"port": port, "protocol": "TCP"}],
+                                          "from": [{"podSelector": {"matchLabels": {"app": "jupyterhub", "component": "hub"}}}]}]
+    assert any(r["ports"] == [{"port": port, "protocol": "TCP"}] for r in values["hub"]["networkPolicy"]["egress"])
+    assert values["singleuser"]["extraEnv"]["JUPYTER_GPUSHARE_NODE_DAEMON"] == args.socket

@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 
 from .. import clock
-from ..node.daemon_service import Unreachable, ask, load_secret, parse_address
+from ..node.daemon_service import Closed, Session, Unreachable, load_secret, parse_address
 from ..node.measure import Measured, decode
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class NodeDaemons:
             except ValueError as e:
                 self.off = f"no shared secret: {e}"
         self.nodes: dict[str, DaemonState] = {}
+        self.sessions: dict[str, Session] = {}  # node -> its daemon's proven connection, kept
         self.by_uuid: dict[str, str] = {}  # GPU uuid -> the node whose daemon measured it
 
     def address(self, node: str) -> str:
@@ -127,18 +128,18 @@ class NodeDaemons:
         request = {"op": "measure", "users": users,
                    "servers": [{"user": a.key[0], "server": a.key[1], "pids": a.pids} for a in group]}
         try:
-            host, port = parse_address(address)
-            assert self.secret is not None
-            reply = await asyncio.wait_for(ask(host, port, self.secret, node, request), self.timeout)
+            reply = await asyncio.wait_for(self._request(node, address, request), self.timeout)
             whole = decode(reply.get("node"), clock.now(), node)
             each = reply.get("servers")
             if not isinstance(each, list) or len(each) != len(group):
                 raise ValueError("its answer does not list every server asked about")
             readings = [decode(d, whole.at, node, base=whole) for d in each]
         except asyncio.TimeoutError:
+            await self._drop(node)  # an answer may still come: never read as the next one's
             self._failed(state, f"no answer within {self.timeout:g} s (GPUShareHub.node_daemon_timeout)")
             return None
         except (Unreachable, ValueError, OSError) as e:
+            await self._drop(node)
             self._failed(state, str(e)[:300])
             return None
         if state.error is not None and state.answered is not None:
@@ -148,6 +149,31 @@ class NodeDaemons:
         state.seconds = clock.monotonic() - started
         state.uuids = set(whole.gpus)
         return whole, readings
+
+    async def _request(self, node: str, address: str, request: dict) -> dict:
+        """On the node's kept connection, or a new one (when there is none, or it closed)."""
+        host, port = parse_address(address)
+        session = self.sessions.get(node)
+        if session is not None and session.where != f"{host}:{port}":
+            await self._drop(node)
+            session = None
+        if session is not None:
+            try:
+                return await session.request(request)
+            except Closed:
+                await self._drop(node)
+        assert self.secret is not None
+        session = self.sessions[node] = await Session.open(host, port, self.secret, node)
+        try:
+            return await session.request(request)
+        except Closed:
+            await self._drop(node)
+            raise
+
+    async def _drop(self, node: str) -> None:
+        session = self.sessions.pop(node, None)
+        if session is not None:
+            await session.close()
 
     def _failed(self, state: DaemonState, why: str) -> None:
         if state.error != why:

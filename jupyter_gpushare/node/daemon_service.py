@@ -16,7 +16,9 @@ Protocol: JSON lines (UTF-8, one object per line, at most ``MAX_LINE`` bytes):
   ``{"ok": true, "op": "auth", "proof": HMAC(secret, "daemon:M:N:NAME")}``, or ``{"ok":
   false, "error": why}`` and the connection closes (no or a wrong proof: nothing is read);
 - then each side sends ``{"msg": OBJECT, "mac": HMAC(HMAC(secret, "session:N:M"),
-  "request:" or "reply:" + OBJECT as canonical JSON)}``;
+  "request:I:" or "reply:I:" + OBJECT as canonical JSON)}``, I counting the requests of the
+  connection from 1 (every line the daemon reads counts), so nothing can be replayed within
+  it either; the service keeps its connection for later requests;
 - request ``{"op": "measure", "servers": [{"user", "server", "pids": [int]}], "users":
   [name]}``; reply ``{"ok": true, "op": "measure", "node": READING, "servers": [READING]}``
   (:func:`..measure.encode`): the node's GPUs and what each Hub user holds on each, and per
@@ -170,6 +172,7 @@ class ServiceDoor:
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                 return
             await _reply(writer, answer)
+            seq = 0
             while True:
                 try:
                     line = await asyncio.wait_for(_line(reader), IDLE_TIMEOUT)
@@ -178,7 +181,10 @@ class ServiceDoor:
                 except Refused as e:  # the rest of that line cannot be told from a request
                     await _reply(writer, {"ok": False, "error": f"{e}; connection closed"})
                     return
-                await _reply(writer, sealed(key, "reply", await self._answer(key, line)))
+                seq += 1
+                await _reply(writer, sealed(key, f"reply:{seq}", await self._answer(key, f"request:{seq}", line)))
+        except asyncio.CancelledError:  # the daemon stops: the service's kept connection ends
+            pass
         except Exception:  # never lose the daemon to one peer
             log.exception("hub service channel: serving %s", who)
         finally:
@@ -201,9 +207,9 @@ class ServiceDoor:
         key = bytes.fromhex(proof(self.secret, "session", nonce, theirs))
         return {"ok": True, "op": "auth", "proof": proof(self.secret, "daemon", theirs, nonce, self.node)}, key
 
-    async def _answer(self, key: bytes, line: bytes) -> dict[str, Any]:
+    async def _answer(self, key: bytes, kind: str, line: bytes) -> dict[str, Any]:
         try:
-            msg = unsealed(key, "request", json.loads(line))
+            msg = unsealed(key, kind, json.loads(line))
         except (ValueError, UnicodeDecodeError) as e:
             return {"ok": False, "error": f"refused: {e}"}
         if msg.get("op") != "measure":
@@ -267,43 +273,80 @@ class Unreachable(Exception):
     """The daemon did not answer, or did not prove it holds the secret: why."""
 
 
-async def ask(host: str, port: int, secret: bytes, node: str, request: dict[str, Any]) -> dict[str, Any]:
-    """One request to the node daemon of ``node``, both sides proven; the caller bounds it in
-    time."""
-    try:
-        reader, writer = await asyncio.open_connection(host, port, limit=MAX_REPLY)
-    except OSError as e:
-        raise Unreachable(f"cannot connect to {host}:{port}: {e.strerror or e}") from None
-    try:
-        hello = await _read(reader)
-        nonce = hello.get("nonce")
-        if hello.get("op") != "challenge" or not isinstance(nonce, str):
-            raise Unreachable(f"{host}:{port} is not a node daemon: {str(hello)[:100]}")
-        if hello.get("node") != node:
-            raise Unreachable(f"{host}:{port} is the node daemon of {str(hello.get('node'))[:100]!r}, "
-                              f"not of {node!r}")
-        mine = secrets.token_hex(16)
-        await _reply(writer, {"op": "auth", "proof": proof(secret, "service", nonce, mine), "nonce": mine})
-        answer = await _read(reader)
-        if not answer.get("ok"):
-            raise Unreachable(f"the node daemon refused the service: {str(answer.get('error'))[:200]}")
-        given = answer.get("proof")
-        if not isinstance(given, str) or \
-                not hmac.compare_digest(given, proof(secret, "daemon", mine, nonce, node)):
-            raise Unreachable(f"{host}:{port} did not prove it holds the shared secret")
-        key = bytes.fromhex(proof(secret, "session", nonce, mine))
-        await _reply(writer, sealed(key, "request", request))
+class Session:
+    """One proven connection to a node daemon, kept for later requests (one at a time)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, key: bytes,
+                 where: str):
+        self.reader, self.writer, self.key, self.where = reader, writer, key, where
+        self.seq = 0
+        self.lock = asyncio.Lock()
+
+    @classmethod
+    async def open(cls, host: str, port: int, secret: bytes, node: str) -> Session:
+        """Connect to the node daemon of ``node`` and prove both sides; the caller bounds it
+        in time."""
+        where = f"{host}:{port}"
         try:
-            reply = unsealed(key, "reply", await _read(reader))
-        except ValueError as e:
-            raise Unreachable(f"the node daemon's answer: {e}") from None
+            reader, writer = await asyncio.open_connection(host, port, limit=MAX_REPLY)
+        except OSError as e:
+            raise Unreachable(f"cannot connect to {where}: {e.strerror or e}") from None
+        try:
+            hello = await _read(reader)
+            nonce = hello.get("nonce")
+            if hello.get("op") != "challenge" or not isinstance(nonce, str):
+                raise Unreachable(f"{where} is not a node daemon: {str(hello)[:100]}")
+            if hello.get("node") != node:
+                raise Unreachable(f"{where} is the node daemon of {str(hello.get('node'))[:100]!r}, "
+                                  f"not of {node!r}")
+            mine = secrets.token_hex(16)
+            await _reply(writer, {"op": "auth", "proof": proof(secret, "service", nonce, mine), "nonce": mine})
+            answer = await _read(reader)
+            if not answer.get("ok"):
+                raise Unreachable(f"the node daemon refused the service: {str(answer.get('error'))[:200]}")
+            given = answer.get("proof")
+            if not isinstance(given, str) or \
+                    not hmac.compare_digest(given, proof(secret, "daemon", mine, nonce, node)):
+                raise Unreachable(f"{where} did not prove it holds the shared secret")
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            await _close(writer)
+            raise Unreachable(f"{where}: the connection failed: {e}") from None
+        except BaseException:
+            await _close(writer)
+            raise
+        return cls(reader, writer, bytes.fromhex(proof(secret, "session", nonce, mine)), where)
+
+    async def request(self, msg: dict[str, Any]) -> dict[str, Any]:
+        """The daemon's answer to ``msg`` (Unreachable: it failed or said no). A request
+        cancelled half way leaves the session unusable: close it."""
+        async with self.lock:
+            self.seq += 1
+            try:
+                await _reply(self.writer, sealed(self.key, f"request:{self.seq}", msg))
+                reply = unsealed(self.key, f"reply:{self.seq}", await _read(self.reader))
+            except ValueError as e:
+                raise Unreachable(f"the node daemon's answer: {e}") from None
+            except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+                raise Closed(f"{self.where}: the connection failed: {e or type(e).__name__}") from None
         if not reply.get("ok"):
             raise Unreachable(f"the node daemon: {str(reply.get('error'))[:300]}")
         return reply
-    except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
-        raise Unreachable(f"{host}:{port}: the connection failed: {e}") from None
+
+    async def close(self) -> None:
+        await _close(self.writer)
+
+
+class Closed(Unreachable):
+    """The connection ended (the daemon restarted, or closed it idle): a new one may do."""
+
+
+async def ask(host: str, port: int, secret: bytes, node: str, request: dict[str, Any]) -> dict[str, Any]:
+    """One request to the node daemon of ``node`` on a connection of its own."""
+    session = await Session.open(host, port, secret, node)
+    try:
+        return await session.request(request)
     finally:
-        await _close(writer)
+        await session.close()
 
 
 async def _read(reader: asyncio.StreamReader) -> dict[str, Any]:

@@ -152,61 +152,79 @@ class PidSpaces:
     """The PID namespaces one level below this process's own (each pod's, on a Kubernetes
     node whose daemon shares the host's PID namespace), with the Hub user and server the
     namespace's first process names: the spawner set them, the pod's user cannot change them.
-    A namespace deeper down (one a user made) names nobody."""
+    A namespace deeper down (one a user made) names nobody.
+
+    One scan of ``/proc`` (a ``readlink`` per process: milliseconds on a busy node) serves for
+    ``SCAN_FOR`` seconds; every pid it is asked about is checked again when it is used (a pid
+    reused since by a process of another pod is not that pod's)."""
 
     def __init__(self) -> None:
         self.own = _pid_namespace("self")
         self.level = len(_nspid(os.getpid())) or 1
         self.members: dict[str, dict[int, int]] = {}  # namespace -> its pid -> the node's pid
         self.server: dict[str, tuple[str, str]] = {}  # namespace -> (user, server name)
-        self._of: dict[int, str | None] = {}
-        self._scanned = False
-
-    def namespace(self, pid: int) -> str | None:
-        if pid not in self._of:
-            self._of[pid] = _pid_namespace(pid)
-        return self._of[pid]
+        self.at = float("-inf")  # clock.monotonic() of the scan
 
     def foreign(self, pid: int) -> bool:
-        ns = self.namespace(pid)
+        ns = _pid_namespace(pid)
         return ns is not None and self.own is not None and ns != self.own
 
     def scan(self) -> None:
-        if self._scanned:
-            return
-        self._scanned = True
-        if self.own is None:
-            return
+        self.at = clock.monotonic()
+        members: dict[str, dict[int, int]] = {}
+        server: dict[str, tuple[str, str]] = {}
         try:
-            entries = [int(e) for e in os.listdir("/proc") if e.isdigit()]
+            entries = [int(e) for e in os.listdir("/proc") if e.isdigit()] if self.own else []
         except OSError:
-            return
+            entries = []
         for pid in entries:
-            ns = self.namespace(pid)
+            ns = _pid_namespace(pid)
             if ns is None or ns == self.own:
                 continue
             chain = _nspid(pid)
             if len(chain) == self.level + 1:
-                self.members.setdefault(ns, {})[chain[-1]] = pid
-        for ns, pids in self.members.items():
+                members.setdefault(ns, {})[chain[-1]] = pid
+        for ns, pids in members.items():
             env = _environment(pids[1], ("JUPYTERHUB_USER", "JUPYTERHUB_SERVER_NAME")) if 1 in pids else None
             if env and env.get("JUPYTERHUB_USER"):
-                self.server[ns] = (env["JUPYTERHUB_USER"], env.get("JUPYTERHUB_SERVER_NAME", ""))
+                server[ns] = (env["JUPYTERHUB_USER"], env.get("JUPYTERHUB_SERVER_NAME", ""))
+        self.members, self.server = members, server
 
     def owner(self, pid: int) -> str | None:
         """The Hub user of the pod ``pid`` runs in (None: no pod names one)."""
-        self.scan()
-        ns = self.namespace(pid)
+        ns = _pid_namespace(pid)
+        if ns not in self.server and clock.monotonic() - self.at >= RESCAN_AFTER:
+            self.scan()  # a pod started since
         return self.server[ns][0] if ns in self.server else None
 
-    def of_server(self, user: str, name: str) -> dict[int, int] | None:
-        """The pids of the one pod that runs ``user``'s server ``name`` -> the node's pids;
-        None when no pod does (the server shares this namespace: its pids are the node's)."""
-        self.scan()
-        found = [ns for ns, who in self.server.items() if who == (user, name)]
-        if len(found) > 1:
-            return {}  # two pods claim one server: none of its pids is believed
-        return self.members[found[0]] if found else None
+    def of_server(self, user: str, name: str, pids: list[int]) -> dict[int, int] | None:
+        """``pids`` as the one pod that runs ``user``'s server ``name`` numbers them -> the
+        node's pids (-1: none such); None when no pod does (the server shares this namespace:
+        its pids are the node's)."""
+        for fresh in (False, True):
+            if fresh or clock.monotonic() - self.at >= SCAN_FOR:
+                if fresh and clock.monotonic() - self.at < RESCAN_AFTER:
+                    break
+                self.scan()
+            found = [ns for ns, who in self.server.items() if who == (user, name)]
+            if len(found) > 1:
+                return {p: -1 for p in pids}  # two pods claim one server: none of its pids is believed
+            if not found:
+                continue
+            ns, out = found[0], {}
+            for p in pids:
+                h = self.members[ns].get(p, -1)
+                ok = h > 0 and _pid_namespace(h) == ns and _nspid(h)[-1:] == (p,)
+                out[p] = h if ok else -1
+            if all(h > 0 for h in out.values()):
+                return out
+        if not found:
+            return None
+        return out
+
+
+SCAN_FOR = 5.0  # s one scan of the node's PID namespaces serves
+RESCAN_AFTER = 1.0  # s after a scan, a pid or server it does not know scans again
 
 
 def _account(uid: int) -> str | None:
@@ -226,6 +244,7 @@ class Meter:
         self.unix_user = unix_user
         self.context_bytes = context_bytes
         self._told: set[str] = set()  # accounts told apart by their environment (logged once)
+        self.spaces = PidSpaces()
 
     def close(self) -> None:
         self.telemetry.close()
@@ -234,8 +253,7 @@ class Meter:
         """Devices, per-process GPU memory, and the facts of ``pids`` and every GPU process."""
         gpus, per_pid = self._gpus()
         accounts = self._accounts(users)
-        spaces = PidSpaces()
-        procs = {pid: self.proc(pid, accounts, spaces) for pid in set(pids) | set(per_pid)}
+        procs = {pid: self.proc(pid, accounts) for pid in set(pids) | set(per_pid)}
         return Measured(clock.now(), self.backend, gpus, per_pid, procs, self.context_bytes)
 
     def read_servers(self, servers: Iterable[tuple[str, str, list[int]]],
@@ -245,8 +263,7 @@ class Meter:
         in a pod names its pod's pids, translated here to the node's."""
         gpus, per_pid = self._gpus()
         accounts = self._accounts(users)
-        spaces = PidSpaces()
-        facts = {pid: self.proc(pid, accounts, spaces) for pid in per_pid}
+        facts = {pid: self.proc(pid, accounts) for pid in per_pid}
         owners: dict[str, dict[str, int]] = {}
         for pid, per in per_pid.items():
             owner = facts[pid].owner
@@ -256,12 +273,13 @@ class Meter:
         node = Measured(clock.now(), self.backend, gpus, {}, {}, self.context_bytes, owners)
         out = []
         for user, name, pids in servers:
-            pod = spaces.of_server(user, name)
-            host = {p: (pod.get(p, -1) if pod is not None else p) for p in dict.fromkeys(pids)}
+            wanted = list(dict.fromkeys(pids))
+            pod = self.spaces.of_server(user, name, wanted)
+            host = pod if pod is not None else {p: p for p in wanted}
             procs, on = {}, {}
             for p, h in host.items():
                 if h not in facts:
-                    facts[h] = self.proc(h, accounts, spaces)
+                    facts[h] = self.proc(h, accounts)
                 procs[p] = facts[h]
                 if h in per_pid:
                     on[p] = per_pid[h]
@@ -289,14 +307,14 @@ class Meter:
     def _accounts(self, users: Iterable[str]) -> dict[str, str]:
         return {self.unix_user.format(username=u): u for u in users} if self.unix_user else {}
 
-    def proc(self, pid: int, accounts: dict[str, str], spaces: PidSpaces | None = None) -> Proc:
+    def proc(self, pid: int, accounts: dict[str, str]) -> Proc:
         if pid <= 0:
             return Proc(None, None)
         uid, host = _status_fields(pid)
         if uid is None:
             return Proc(None, None)  # gone
-        if spaces is not None and spaces.foreign(pid):
-            return Proc(spaces.owner(pid), host)  # a pod's: its first process says whose
+        if self.spaces.foreign(pid):
+            return Proc(self.spaces.owner(pid), host)  # a pod's: its first process says whose
         account = _account(uid)
         if account is not None and account in accounts:
             return Proc(accounts[account], host)  # each user has an account: it decides
