@@ -115,7 +115,9 @@ export class KernelRow {
       k.state === 'released'
         ? `${formatBytes(k.released_bytes)} on host`
         : `${formatBytes(k.gpu_memory_bytes)}${gpus}`;
-    setText(this._memory, memory);
+    // a capped kernel: its cap per GPU beside what it holds
+    const cap = typeof k.memory_cap === 'number' ? ` (cap ${formatBytes(k.memory_cap)})` : '';
+    setText(this._memory, memory + cap);
     const util = formatUtilization(k);
     setText(this._util, util);
     // Per GPU ("SM 93 % on GPU 0 · 0 % on GPU 1"): a line of its own, under the memory.
@@ -127,6 +129,9 @@ export class KernelRow {
       parts.push(`moved ${k.moved}`); // "GPU 0 -> 3: GPU 0 busy" (off a contended GPU)
     } else if (k.restored_onto && (state === 'active' || state === 'idle')) {
       parts.push(`restored ${k.restored_onto}`); // "onto GPU 1: GPU 0 had no room"
+    }
+    if (k.over_cap) {
+      parts.push(k.over_cap); // "holds 9.1 GiB of its 8 GiB cap on GPU 0"
     }
     if (k.waiting) {
       // a restore ahead says what it does ("restoring ahead of your next cell")

@@ -14,7 +14,8 @@ const base: IHub = {
   admin_url: null,
   share: '256.0 MiB per gpu (carol)',
   usage: [{ index: 0, bytes: 160 * MiB, guaranteed: 256 * MiB }],
-  over_share: false
+  over_share: false,
+  cap: null
 };
 
 test('share and usage per GPU; no link unless admin', () => {
