@@ -81,9 +81,11 @@ def make_room(
     on_short = [h for h in holdings if h.user != requester
                 and any(h.candidate.gpu_bytes.get(g) for g in short)]
     skipped: Counter[str] = Counter()
-    # over-share owners first, then longest idle, then biggest; re-checked as releases add up
-    order = sorted(on_short, key=lambda h: (not over(h), -h.candidate.idle_seconds,
-                                            -h.candidate.bytes, h.user, h.candidate.kernel_id))
+    # over-share owners first, then kernels over their memory cap, then longest idle, then
+    # biggest; re-checked as releases add up
+    order = sorted(on_short, key=lambda h: (not over(h), not h.candidate.over_cap,
+                                            -h.candidate.idle_seconds, -h.candidate.bytes,
+                                            h.user, h.candidate.kernel_id))
     victims: list[Victim] = []
     for h in order:
         c = h.candidate
