@@ -104,14 +104,34 @@ def settings() -> Settings:
     return Settings({}, hub_policy(0, 0, 5, 0), claim_grace=1e6, claim_penalty=0)
 
 
-async def rounds(coord: Coordinator, api: InstantAPI, n: int) -> list[float]:
+def timed_measure(coord: Coordinator) -> list[float]:
+    """The coordinator's measuring (its own reading, or the daemon's) timed: seconds per call."""
+    spent: list[float] = []
+    inner = coord._measure
+
+    async def measure() -> None:
+        started = time.perf_counter()
+        try:
+            await inner()
+        finally:
+            spent.append(time.perf_counter() - started)
+
+    coord._measure = measure  # type: ignore[method-assign]
+    return spent
+
+
+async def rounds(coord: Coordinator, api: InstantAPI, n: int, measuring: list[float] | None = None,
+                 spent: list[float] | None = None) -> list[float]:
     await coord.poll_once()
     out = []
     for _ in range(n):
         before = api.released
+        at = len(spent) if spent is not None else 0
         started = time.perf_counter()
         answer = await coord.on_push("alice", "", ["a1"])
         out.append(time.perf_counter() - started)
+        if spent is not None and measuring is not None:
+            measuring.append(sum(spent[at:]))
         if api.released != before + 1:
             raise SystemExit(f"no room was made: {answer} (claims refused: "
                              f"{coord.entries[('alice', '')].refused})")
@@ -140,7 +160,7 @@ def figures(name: str, times: list[float]) -> tuple[float, float]:
     ms = sorted(t * 1000 for t in times)
     p95 = ms[min(len(ms) - 1, round(0.95 * (len(ms) - 1)))]
     median = statistics.median(ms)
-    print(f"{name:<10} {median:8.2f} {p95:8.2f}   ({len(ms)} make-rooms)")
+    print(f"{name:<18} {median:8.2f} {p95:8.2f}   ({len(ms)} make-rooms)")
     return median, p95
 
 
@@ -168,17 +188,25 @@ async def main(n: int) -> None:
             api_d = InstantAPI(uuid, alice.pid, bob.pid)
             off = Coordinator(api_d, settings(), measuring="off",  # type: ignore[arg-type]
                               daemons=NodeDaemons({NODE: f"127.0.0.1:{port}"}, str(secret), 5.0))
+            spent = {"on-node": timed_measure(here), "daemon": timed_measure(off)}
             for coord, a in ((here, api), (off, api_d)):  # warm up: imports, first connections
                 await rounds(coord, a, 3)
             times: dict[str, list[float]] = {"on-node": [], "daemon": []}
+            measuring: dict[str, list[float]] = {"on-node": [], "daemon": []}
             for _ in range(n):  # interleaved: a busy moment costs both the same
-                times["on-node"] += await rounds(here, api, 1)
-                times["daemon"] += await rounds(off, api_d, 1)
-            print(f"make-room for a pushed restore, the service's own work (ms); {os.cpu_count()} CPUs")
-            print(f"{'':<10} {'median':>8} {'p95':>8}")
+                times["on-node"] += await rounds(here, api, 1, measuring["on-node"], spent["on-node"])
+                times["daemon"] += await rounds(off, api_d, 1, measuring["daemon"], spent["daemon"])
+            print(f"make-room for a pushed restore, the service's own work (ms); {os.cpu_count()} CPUs; "
+                  f"load average {os.getloadavg()[0]:.1f}")
+            print(f"{'':<18} {'median':>8} {'p95':>8}")
             m0, p0 = figures("on-node", times["on-node"])
             m1, p1 = figures("daemon", times["daemon"])
-            print(f"{'added':<10} {m1 - m0:8.2f} {p1 - p0:8.2f}   (the daemon's check, two round trips)")
+            print(f"{'added':<18} {m1 - m0:8.2f} {p1 - p0:8.2f}   (difference of the two rows)")
+            print("of which measuring (two per make-room):")
+            figures("  on-node: itself", measuring["on-node"])
+            figures("  daemon: asked", measuring["daemon"])
+            added = [d - h for d, h in zip(measuring["daemon"], measuring["on-node"], strict=True)]
+            figures("  added, paired", added)
             meter.close()
         finally:
             node.close()

@@ -684,7 +684,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             secret = load_secret(args.secret_file)
         except ValueError as e:
             parser.error(str(e))
-        door = ServiceDoor(host, port, secret, free.measure, args.node)
+        door = ServiceDoor(host, port, secret, free.measure, args.node, RateLimitedLog(log))
     try:
         why = free.open()
     except Exception as e:

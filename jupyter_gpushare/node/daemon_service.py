@@ -132,9 +132,13 @@ class Refused(ValueError):
 class ServiceDoor:
     """The daemon's TCP listener for the hub service."""
 
-    def __init__(self, host: str, port: int, secret: bytes, measure: Measure, node: str):
+    def __init__(self, host: str, port: int, secret: bytes, measure: Measure, node: str,
+                 say: Callable[[int, str, str, str], None] | None = None):
+        """say(level, who, what, text): the daemon's rate-limited log (one line per peer and
+        kind of refusal per interval)."""
         self.host, self.port = host, port
         self.node = node
+        self.say = say or (lambda level, who, what, text: log.log(level, "%s", text))
         self.secret = secret
         self.measure = measure
         self.server: asyncio.AbstractServer | None = None
@@ -166,7 +170,8 @@ class ServiceDoor:
                 first = await asyncio.wait_for(_line(reader), AUTH_TIMEOUT)
                 answer, key = self._auth(first, nonce)
             except Refused as e:
-                log.warning("hub service channel: %s refused: %s", who, e)
+                self.say(logging.WARNING, who.rsplit(":", 1)[0], "refused",
+                         f"hub service channel: {who} refused: {e}")
                 await _reply(writer, {"ok": False, "error": str(e)})
                 return
             except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError):
