@@ -14,8 +14,9 @@ starting; the GPUs' history then filled as a server that has run for ``history_s
   ``GpuLoad`` over the tracker (SM load over the 120 s window from each GPU's history,
   pending and busy kernels, free memory read from the node, the rule's ``choose``), with
   every kernel placed already; a sample is appended to every GPU before each timing, so each
-  includes working out every GPU's load again (the first decision after a poll), and again
-  without (a later decision before the next poll: the loads are kept per sample);
+  includes bringing every GPU's load up to date (the first decision after a poll: each
+  GPU's record keeps a running sum over the window, one new sample to fold in), and again
+  without (a later decision before the next poll: nothing new to fold in);
 - rebalance pass: the views of every GPU (``GpuLoad.views``) and the rule's ``rebalance``
   over every resident kernel, with a quarter of the GPUs contended; and the rule alone.
 
@@ -86,8 +87,8 @@ def setup(tracker: Tracker, load: GpuLoad, fresh: bool) -> None:
     """Before each timing, the same node whatever the run's length: the kernels still
     starting stay placed and the computing ones stay computing (past their grace and the
     window, they would drop out, and change what is measured); with ``fresh``, one more
-    sample on every GPU, as a poll appends, so that each GPU's load is worked out again (it
-    is kept per sample)."""
+    sample on every GPU, as a poll appends, so that each GPU's load is brought up to date
+    again (its running sum takes the new sample in)."""
     now = clock.now()
     for kid, g in STARTING.items():
         load.place(kid, [g], Need(PER_KERNEL))
@@ -218,9 +219,9 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
     rows = []
     for key, label in (("poll", f"baseline: one tracker poll, {kernels} kernels"),
                        ("place", "one placement decision (Placer.place)"),
-                       ("place_kept", "  the same, loads already worked out this poll"),
+                       ("place_kept", "  the same, loads already up to date this poll"),
                        ("pass", "one rebalance pass (views + rebalance)"),
-                       ("pass_kept", "  the same, loads already worked out this poll"),
+                       ("pass_kept", "  the same, loads already up to date this poll"),
                        ("rule", "  the rule alone (rebalance)")):
         s, c = summary(results[key][0]), summary(results[key][1])
         rows.append([label, s["n"], f"{s['median'] * 1e3:.3f}", f"{s['p95'] * 1e3:.3f}",

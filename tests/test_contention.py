@@ -54,21 +54,26 @@ async def test_status_and_metrics_show_a_contended_gpu_and_who_shares_it(
     assert (gpu0["contended"], gpu0["computing"]) == (False, []) and gpu0["load"] < 10, gpu0
 
 
-def test_the_sliding_load_is_the_trackers_window_mean_at_every_poll():
-    """The rebalancer keeps each GPU's load up poll by poll; it says what the tracker's own
-    window mean says, samples uneven, unreadable or dropped by the ring included."""
+def test_the_kept_load_is_the_window_mean_of_the_samples_at_every_poll():
+    """Each GPU's record keeps its load over a window up poll by poll (a running sum, not a
+    walk over the window's samples at each decision); it says what the mean over the samples
+    says, for placement's window and the rebalancer's, samples uneven, unreadable or dropped
+    by the ring included, and starts over on a new ring."""
     from collections import deque
 
-    from jupyter_gpushare.core.rebalance import SlidingLoad
     from jupyter_gpushare.core.tracker import GPURecord
     from jupyter_gpushare.telemetry import GPUInfo
 
     rng = random.Random(7)
     rec = GPURecord(GPUInfo(index=0, uuid="", name="g", memory_total=1, memory_used=0,
                             utilization=0.0), deque(maxlen=40))
-    sliding, t = SlidingLoad(60.0), 1000.0
-    for i in range(200):
+    t = 1000.0
+    for i in range(300):
         t += rng.choice([0.5, 2.0, 2.0, 7.0, 130.0])
         rec.history.append((t, 0, None if i % 17 == 0 else rng.uniform(0, 100)))
-        sliding.fold(rec.history)
-        assert sliding.recent_load(60.0) == pytest.approx(rec.recent_load(60.0), abs=1e-6), i
+        for window in (0.0, 60.0, 600.0):
+            if rng.random() < 0.7:  # not every window is asked at every poll
+                want = rec.load(t - window, t)
+                assert rec.recent_load(window) == pytest.approx(want, abs=1e-6), (i, window)
+        if i == 150:
+            rec.history = deque(list(rec.history)[-5:], maxlen=40)  # a new ring

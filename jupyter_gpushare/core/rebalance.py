@@ -2,7 +2,8 @@
 
 Placement decides where a kernel starts; two trainings that land on one GPU would otherwise
 share it for as long as both live, while other GPUs idle. At each poll this module looks at
-every GPU's SM load over :data:`LOAD_WINDOW` (the tracker's history, not one reading) and at
+every GPU's SM load over :func:`window_of` (5 x ``rebalance_idle``, at least ``load_window``:
+600 s by default; the tracker's history, not one reading) and at
 the kernels that computed there; where a GPU is contended (the rule's
 :func:`..policy.placement.contended`) and another with room is quiet, a resident kernel whose
 person is away (no cell running, idle for ``rebalance_idle`` seconds) moves there, so that its
@@ -22,12 +23,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..node.gpu_load import GpuLoad
-from ..policy.placement import GpuView, Resident, contended, rebalance
+from ..policy.placement import GpuView, Resident, contended, pressure_floor, rebalance
 from ..states import ACTIVE, IDLE
 from . import metrics
 from .errors import ControllerError
@@ -43,10 +43,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: s over which a GPU's SM load and the kernels computing there are judged: longer than
-#: rebalance_idle, so that a kernel whose person left still counts among those sharing the GPU
+#: the rebalancer's window, in rebalance_idle: a GPU's SM load and the kernels computing there
+#: are judged over this many times rebalance_idle (at least load_window), so that a kernel
+#: whose person left (idle rebalance_idle, movable) still counts among those sharing the GPU
 #: (its next training would share it), and a GPU is contended only when busy that long
-LOAD_WINDOW = 600.0
+WINDOW_PER_IDLE = 5.0
+
+
+def window_of(rebalance_idle: float, load_window: float) -> float:
+    """Seconds over which the rebalancer (and status, metrics, the panel) judge contention:
+    ``WINDOW_PER_IDLE`` x ``rebalance_idle``, at least ``load_window`` (600 s by default)."""
+    return max(float(load_window), WINDOW_PER_IDLE * float(rebalance_idle))
+
+
+LOAD_WINDOW = window_of(120.0, 120.0)  # the defaults' window (600 s)
 HOUR = 3600.0
 REBALANCE = "rebalance"  # the trigger of a move's restore
 
@@ -60,64 +70,10 @@ class Contention:
     contended: bool
 
 
-class SlidingLoad:
-    """One GPU's SM load over its last ``window`` seconds of samples, kept up as the tracker's
-    samples come: O(new samples) a poll, where ``GPURecord.recent_load`` reads the whole
-    window's samples at each new sample (the pass asks at every poll, over a longer window
-    than placement's). The same figure: each sample's utilization is the busy fraction since
-    the sample before it, and the window shrinks to the samples there are."""
-
-    def __init__(self, window: float):
-        self.window = window
-        self.spans: deque[tuple[float, float, float]] = deque()  # (from, to, SM %), oldest first
-        self.total = 0.0  # sum of SM % x seconds over spans
-        self.history: Any = None  # the ring folded in (another one: start over)
-        self.upto: float | None = None  # time of the last sample folded in
-        self.last = 0.0  # its SM %
-
-    def fold(self, history: deque[tuple[float, int | None, float | None]]) -> None:
-        """Take in the samples of ``history`` newer than the last one folded in; forget the
-        spans that ended before the window."""
-        if history is not self.history or (history and self.upto is not None
-                                           and history[0][0] > self.upto):
-            self.spans.clear()  # a new ring, or it wrapped past us: start over
-            self.total, self.history, self.upto = 0.0, history, None
-        new = []
-        for row in reversed(history):
-            if self.upto is not None and row[0] <= self.upto:
-                break
-            new.append(row)
-        for t, _, u in reversed(new):
-            value = float(u or 0.0)
-            if self.upto is not None and t > self.upto:
-                self.spans.append((self.upto, t, value))
-                self.total += value * (t - self.upto)
-            self.upto, self.last = t, value
-        if self.upto is not None:
-            since = self.upto - self.window
-            while self.spans and self.spans[0][1] <= since:
-                a, b, v = self.spans.popleft()
-                self.total -= v * (b - a)
-
-    def recent_load(self, window: float) -> float:
-        """Mean SM % over the last ``window`` seconds of samples (at most this one's window)."""
-        if self.upto is None:
-            return 0.0
-        if not self.spans:
-            return self.last
-        since = self.upto - min(window, self.window)
-        first, _, v0 = self.spans[0]
-        span = self.upto - max(since, first)
-        if span <= 0:
-            return self.last
-        return max(0.0, (self.total - v0 * max(0.0, since - first)) / span)
-
-
-def contention(tracker: Tracker, now: float, loads: Mapping[int, SlidingLoad],
-               window: float = LOAD_WINDOW) -> dict[int, Contention]:
-    """Per GPU: its SM load over the window (``loads``, folded up to the last poll), this
-    server's kernels that computed there within the window, and whether it is contended.
-    O(GPUs + kernels x their GPUs)."""
+def contention(tracker: Tracker, now: float, window: float = LOAD_WINDOW) -> dict[int, Contention]:
+    """Per GPU: its SM load over the window (the tracker's records keep it up as samples
+    come), this server's kernels that computed there within the window, and whether it is
+    contended. O(GPUs + kernels x their GPUs)."""
     since = now - window
     who: dict[int, list[str]] = {}
     for kid, rec in tracker.kernels.items():
@@ -126,7 +82,7 @@ def contention(tracker: Tracker, now: float, loads: Mapping[int, SlidingLoad],
                 who.setdefault(g, []).append(kid)
     out = {}
     for g in sorted(tracker.gpus):
-        load = round(loads[g].recent_load(window), 1) if g in loads else 0.0
+        load = round(tracker.gpus[g].recent_load(window), 1)
         names = tuple(sorted(who.get(g, ())))
         out[g] = Contention(load, names, contended(GpuView(g, None, load, busy=len(names))))
     return out
@@ -150,14 +106,16 @@ class RebalanceSettings:
     enabled: bool
     idle: float
     per_hour: int
+    window: float = LOAD_WINDOW  # s contention is judged over (window_of)
 
     @classmethod
     def of(cls, config: Any) -> RebalanceSettings:
-        """The app's options (``rebalance``, ``rebalance_idle``, ``rebalance_max_per_hour``);
-        settings without them (a bare policy config) do not move kernels."""
-        return cls(bool(getattr(config, "rebalance", False)),
-                   float(getattr(config, "rebalance_idle", 120.0)),
-                   int(getattr(config, "rebalance_max_per_hour", 2)))
+        """The app's options (``rebalance``, ``rebalance_idle``, ``rebalance_max_per_hour``,
+        ``load_window``); settings without them (a bare policy config) do not move kernels."""
+        idle = float(getattr(config, "rebalance_idle", 120.0))
+        return cls(bool(getattr(config, "rebalance", False)), idle,
+                   int(getattr(config, "rebalance_max_per_hour", 2)),
+                   window_of(idle, float(getattr(config, "load_window", 120.0))))
 
 
 def said(plan: dict[int, int], why: str) -> str:
@@ -170,33 +128,34 @@ def said(plan: dict[int, int], why: str) -> str:
 class Rebalancer:
     """The controller's moves between cells (see the module's docstring)."""
 
-    def __init__(self, controller: Controller, window: float = LOAD_WINDOW):
+    def __init__(self, controller: Controller):
         self.c = controller
-        self.window = window
         self.moves: dict[str, deque[float]] = {}  # kernel -> when its moves started, last hour
         self.planned: dict[str, tuple[dict[int, int], str]] = {}  # kernel -> (mapping, why)
         self.granted: dict[str, Grant] = {}  # kernel -> the restore grant onto its new GPUs
         self.last: dict[str, tuple[str, int]] = {}  # kernel -> (its last move, restores then)
         self.seen: dict[int, Contention] = {}
-        self.loads: dict[int, SlidingLoad] = {}  # GPU -> its load over the window
         # the placement rule's views, built as the placer and the restores build them and
         # with their placements (kernels placed, not computing yet, count), over this window
-        self.load = GpuLoad(lambda: self.loads, lambda: controller.tracker.kernels, window)
+        self.load = GpuLoad(lambda: controller.tracker.gpus, lambda: controller.tracker.kernels,
+                            self.window)
         self.load.placed = controller.room.load.placed  # one record of placements, shared
 
     @property
     def settings(self) -> RebalanceSettings:
         return RebalanceSettings.of(self.c.config)
 
+    @property
+    def window(self) -> float:
+        """Seconds contention is judged over, from the options now (:func:`window_of`)."""
+        return self.settings.window
+
     # -- each poll ---------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         """Judge every GPU (the metrics show it) and start the moves the rule plans."""
         tracker = self.c.tracker
-        for g in set(self.loads) - set(tracker.gpus):
-            del self.loads[g]
-        for g, rec in tracker.gpus.items():
-            self.loads.setdefault(g, SlidingLoad(self.window)).fold(rec.history)
-        self.seen = contention(tracker, now, self.loads, self.window)
+        self.load.window = window = self.window
+        self.seen = contention(tracker, now, window)
         metrics.set_contention({g: (c.load, c.contended) for g, c in self.seen.items()})
         for kid in set(self.moves) - set(tracker.kernels):
             self.moves.pop(kid, None)
@@ -208,7 +167,9 @@ class Rebalancer:
             return
         views = self.load.views(room(self.c), now=now)
         residents = [r for r in (self._resident(kid, now, cfg) for kid in list(tracker.kernels)) if r]
-        for kid, plan in rebalance(residents, views):
+        keep = pressure_floor(self.c.node_room.total_bytes(),
+                              self.c.config.pressure_free_fraction)
+        for kid, plan in rebalance(residents, views, keep=keep):
             why = ", ".join(f"GPU {g} busy" for g in sorted(plan))
             self.moves.setdefault(kid, deque()).append(now)
             self.planned[kid] = (plan, why)
@@ -306,4 +267,4 @@ class Rebalancer:
         return last[0]
 
 
-__all__ = ["Contention", "Rebalancer", "SlidingLoad", "contention", "room"]
+__all__ = ["Contention", "Rebalancer", "contention", "room", "window_of"]

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TypeVar
 import psutil
 
 from .. import clock
+from ..node.gpu_load import SlidingLoad
 from ..policy import ReleaseSettings
 from ..policy.placement import window_mean
 from ..telemetry import GPUInfo, ProcessUsage, Telemetry
@@ -145,18 +146,19 @@ class KernelRecord:
 class GPURecord:
     info: GPUInfo
     history: deque[tuple[float, int | None, float | None]] = field(default_factory=deque)
-    _recent: tuple[Any, float] = field(default=(None, 0.0), init=False, repr=False, compare=False)
+    _windows: dict[float, SlidingLoad] = field(default_factory=dict, init=False, repr=False,
+                                               compare=False)
 
     def recent_load(self, window: float) -> float:
         """:meth:`load` over the last ``window`` seconds of samples (up to the newest one),
-        worked out once per sample: placement and restores ask for every GPU each time."""
-        if not self.history:
-            return 0.0
-        last = self.history[-1][0]
-        key = (last, len(self.history), window)
-        if self._recent[0] != key:
-            self._recent = (key, self.load(last - window, last))
-        return self._recent[1]
+        kept up as samples come (a running sum per window asked: placement's and the
+        rebalancer's): O(samples since the last call), not O(the window's samples), for
+        every GPU at the first decision after each poll."""
+        sliding = self._windows.get(window)
+        if sliding is None:
+            sliding = self._windows[window] = SlidingLoad(window)
+        sliding.fold(self.history)
+        return sliding.recent_load(window)
 
     def load(self, since: float, until: float) -> float:
         """Mean SM % busy over [since, until], from this GPU's samples: each sample's

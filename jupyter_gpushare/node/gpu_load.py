@@ -4,6 +4,8 @@ numbers.
 
 - ``load``: SM busy over the last ``window`` seconds of the tracker's samples of the GPU
   (the node's own figure: other servers' kernels count); ``window`` 0 = the last sample;
+  each GPU's record keeps a running sum per window (:class:`SlidingLoad`), so a decision
+  reads it in O(1) after O(new samples) to bring it up to date;
 - ``pending``: the expected load of kernels this server placed there that have not used it
   yet (a kernel the tracker has seen hold memory or compute there no longer counts);
 - ``kernels``: kernels this server placed there or that hold memory there now;
@@ -21,9 +23,10 @@ it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .. import clock
 from ..policy.placement import GpuView, Need
@@ -32,6 +35,65 @@ from ..policy.placement import GpuView, Need
 BUSY_FLOOR = 10.0
 #: s a placed kernel the tracker has not listed yet is kept (a kernel still starting)
 START_GRACE = 120.0
+
+
+class SlidingLoad:
+    """One GPU's SM load over its last ``window`` seconds of samples, kept up as the samples
+    come: a running sum of SM % x seconds, O(new samples) to bring up to date and O(1) to
+    read, so that the first placement decision after a poll does not read every GPU's whole
+    window again. The figure ``GPURecord.load`` works out from the samples: each sample's
+    utilization is the busy fraction since the sample before it, and the window shrinks to
+    the samples there are (those the ring still holds)."""
+
+    def __init__(self, window: float):
+        self.window = window
+        self.spans: deque[tuple[float, float, float]] = deque()  # (from, to, SM %), oldest first
+        self.total = 0.0  # sum of SM % x seconds over spans
+        self.history: Any = None  # the ring folded in (another one: start over)
+        self.upto: float | None = None  # time of the last sample folded in
+        self.last = 0.0  # its SM %
+
+    def fold(self, history: deque[tuple[float, int | None, float | None]]) -> None:
+        """Take in the samples of ``history`` newer than the last one folded in; forget the
+        spans that ended before the window."""
+        if not history:
+            self.spans.clear()
+            self.total, self.history, self.upto, self.last = 0.0, history, None, 0.0
+            return
+        if history is not self.history or (self.upto is not None and history[0][0] > self.upto):
+            self.spans.clear()  # a new ring, or it wrapped past us: start over
+            self.total, self.history, self.upto = 0.0, history, None
+        new = []
+        for row in reversed(history):
+            if self.upto is not None and row[0] <= self.upto:
+                break
+            new.append(row)
+        for t, _, u in reversed(new):
+            value = float(u or 0.0)
+            if self.upto is not None and t > self.upto:
+                self.spans.append((self.upto, t, value))
+                self.total += value * (t - self.upto)
+            self.upto, self.last = t, value
+        if self.upto is not None:
+            since = max(self.upto - self.window, history[0][0])  # the ring's oldest, at most
+            while self.spans and self.spans[0][1] <= since:
+                a, b, v = self.spans.popleft()
+                self.total -= v * (b - a)
+            if not self.spans:
+                self.total = 0.0  # no rounding carried on
+
+    def recent_load(self, window: float) -> float:
+        """Mean SM % over the last ``window`` seconds of samples (at most this one's window)."""
+        if self.upto is None:
+            return 0.0
+        if not self.spans:
+            return self.last
+        since = self.upto - min(window, self.window)
+        first, _, v0 = self.spans[0]
+        span = self.upto - max(since, first)
+        if span <= 0:
+            return self.last
+        return max(0.0, (self.total - v0 * max(0.0, since - first)) / span)
 
 
 class GpuSamples(Protocol):
