@@ -10,12 +10,14 @@ import json
 import pytest
 from traitlets import TraitError
 
+from jupyter_gpushare.node.placement import PlacementError
 from jupyter_gpushare.policy import Candidate, PolicyConfig, make_room
 from jupyter_gpushare.server.options import KernelOptions
 
 from .helpers import kernel_status, rest, wait_for
 from .scenarios import MiB, hold, intact
 from .test_compute_placement import kernelspec, start
+from .test_placement import Spec, gpu, placer
 
 CAPPED = {"metadata": {"gpushare": {"memory_limit": "64MiB"}}}
 
@@ -98,3 +100,21 @@ def test_kernels_over_their_cap_are_released_first_to_make_room():
     cands = [cand("long-idle", 900, False), cand("over-cap", 200, True)]
     decisions = make_room({0: 4 * MiB}, {0: 0}, cands, PolicyConfig(pressure_idle_timeout=60, min_release_bytes=0))
     assert [d.kernel_id for d in decisions or []] == ["over-cap"]
+
+
+class CapSpec(Spec):
+    def __init__(self, **gpushare):
+        super().__init__()
+        self.metadata = {"gpushare": gpushare}
+
+
+async def test_placement_expects_a_capped_kernel_to_need_its_cap():
+    async def need(spec, default_cap=None):
+        p = placer([gpu(0), gpu(1)], default_cap=default_cap)
+        await p.place("k", spec, {})
+        return p.placed["k"].need.bytes
+
+    assert await need(CapSpec(memory_limit="1GiB", memory="1.5GiB")) == 1 << 30  # it can hold no more
+    assert await need(CapSpec(memory="1.5GiB"), default_cap=lambda: 768 * MiB) == 768 * MiB
+    with pytest.raises(PlacementError, match="memory_limit cannot be negative"):
+        await need(CapSpec(memory_limit="-1GiB"))
