@@ -185,7 +185,7 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         teardown.callback(self.channel.close_now)
         self.hub_link = hub_link.connect(self.config, self.controller, self.refresh)
         self.controller.default_cap = self.default_cap
-        self.capwatch = CapWatch(self.controller, self._tell_over_cap)
+        self.capwatch = CapWatch(self.controller, self._tell_over_cap, self.tell_cap)
         self.ahead = AheadRestores(self.controller, self.ahead_grace)
         self.precopies = Precopies(self.controller, lambda: self.precopy_after,
                                    lambda: self.host_memory_reserve)
