@@ -10,7 +10,10 @@ path with "device" storages that are CPU memory, as tests/test_offload_fast.py d
   then released.
 
 Each line gives the bytes the release copied, its time, and both as a share of the full
-release. Run: ``python benchmarks/incremental_release.py [--gib 4] [--rate BYTES_PER_S]``;
+release. For PyTorch also ``fingerprints``: the time to take every storage's device
+fingerprint (what a release reads to trust a kept copy; on a GPU it reads device memory at
+its bandwidth, here CPU memory, so on these stand-ins it costs about what a copy does: GPU
+figures come from the GPU proof, ``benchmarks/gpu/scenes.py`` stage 2). Run: ``python benchmarks/incremental_release.py [--gib 4] [--rate BYTES_PER_S]``;
 ``--smoke`` runs tiny sizes in seconds (CI). Needs numpy; the PyTorch part needs torch.
 """
 
@@ -84,12 +87,14 @@ def torch_cpu(total: int) -> list[str]:
     except ImportError:
         return ["pytorch (CPU storages)   skipped: torch is not installed"]
     torch.set_num_threads(1)  # one copy thread: on a shared machine more threads only spin
-    os.environ["JUPYTER_GPUSHARE_KEEP_HOST_COPY"] = "1"  # PyTorch keeps copies only when asked
+    os.environ.pop("JUPYTER_GPUSHARE_KEEP_HOST_COPY", None)  # kept: the default
     from jupyter_gpushare.kernel.offload.pinned import PinnedPool
     from jupyter_gpushare.kernel.offload.torch_adapter import (
         StreamCopies,
         TorchAdapter,
+        _read_fingerprints,
         drop_kept,
+        fingerprint,
     )
 
     where: dict[int, str] = {}
@@ -140,6 +145,10 @@ def torch_cpu(total: int) -> list[str]:
     full = (full_numbers[0], full_numbers[1])
     out.append(line("pytorch (CPU storages)", "full", *full, full))
     a.reload()
+    start = time.perf_counter()
+    _read_fingerprints([fingerprint(t.untyped_storage()) for t in ns.values()])
+    out.append(line("pytorch (CPU storages)", "fingerprints (no copy)", 0,
+                    time.perf_counter() - start, full))
     drop_kept()  # as fresh: no host copy at all
     adapter().precopy(ns)
     a, copied, seconds = release()

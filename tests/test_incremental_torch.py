@@ -2,15 +2,17 @@
 made ahead by a pre-copy, and the next release copies only the storages written (or new)
 since; run on two simulated GPUs made of CPU storages (``FakeGPUs``, the fast path's seam).
 
-The model test drives random sequences of in-place writes (through tensors and views), new
-tensors and views, deletions, pre-copies (with a cell's write landing in the middle of one),
-releases, restores and failed copies and allocations against a reference namespace of plain
-tensors, and checks after every step every byte, every ``id()``, where each tensor lives,
-and how many bytes each release copied.
+The model test drives random sequences of in-place writes (through tensors and views, and
+through ``.data`` and DLPack, which move no version counter: the device fingerprint sees
+them), new tensors and views, deletions, pre-copies (with a cell's write landing in the
+middle of one), releases, restores and failed copies and allocations against a reference
+namespace of plain tensors, and checks after every step every byte, every ``id()``, where
+each tensor lives, and how many bytes each release copied.
 """
 
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -37,7 +39,7 @@ pytestmark = pytest.mark.torch
 
 @pytest.fixture(autouse=True)
 def no_copies_left(monkeypatch):
-    monkeypatch.setenv(torch_adapter.KEEP_ENV, "1")  # opt-in for PyTorch (see the adapter)
+    monkeypatch.delenv(torch_adapter.KEEP_ENV, raising=False)  # kept by default
     drop_kept()
     yield
     drop_kept()
@@ -112,9 +114,78 @@ def test_a_precopy_stops_when_a_cell_starts():
 
     gpus.copy = cell_arrives
     report = gpus.adapter().precopy(ns, stop)
-    assert report.stopped and report.copied == 16 * 4
+    # no copy after the cell started; the one queued before is dropped too: the cell may
+    # have written that storage between its fingerprint and its copy and back after
+    assert report.stopped and report.copied == 0 and gpus.copies == 1
+    assert kept_copies()["kept"] == 0
     gpus.copy = plain_copy
-    assert gpus.adapter().offload(ns).copied == 4 * 16 * 4
+    assert gpus.adapter().offload(ns).copied == 5 * 16 * 4
+
+
+def unseen_write(t, how: str, value: float = 1.5) -> None:
+    """Add ``value`` to ``t``'s bytes in place without moving its version counter."""
+    before = t._version
+    if how == "data":
+        t.data.add_(value)
+    elif how == "dlpack":
+        torch.from_dlpack(t).add_(value)
+    else:  # a raw pointer, as a C extension writes
+        new = (t.detach() + value).contiguous()
+        ctypes.memmove(t.data_ptr(), new.data_ptr(), new.numel() * new.element_size())
+    assert t._version == before  # PyTorch's counters saw nothing
+
+
+@pytest.mark.parametrize("how", ["data", "dlpack", "pointer"])
+def test_a_write_the_version_counters_miss_is_copied_at_release(how):
+    """Restored with its host copy kept, then written through ``.data``, DLPack or a raw
+    pointer: the fingerprint differs, so the release copies it and the restore brings back
+    the written bytes, never the kept ones."""
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(300)), "same": gpus.put(torch.ones(50))}
+    adapter = gpus.adapter()
+    adapter.offload(ns)
+    adapter.reload()
+    assert kept_copies()["current"] == 1400  # by the counters, both unchanged
+    unseen_write(ns["w"][100:200], how)
+    adapter = gpus.adapter()
+    assert adapter.offload(ns).copied == 1200  # w's storage; 'same' released without a copy
+    adapter.reload()
+    expected = torch.zeros(300)
+    expected[100:200] = 1.5
+    assert torch.equal(bits(ns["w"]), bits(expected))
+    assert torch.equal(ns["same"], torch.ones(50))
+
+
+def test_an_unseen_write_after_the_precopy_is_copied_at_release():
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(64))}
+    assert gpus.adapter().precopy(ns).copied == 256
+    unseen_write(ns["w"], "data")
+    adapter = gpus.adapter()
+    assert adapter.offload(ns).copied == 256
+    adapter.reload()
+    assert torch.equal(ns["w"], torch.full((64,), 1.5))
+
+
+def test_a_fingerprint_sees_any_one_word_and_sign_flips_and_swaps():
+    fp = torch_adapter.fingerprint
+    x = torch.randn(5000)
+    base = int(fp(x.untyped_storage()))
+    assert base == int(fp(x.clone().untyped_storage()))
+    for i in range(0, 5000, 97):  # every 97th word, one bit each
+        y = x.clone()
+        y.view(torch.int32)[i] ^= 1 << (i % 32)
+        assert int(fp(y.untyped_storage())) != base, i
+    y = x.clone()
+    y[[3, 4100]] = -y[[3, 4100]]  # two sign bits
+    assert int(fp(y.untyped_storage())) != base
+    y = x.clone()
+    y[[3, 4099]] = y[[4099, 3]]  # a swap, a row apart
+    assert int(fp(y.untyped_storage())) != base
+    odd = torch.arange(7, dtype=torch.uint8)  # a tail of 3 bytes after one word
+    z = odd.clone()
+    z[6] = 9
+    assert int(fp(odd.untyped_storage())) != int(fp(z.untyped_storage()))
 
 
 def test_kept_copies_are_dropped_oldest_first():
@@ -207,6 +278,17 @@ class IncrementalTorch(RuleBasedStateMachine):
         self.mark(name)
 
     @precondition(lambda self: self.adapter is None and self.ns)
+    @rule(data=st.data(), how=st.sampled_from(["data", "dlpack", "pointer"]),
+          value=st.floats(0.5, 4))
+    def write_unseen(self, data, how, value):
+        """A write no version counter sees: the fingerprint must."""
+        name = data.draw(st.sampled_from(sorted(self.ns)))
+        unseen_write(self.ns[name], how, value)
+        with torch.no_grad():
+            self.ref[name].add_(value)
+        self.mark(name)
+
+    @precondition(lambda self: self.adapter is None and self.ns)
     @rule(data=st.data())
     def delete(self, data):
         name = data.draw(st.sampled_from(sorted(self.ns)))
@@ -216,8 +298,8 @@ class IncrementalTorch(RuleBasedStateMachine):
 
     # -- the kernel's agent -------------------------------------------------------------------
     @precondition(lambda self: self.adapter is None)
-    @rule(write_during=st.booleans(), data=st.data())
-    def precopy(self, write_during, data):
+    @rule(write_during=st.booleans(), unseen=st.booleans(), data=st.data())
+    def precopy(self, write_during, unseen, data):
         victim = data.draw(st.sampled_from(sorted(self.ns))) if self.ns and write_during else None
         plain_copy = self.gpus.copy
         wrote = []
@@ -228,7 +310,10 @@ class IncrementalTorch(RuleBasedStateMachine):
             copied.append(src._cdata)
             if victim is not None and not wrote:  # a cell writes while the pre-copy runs
                 with torch.no_grad():
-                    self.ns[victim].mul_(-1)
+                    if unseen:  # through .data: no counter moves
+                        self.ns[victim].data.mul_(-1)
+                    else:
+                        self.ns[victim].mul_(-1)
                     self.ref[victim].mul_(-1)
                 wrote.append(self.storage_key(victim))
 

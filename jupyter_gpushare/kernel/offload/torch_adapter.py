@@ -119,6 +119,83 @@ def _storage_shared(storage: torch.UntypedStorage) -> bool:
     return bool(_torch()._C._storage_Use_Count(storage._cdata) > 1)
 
 
+# -- fingerprints: whether a storage's bytes changed, read on its own device -------------------
+# A write through ``.data``, DLPack or a raw pointer moves no version counter, so a kept host
+# copy is trusted only while the storage's fingerprint is the one taken with the copy. The
+# fingerprint is sum(w[i] * word[i]) mod 2**64 over the storage's 32-bit words (the last
+# bytes alone), each weight a random odd 64-bit number (column weight x row weight x chunk
+# weight, drawn per process): any change to one word always changes it, and any other
+# change leaves it equal with a probability below 2**-32. It reads the storage once at the
+# device's memory bandwidth (a few temporaries of one chunk), far less than a copy over
+# the bus.
+_FP_COLUMNS = 4096  # 32-bit words per row
+_FP_ROWS = 2048  # rows per chunk: 32 MiB of the storage at a time, a temporary of 64 MiB
+_FP_SEED = int.from_bytes(os.urandom(8), "little") >> 1
+_fp_weights: dict[str, tuple[Any, Any]] = {}  # device -> (column weights, row weights)
+
+
+def _odd_int64(n: int, seed: int) -> torch.Tensor:
+    torch = _torch()
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-(1 << 62), 1 << 62, (n,), dtype=torch.int64, generator=g) * 2 + 1
+
+
+def _chunk_weight(index: int) -> int:
+    """An odd signed 64-bit weight for chunk ``index`` (splitmix64 of the seed and index)."""
+    z = (_FP_SEED + (index + 1) * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    z = (z ^ (z >> 31)) | 1
+    return z - (1 << 64) if z >= 1 << 63 else z
+
+
+def _weights(device: Any) -> tuple[Any, Any]:
+    key = str(device)
+    found = _fp_weights.get(key)
+    if found is None:
+        found = _fp_weights[key] = (_odd_int64(_FP_COLUMNS, _FP_SEED).to(device),
+                                    _odd_int64(_FP_ROWS, _FP_SEED + 1).to(device))
+    return found
+
+
+def fingerprint(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The storage's fingerprint as a 0-d int64 tensor on its device, queued on the current
+    stream (reading it waits for the work queued before)."""
+    torch = _torch()
+    data = _byte_view(storage)
+    cols, rows = _weights(data.device)
+    total = torch.zeros((), dtype=torch.int64, device=data.device)
+    nwords = data.numel() // 4
+    words = data[:nwords * 4].view(torch.int32)
+    chunk = _FP_COLUMNS * _FP_ROWS
+    for index, start in enumerate(range(0, nwords, chunk)):
+        part = words[start:start + chunk]
+        full = part.numel() // _FP_COLUMNS * _FP_COLUMNS
+        per_row = (part[:full].view(-1, _FP_COLUMNS) * cols).sum(dim=1)
+        value = (per_row * rows[:per_row.numel()]).sum()
+        if full < part.numel():  # the last row, short
+            rest = part[full:]
+            value += (rest * cols[:rest.numel()]).sum() * rows[per_row.numel()]
+        total += value * _chunk_weight(index)
+    tail = data[nwords * 4:]
+    if tail.numel():
+        total += (tail.to(torch.int64) * cols[:tail.numel()]).sum() * _chunk_weight(-2)
+    return total
+
+
+def _read_fingerprints(values: list[Any]) -> list[int]:
+    """The values of queued fingerprints: one wait and one small copy per device."""
+    torch = _torch()
+    by_device: dict[str, list[int]] = {}
+    for i, v in enumerate(values):
+        by_device.setdefault(str(v.device), []).append(i)
+    out = [0] * len(values)
+    for indices in by_device.values():
+        for i, v in zip(indices, torch.stack([values[i] for i in indices]).tolist(), strict=True):
+            out[i] = int(v)
+    return out
+
+
 _default_pool: PinnedPool | None = None
 
 
@@ -176,6 +253,20 @@ class StreamCopies:
         new = self.alloc_device(host.nbytes(), device)
         self.copy(new, host, device)
         return new
+
+    def fingerprint(self, storage: Any, device: Any) -> Any:
+        """``storage``'s fingerprint, queued where this move's copies go (a pre-copy's: its
+        own stream, after the work queued on the device), so that it reads what the copy
+        queued next reads; its value is read after :meth:`synchronize`."""
+        if self.copy != self._cuda_copy:  # the test hooks: storages in host memory
+            return fingerprint(storage)
+        torch = _torch()
+        stream = self._stream(device)
+        if device not in self._joined or self.background:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self._joined.add(device)
+        with torch.cuda.stream(stream):
+            return fingerprint(storage)
 
     def synchronize(self, devices: Iterable[Any]) -> None:
         """One wait per device (every device's copies were queued before the first wait, so
@@ -251,6 +342,9 @@ class LegacyCopies:
     def to_device(self, host: Any, device: Any) -> Any:
         return self._to_device(host, device)
 
+    def fingerprint(self, storage: Any, device: Any) -> Any:
+        return fingerprint(storage)
+
     def synchronize(self, devices: Iterable[Any]) -> None:
         self._synchronize()
 
@@ -296,16 +390,16 @@ class _Group:
     kept: _Kept | None = None  # the kept copy ``host`` came from (nothing was copied)
 
 
-#: "1": keep the host copy after a restore, so the next release copies only what changed.
-#: Off unless asked: a write PyTorch does not see (``.data``, DLPack, a raw pointer) moves no
-#: version counter, and a kept copy would then bring back the old bytes. Opt in where the
-#: kernel's code writes tensors only through PyTorch's own ops.
+#: "0": no host copy is kept after a restore (every release copies everything). Kept by
+#: default: a kept copy is used only while its storage's version counters and its device
+#: fingerprint are those of the copy, so a write PyTorch does not count (``.data``, DLPack, a
+#: raw pointer) is still seen.
 KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
 
 
 def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
-    value = (os.environ if environ is None else environ).get(KEEP_ENV, "0")
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    value = (os.environ if environ is None else environ).get(KEEP_ENV, "1")
+    return value.strip().lower() not in ("0", "false", "no", "off")
 
 
 @dataclass
@@ -317,7 +411,9 @@ class _Kept:
     It is current while the storage lives, the same tensors (no more, no fewer) use it, and
     none of their version counters moved: every in-place write through PyTorch bumps the
     counter of the tensor written (a view shares its base's). Writes PyTorch does not see
-    (through ``.data``, DLPack, a raw pointer) are not; see the docs."""
+    (through ``.data``, DLPack, a raw pointer) move no counter: a release also checks the
+    storage's device fingerprint (:func:`fingerprint`) against the one taken with the copy
+    (:func:`_unchanged`), and copies the storage again when it differs."""
 
     host: Any
     nbytes: int
@@ -325,6 +421,7 @@ class _Kept:
     storage: Any  # torch.multiprocessing.reductions.StorageWeakRef
     tensors: list[weakref.ref]
     versions: list[int | None]  # None: an inference tensor, which has no counter
+    fingerprint: int | None = None  # of the bytes copied (None: not known, never trusted)
     at: float = field(default_factory=time.monotonic)
 
     def current(self, tensors: list[Any] | None = None) -> bool:
@@ -356,13 +453,29 @@ _kept: dict[int, _Kept] = {}
 _kept_lock = threading.RLock()
 
 
-def _kept_entry(group: _Group, storage: Any, host: Any) -> _Kept:
+def _kept_entry(group: _Group, storage: Any, host: Any, print_: int | None) -> _Kept:
     return _Kept(host, group.nbytes, group.device, _weak_storage(storage),
-                 [weakref.ref(t) for t in group.tensors], _versions(group.tensors))
+                 [weakref.ref(t) for t in group.tensors], _versions(group.tensors), print_)
+
+
+def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any) -> set[int]:
+    """Of (kept copy, device storage) pairs whose version counters say unchanged, the
+    storages (``_cdata``) whose fingerprint now is the copy's. A fingerprint that cannot be
+    taken (no room for its temporaries) counts as changed: the storage is copied."""
+    if not candidates:
+        return set()
+    try:
+        now = _read_fingerprints([copies.fingerprint(storage, entry.device)
+                                  for entry, storage in candidates])
+    except Exception:
+        return set()
+    return {storage._cdata for (entry, storage), value in zip(candidates, now, strict=True)
+            if entry.fingerprint is not None and entry.fingerprint == value}
 
 
 def kept_copies() -> dict[str, int]:
-    """The kept host copies now (see :meth:`TorchAdapter.host_copies`), without a walk."""
+    """The kept host copies now (see :meth:`TorchAdapter.host_copies`), without a walk;
+    "current" by their version counters (the fingerprints are read at release only)."""
     with _kept_lock:
         entries = list(_kept.values())
     current = sum(e.nbytes for e in entries if e.current())
@@ -462,30 +575,46 @@ class TorchAdapter(OffloadAdapter):
         start = time.perf_counter()
         copies = self.copies.for_background()
         groups = self._find_groups(namespace, report)
-        queued: list[tuple[_Group, Any, list[int | None]]] = []
+        with _kept_lock:
+            counted = [(entry, storage) for group, storage in groups
+                       if (entry := _kept.get(storage._cdata)) is not None
+                       and entry.current(group.tensors)]
+        unchanged = _unchanged(counted, copies)
+        # each copy is queued after its fingerprint, on the same stream: a write between
+        # the two makes them differ, and the release copies that storage again
+        queued: list[tuple[_Group, Any, list[int | None], Any]] = []
         try:
             for group, storage in groups:
                 if stop is not None and stop.is_set():
                     report.stopped = True
                     break
+                if storage._cdata in unchanged:
+                    continue
                 with _kept_lock:
-                    old = _kept.get(storage._cdata)
-                    if old is not None and old.current(group.tensors):
-                        continue
+                    old = _kept.pop(storage._cdata, None)
                     versions = _versions(group.tensors)
                     if old is not None:  # stale: its buffer serves the new copy
-                        del _kept[storage._cdata]
                         copies.recycle(old.host)
                         del old
+                print_ = copies.fingerprint(storage, group.device)
                 group.host = copies.to_host(storage, group.device)
-                queued.append((group, storage, versions))
-            copies.synchronize(group.device for group, _, _ in queued)
+                queued.append((group, storage, versions, print_))
+            copies.synchronize(group.device for group, _, _, _ in queued)
+            prints = _read_fingerprints([p for _, _, _, p in queued])
         except BaseException:
-            self._drop_host_copies([group for group, _, _ in queued], copies)
+            self._drop_host_copies([group for group, _, _, _ in queued], copies)
             raise
+        if stop is not None and stop.is_set():
+            # a cell started before every copy was done: its writes may have landed between
+            # a fingerprint and its copy and been undone after (through .data, unseen by the
+            # counters); none of these copies is trusted, the release makes its own
+            self._drop_host_copies([group for group, _, _, _ in queued], copies)
+            report.stopped = True
+            report.seconds = time.perf_counter() - start
+            return report
         with _kept_lock:
-            for group, storage, versions in queued:
-                entry = _kept_entry(group, storage, group.host)
+            for (group, storage, versions, _), print_value in zip(queued, prints, strict=True):
+                entry = _kept_entry(group, storage, group.host, print_value)
                 entry.versions = versions
                 _kept[storage._cdata] = entry
                 report.copied += group.nbytes
@@ -510,15 +639,18 @@ class TorchAdapter(OffloadAdapter):
         copies = self.copies
 
         # 1. copy every storage to host (every device's copies queued, then one wait per
-        # device), except those whose kept host copy is current; nothing has changed yet if
-        # this fails (the kept copies taken go back)
+        # device), except those whose kept host copy is current (its version counters and
+        # its fingerprint); nothing has changed yet if this fails (the kept copies taken go
+        # back)
         with _kept_lock:
+            counted = [(entry, storage) for group, storage in groups
+                       if (entry := _kept.get(storage._cdata)) is not None
+                       and entry.current(group.tensors) and not _storage_shared(entry.host)]
+            unchanged = _unchanged(counted, copies)
             try:
                 for group, storage in groups:
-                    entry = _kept.get(storage._cdata)
-                    if (entry is not None and entry.current(group.tensors)
-                            and not _storage_shared(entry.host)):
-                        group.host, group.kept = entry.host, _kept.pop(storage._cdata)
+                    if storage._cdata in unchanged:
+                        group.host, group.kept = _kept[storage._cdata].host, _kept.pop(storage._cdata)
                     else:
                         group.host = copies.to_host(storage, group.device)
                         report.copied += group.nbytes
@@ -581,14 +713,24 @@ class TorchAdapter(OffloadAdapter):
             report.bytes += group.nbytes
             report.count += len(group.tensors)
         groups, self._groups = self._groups, []
-        keep = keep_host_copies()
+        # a host copy something else uses (a view taken while released) can change behind
+        # the counters: never kept
+        keep = [keep_host_copies() and not _storage_shared(group.host) for group in groups]
+        prints: list[int | None] = [None] * len(groups)
+        if any(keep):  # the restored bytes' fingerprints, read once per device
+            try:
+                taken = _read_fingerprints([fingerprint(storage) for storage, k
+                                            in zip(fresh, keep, strict=True) if k])
+            except Exception:  # no room for the temporaries: nothing is kept this time
+                keep = [False] * len(groups)
+            else:
+                values = iter(taken)
+                prints = [next(values) if k else None for k in keep]
         with _kept_lock:
-            for group, storage in zip(groups, fresh, strict=True):
+            for group, storage, k, print_ in zip(groups, fresh, keep, prints, strict=True):
                 host, group.host = group.host, None
-                # a host copy something else uses (a view taken while released) can change
-                # behind the counters: never kept
-                if keep and not _storage_shared(host):  # the next release copies what changes
-                    _kept[storage._cdata] = _kept_entry(group, storage, host)
+                if k:  # the next release copies what changes
+                    _kept[storage._cdata] = _kept_entry(group, storage, host, print_)
                 else:  # kept for the next cycle (bounded), or freed
                     copies.recycle(host)
                 del host
