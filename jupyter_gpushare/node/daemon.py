@@ -593,7 +593,9 @@ The node daemon: per-GPU restore turns for every Jupyter server of this node, ow
 trusted process (run it as root: a systemd unit, or a Kubernetes DaemonSet). Servers find it
 through GPUShareApp.node_daemon_socket or the environment variable
 JUPYTER_GPUSHARE_NODE_DAEMON; it knows each of them by the kernel's SO_PEERCRED (uid -> user).
-A turn held longer than --turn-timeout is revoked and the next waiter served."""
+A turn held longer than --turn-timeout is revoked and the next waiter served. Servers' room
+checks read free memory from it. With --listen and --secret-file it also measures this node for
+a gpushare hub service that runs elsewhere (Kubernetes), which checks servers' claims with it."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
