@@ -217,8 +217,14 @@ class Server:
         extension: bool = True,
         gpushare: dict[str, Any] | None = None,
         server: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+        python_config: str = "",
     ):
         self.name = name
+        self.env = env or {}  # set in the server's environment (its kernels inherit it)
+        #: lines of a Python config file run after the options (for objects JSON cannot
+        #: say, e.g. ``c.EventLogger.handlers``)
+        self.python_config = python_config
         self.extension = extension
         # placement off unless asked for: the benchmarks and the tests that use this server
         # address GPUs by the node's numbering (device=1 is the node's second GPU)
@@ -266,6 +272,11 @@ class Server:
         config_file = os.path.join(self.tmp, "jupyter_server_config.json")
         with open(config_file, "w") as f:
             json.dump(self._config(), f)
+        if self.python_config:
+            options, config_file = config_file, os.path.join(self.tmp, "jupyter_server_config.py")
+            with open(config_file, "w") as f:
+                f.write(f"import json\nfrom traitlets.config import Config\n"
+                        f"c.merge(Config(json.load(open({options!r}))))\n{self.python_config}\n")
         args = [
             sys.executable, "-m", "jupyter_server",
             f"--config={config_file}",
@@ -275,7 +286,7 @@ class Server:
         ]
         if self.extension:
             args.append(f"--GPUShareApp.backend={self.gpushare['backend']}")
-        env = {**os.environ, "JUPYTER_RUNTIME_DIR": runtime, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": runtime, "PYTHONUNBUFFERED": "1", **self.env}
         self.log_path = os.path.join(self.tmp, "server.log")
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,

@@ -270,9 +270,8 @@ class GPUShare(Policy):
             idle_seconds=0.0 if k.busy else max(0.0, now - k.last_activity),
             utilization_since=utilization_since,
             gpu_bytes={g: k.nbytes for g in k.gpus} if resident else {},
-            # quietness for room-making judged over the idle window, as the model always has
-            # (its figures and calibration rest on it)
-            pressure_window=self.config.idle_timeout,
+            # quietness for room-making judged over pressure_idle_timeout, as the controller
+            # judges it (policy.observed's default)
         )
 
     def next_poll(self, user: int, t: float) -> float:
