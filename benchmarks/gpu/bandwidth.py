@@ -41,7 +41,12 @@ BANDWIDTH_STEPS = {
 }
 BANDWIDTH_LARGE_STEPS = {
     "sizes": ("release/restore by each method at 16 and 40 GiB against pinned copies", 240.0),
+    "fingerprint": ("the framework method's device fingerprint of a storage (what a release "
+                    "reads to trust a kept host copy) against a pinned copy of it, 1 and 8 GiB; "
+                    "a one-word change is seen", 60.0),
 }
+FINGERPRINT_SIZES = [GiB, 8 * GiB]
+SIM_FINGERPRINT_SIZES = [16 * MiB]  # on CPU memory: the code path, not a figure
 
 
 async def bandwidth_scene(sc: Scene) -> None:
@@ -51,6 +56,65 @@ async def bandwidth_scene(sc: Scene) -> None:
 
 async def bandwidth_large_scene(sc: Scene) -> None:
     await sc.step("sizes", lambda st: sizes(st, LARGE if st.real else SIM_LARGE))
+    await sc.step("fingerprint", fingerprint_step)
+
+
+#: a child process (its own CUDA context, nothing else on the GPU): n bytes of random int64,
+#: the median of 5 fingerprints (queued and read, as a release reads them) against 5 copies
+#: into pinned host memory; then one word changed, and whether the fingerprint moved
+FINGERPRINT_CHILD = """
+import json, statistics, sys, time, torch
+from jupyter_gpushare.kernel.offload.torch_adapter import _read_fingerprints, fingerprint
+n, device = int(sys.argv[1]), sys.argv[2]
+cuda = device.startswith("cuda")
+x = torch.randint(-2**62, 2**62, (n // 8,), dtype=torch.int64, device=device)
+host = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+s = x.untyped_storage()
+def sync():
+    if cuda:
+        torch.cuda.synchronize()
+def fp():
+    return _read_fingerprints([fingerprint(s)])[0]
+def copy():
+    host.copy_(x.view(torch.uint8), non_blocking=cuda)
+    sync()
+def median(f):
+    f()
+    times = []
+    for _ in range(5):
+        sync()
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+fp_s, copy_s = median(fp), median(copy)
+before = fp()
+x[n // 16] += 1
+print(json.dumps({"fingerprint_s": fp_s, "copy_s": copy_s, "seen": fp() != before}))
+"""
+
+
+async def fingerprint_step(st: Step) -> None:
+    rows: list[dict[str, Any]] = []
+    st.figure("fingerprint_rows", rows)
+    device = "cuda:0" if st.real else "cpu"
+    for n in FINGERPRINT_SIZES if st.real else SIM_FINGERPRINT_SIZES:
+        if st.left() < 10 + n * 2e-9:
+            st.check(f"{fmt_bytes(n)}", None, f"skipped: {st.left():.0f} s left in the step")
+            continue
+        out = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-c", FINGERPRINT_CHILD, str(n), device],
+            capture_output=True, text=True, timeout=max(st.left(), 10))
+        if out.returncode != 0:
+            st.check(f"{fmt_bytes(n)}", False, out.stderr[-400:])
+            continue
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        r = {"bytes": n, **r, "fraction_of_copy": r["fingerprint_s"] / r["copy_s"]}
+        rows.append(r)
+        st.check(f"{fmt_bytes(n)}: a one-word change is seen", r["seen"],
+                 f"fingerprint {r['fingerprint_s'] * 1000:.1f} ms, pinned copy "
+                 f"{r['copy_s'] * 1000:.1f} ms ({r['fraction_of_copy']:.1%} of it)"
+                 + ("" if st.real else "; CPU memory, not a GPU figure"))
 
 
 async def cold_start(st: Step) -> None:

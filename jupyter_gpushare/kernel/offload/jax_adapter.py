@@ -18,6 +18,12 @@ what else stays on the device.
 
 Sharding, committed placement and weak type are restored; dtype and values are bitwise.
 
+Incremental releases: JAX arrays are immutable, so the host copy a restore came from is still
+that array's bytes for as long as the very array is alive (and not donated). A restore keeps
+it (``JUPYTER_GPUSHARE_KEEP_HOST_COPY=0``: not), a pre-copy makes one for arrays without,
+and the next release takes it instead of copying. A host copy something else holds (a CPU
+cell took the NumPy value while released, in lazy mode) is never kept: it could change.
+
 All or nothing (:mod:`.txn`): every array is copied first; then every slot is rebound, and
 if one refuses (a container that validates what it holds), the slots already rebound get
 their old values back, so a failed offload or reload leaves every object as it was (same
@@ -27,14 +33,17 @@ ids, values and devices) and raises.
 from __future__ import annotations
 
 import gc
+import os
 import re
+import sys
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..walk import Ref, namespace_roots, walk
+from ..walk import Ref, namespace_roots, walk, walk_namespace
 from .base import OffloadAdapter, OffloadReport
 from .txn import Change, apply_all
 
@@ -95,6 +104,65 @@ class _Binding:
     path: str = ""  # where the slot is, for messages
 
 
+#: "0": no host copy kept after a restore (the same switch as the PyTorch adapter's)
+KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
+
+
+def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
+    value = (os.environ if environ is None else environ).get(KEEP_ENV, "1")
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclass
+class _Kept:
+    """A host copy of one device array: its bytes while that very array lives, undeleted."""
+
+    array: weakref.ref[Any]
+    host: Any
+    nbytes: int
+    at: float = field(default_factory=time.monotonic)
+
+    def current(self, array: Any = None) -> bool:
+        alive = self.array()
+        if alive is None or (array is not None and alive is not array):
+            return False
+        try:
+            return not alive.is_deleted()  # donated to a computation: gone
+        except Exception:
+            return False
+
+
+#: id(device array) -> its kept host copy; process-wide (adapters are made anew per release)
+_kept: dict[int, _Kept] = {}
+_kept_lock = threading.RLock()
+
+
+def kept_copies() -> dict[str, int]:
+    with _kept_lock:
+        entries = list(_kept.values())
+    return {"current": sum(e.nbytes for e in entries if e.current()),
+            "kept": sum(e.nbytes for e in entries)}
+
+
+def drop_kept(wanted: int | None = None) -> int:
+    """Free kept host copies, oldest first, until ``wanted`` bytes are freed (None: all)."""
+    freed = 0
+    with _kept_lock:
+        for key, entry in sorted(_kept.items(), key=lambda item: item[1].at):
+            if wanted is not None and freed >= wanted:
+                break
+            del _kept[key]
+            freed += entry.nbytes
+    return freed
+
+
+def _kept_copy(array: Any) -> Any:
+    """The kept host copy of ``array`` if it is current, else None."""
+    with _kept_lock:
+        entry = _kept.get(id(array))
+    return entry.host if entry is not None and entry.current(array) else None
+
+
 def _offload_changes(bindings: list[_Binding]) -> Iterator[Change]:
     for binding in bindings:
         old = binding.ref.current()  # read just before the change: what an undo puts back
@@ -153,8 +221,50 @@ class JaxAdapter(OffloadAdapter):
 
     def trim(self) -> int:
         """JAX offers no way to return its allocator's cache; with
-        ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` freed buffers go back at once."""
+        ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` freed buffers go back at once. Frees the
+        kept host copies (host memory a driver checkpoint needs room in)."""
+        drop_kept()
         return 0
+
+    # -- host copies kept while resident -------------------------------------------------------
+
+    def precopy(self, namespace: dict[str, Any], stop: Any = None) -> OffloadReport:
+        """Copy to host every device array reachable from the namespace that has no kept
+        copy. Safe while cells run: an array never changes, and one made meanwhile is new."""
+        report = OffloadReport(framework=self.name)
+        if self._bindings:
+            return report
+        start = time.perf_counter()
+        result = walk_namespace(namespace, self._is_target, **self.walk_options)
+        arrays = [found.obj for found in result.found.values()]
+        result.release()
+        for array in arrays:
+            if stop is not None and stop.is_set():
+                report.stopped = True
+                break
+            if _kept_copy(array) is not None:
+                continue
+            try:
+                host = self.to_host(array)
+            except Exception:  # deleted (donated) meanwhile: nothing to keep
+                continue
+            with _kept_lock:
+                _kept[id(array)] = _Kept(weakref.ref(array), host, int(array.nbytes))
+            report.copied += int(array.nbytes)
+            report.count += 1
+        report.seconds = time.perf_counter() - start
+        return report
+
+    def host_copies(self) -> dict[str, int]:
+        kept = kept_copies()
+        try:
+            live = sum(int(a.nbytes) for a in _jax().live_arrays() if self.is_device(a))
+        except Exception:
+            live = kept["current"]
+        return {**kept, "to_copy": max(0, live - kept["current"])}
+
+    def drop_host_copies(self, wanted: int | None = None) -> int:
+        return drop_kept(wanted)
 
     # -- offload ----------------------------------------------------------------------------
 
@@ -174,8 +284,12 @@ class JaxAdapter(OffloadAdapter):
             entry = held.get(id(array))
             if entry is None:
                 originals.append(array)
+                host = _kept_copy(array)
+                if host is None:  # no current host copy: copied now
+                    host = self.to_host(array)
+                    report.copied += int(array.nbytes)
                 entry = held[id(array)] = HeldArray(
-                    host=self.to_host(array),
+                    host=host,
                     sharding=array.sharding,
                     committed=bool(getattr(array, "_committed", True)),
                     weak_type=bool(getattr(array, "weak_type", False)),
@@ -192,6 +306,7 @@ class JaxAdapter(OffloadAdapter):
         apply_all(_offload_changes(bindings))
         objects.clear()
         originals.clear()  # from here on only the rebound slots decide what stays alive
+        drop_kept()  # taken, or of arrays no longer reachable
         self._held = list(held.values())
         self._bindings = bindings
         held.clear()
@@ -297,12 +412,14 @@ class JaxAdapter(OffloadAdapter):
             return report
         start = time.perf_counter()
         jax = _jax()
+        fresh: list[HeldArray] = []  # made from their host copy: the copy may be kept
         try:
             # 1. a device array for every held one (the original where it is still alive)
             for entry in self._held:
                 entry.new = entry.original()
                 if entry.new is None:
                     entry.new = self.to_device(entry)
+                    fresh.append(entry)
                     report.bytes += entry.nbytes
                     report.count += 1
             jax.block_until_ready([entry.new for entry in self._held])
@@ -313,8 +430,22 @@ class JaxAdapter(OffloadAdapter):
                 entry.new = None  # still offloaded; a later reload may find room
             raise
         self._held, self._bindings = [], []
+        if keep_host_copies():
+            self._keep(fresh)
         report.seconds = time.perf_counter() - start
         return report
+
+    @staticmethod
+    def _keep(fresh: list[HeldArray]) -> None:
+        """Keep the host copies the restored arrays came from, for the next release: only
+        those nothing else holds (the entry's own reference, and getrefcount's argument)."""
+        with _kept_lock:
+            for entry in fresh:
+                host, new = entry.host, entry.new
+                entry.new = None
+                if sys.getrefcount(host) <= 3 and new is not None:  # + the local name
+                    _kept[id(new)] = _Kept(weakref.ref(new), host, entry.nbytes)
+                del host, new
 
     def _reload_changes(self, report: OffloadReport) -> Iterator[Change]:
         tree_util = _jax().tree_util
