@@ -223,7 +223,8 @@ def incremental_text(method: str) -> str:
     if method in ("framework", "simulated"):
         return ("a release copies only what changed since the host copy kept at the last "
                 "restore or made while idle (precopy_after; PyTorch: by version counters and "
-                "a fingerprint of each storage read on the GPU); CuPy and JAX arrays whole; "
+                "a fingerprint of each storage read on the GPU; JAX: arrays still alive); "
+                "CuPy arrays whole; "
                 "JUPYTER_GPUSHARE_KEEP_HOST_COPY=0 in the kernel copies everything")
     return "no incremental releases with this method"
 
