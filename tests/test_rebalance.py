@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 
 from jupyter_gpushare import clock
+from jupyter_gpushare.core.rebalance import window_of
 from jupyter_gpushare.sim.node import GiB
 
-from .helpers import kernel_status, wait_for
+from .helpers import get_json, kernel_status, wait_for
 from .scenarios import MiB, hold, intact
 
 NODE = {"simulated_gpus": [4 * GiB, 4 * GiB, 4 * GiB], "rebalance_idle": 120.0}
-WINDOW = 600.0  # s over which a GPU's load is judged (LOAD_WINDOW): a training fills it
+WINDOW = 600.0  # s over which a GPU's load is judged (5 x rebalance_idle): a training fills it
 AWAY = 130.0  # s: past rebalance_idle, within the window
 
 
@@ -159,3 +160,23 @@ async def test_moves_per_kernel_per_hour_are_bounded(jp_fetch, kernels, gpushare
     await a.run(intact("a"))
     await interrupt(jp_fetch, b, cell_b)
     await interrupt(jp_fetch, c, cell_c)
+
+
+@pytest.mark.parametrize("gpushare_config", [{**NODE, "rebalance_idle": 30.0, "load_window": 60.0}])
+async def test_the_rebalance_window_follows_rebalance_idle(jp_fetch, kernels, gpushare_app):
+    """Contention is judged over 5 x rebalance_idle, at least load_window: with 30 s idle,
+    150 s. A training fills that window; 160 s after it stopped the GPU reads quiet (over the
+    default 600 s it would still read half busy)."""
+    assert (window_of(120.0, 120.0), window_of(30.0, 60.0), window_of(0.0, 60.0)) == (600, 150, 60)
+    b = await kernels.start()
+    await b.run(hold(64, name="b"))
+    cell = training(b)
+    await computed_on(gpushare_app, b, 0)
+    await pass_time(gpushare_app, 150.0)
+    gpu0 = (await get_json(jp_fetch, "api", "gpushare", "status"))["gpus"][0]
+    assert gpu0["load"] >= 90 and gpu0["computing"] == [b.id], gpu0
+    await interrupt(jp_fetch, b, cell)
+    await pass_time(gpushare_app, 160.0)
+    gpu0 = (await get_json(jp_fetch, "api", "gpushare", "status"))["gpus"][0]
+    assert gpu0["load"] < 10 and gpu0["computing"] == [], gpu0
+    assert gpushare_app.controller.rebalancer.load.window == 150.0  # the moves' views too

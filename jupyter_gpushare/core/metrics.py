@@ -57,7 +57,8 @@ KERNEL_HOST_ROOM = Gauge(
 
 GPU_LOAD = Gauge(
     "gpushare_gpu_load_percent",
-    "GPU SM busy %, mean over the rebalance window (10 min), every process on the GPU", ["gpu"])
+    "GPU SM busy %, mean over the rebalance window (5 x rebalance_idle, at least load_window; "
+    "600 s by default), every process on the GPU", ["gpu"])
 GPU_CONTENDED = Gauge(
     "gpushare_gpu_contended",
     "1 when two or more of this server's kernels computed on the GPU within the window and its "

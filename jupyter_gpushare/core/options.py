@@ -125,8 +125,9 @@ class RestoreOptions(Configurable):
     rebalance = Bool(
         True,
         help="""Move an idle kernel off a GPU whose SMs are contended (two or more kernels
-        computed there within the last 10 minutes and its SMs were busy at least 90 % of that
-        time) onto a quiet GPU with room, between cells, so that its next cell does not share:
+        computed there within the rebalance window - 5 x rebalance_idle, at least
+        load_window: 600 s by default - and its SMs were busy at least 90 % of that time)
+        onto a quiet GPU with room, between cells, so that its next cell does not share:
         a release, then a restore onto the new GPU (its device numbering unchanged), said in an
         event (action "moved"), status and the panel. Never while a cell runs; only a kernel
         idle for rebalance_idle seconds; only with methods that can restore onto another GPU
@@ -137,8 +138,11 @@ class RestoreOptions(Configurable):
     rebalance_idle = Float(
         120.0,
         help="""Seconds a kernel must have been idle (no cell running, no GPU use) before
-        rebalance may move it: its person is away. Default 120. 0 = any kernel not running a
-        cell may move.""",
+        rebalance may move it: its person is away. It also sets the rebalance window, over
+        which contention is judged (rebalance, status, metrics, the panel): 5 x
+        rebalance_idle, at least load_window (600 s by default), so that a kernel idle
+        long enough to move still counts among those sharing its GPU. Default 120. 0 = any
+        kernel not running a cell may move (the window is then load_window).""",
     ).tag(config=True)
 
     rebalance_max_per_hour = Int(

@@ -101,8 +101,9 @@ class NodeOptions(Configurable):
         help="""Seconds of SM samples a GPU's load is the mean of, where placement and
         restores weigh GPUs (a new kernel goes to the least loaded GPU with room; a restore
         whose GPU is contended goes to a quieter one), and over which kernels count as
-        computing on a GPU (at least the last 10 s). Default 120. 0 = the last sample
-        alone.""",
+        computing on a GPU (at least the last 10 s): how busy a GPU is now, for a choice
+        made once. Rebalance judges contention over its own, longer window (5 x
+        rebalance_idle, at least this one). Default 120. 0 = the last sample alone.""",
     ).tag(config=True)
 
     @validate("load_window", "turnless_restore_after")

@@ -41,17 +41,17 @@ REBALANCE: bool = _default(RestoreOptions, "rebalance", True)
 REBALANCE_IDLE: float = _default(RestoreOptions, "rebalance_idle", 120.0)
 #: moves per kernel per hour, at most
 REBALANCE_PER_HOUR: int = _default(RestoreOptions, "rebalance_max_per_hour", 2)
-#: s over which rebalance judges a GPU's load and the kernels computing there
 
 
-def _rebalance_window() -> float:
+def window_of(rebalance_idle: float, load_window: float) -> float:
+    """s over which rebalance judges a GPU's load and the kernels computing there: the
+    product's rebalancer's window for these options (``core.rebalance.window_of``)."""
     try:
-        from ..core import rebalance
+        from ..core.rebalance import window_of as product
     except ImportError:  # a product without a rebalancer
-        return 600.0
-    return float(getattr(rebalance, "LOAD_WINDOW", 600.0))
+        return max(load_window, 5.0 * rebalance_idle)
+    return product(rebalance_idle, load_window)
 
 
-#: s over which rebalance judges a GPU's load and the kernels computing there (the
-#: product's rebalancer's window)
-REBALANCE_WINDOW: float = _rebalance_window()
+#: s over which rebalance judges a GPU's load and the kernels computing there, by default
+REBALANCE_WINDOW: float = window_of(REBALANCE_IDLE, LOAD_WINDOW)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..policy import placement as rule
-from .defaults import LOAD_WINDOW, MIN_ROOM, PRECOPY_AFTER, REBALANCE_WINDOW
+from .defaults import LOAD_WINDOW, MIN_ROOM, PRECOPY_AFTER
 from .meter import Meter
 from .node import Node
 from .transfer import TransferModel
@@ -246,11 +246,11 @@ class Simulation:
             raise ValueError(f"a kernel of {wide} GPUs cannot run on machines of "
                              f"{min(gpus_per_node, n_gpus)} GPUs")
         self.node = Node([gpu_bytes] * n_gpus, self.duration, bin_seconds, self.schedule,
-                         load_window, keep=max(load_window, REBALANCE_WINDOW))
+                         load_window, keep=policy.history_seconds(load_window))
         self.machine_of: dict[int, range] = {}  # user -> the machine their server runs on
         self.placed: list[set[int]] = [set() for _ in range(n_gpus)]  # placed, not allocated
         self.computed: list[dict[int, float]] = [{} for _ in range(n_gpus)]  # kernel -> last
-        self._keep = max(load_window, REBALANCE_WINDOW)  # s of that kept
+        self._keep = policy.history_seconds(load_window)  # s of that kept
         self.peaks: dict[int, dict[int, int]] = {}  # user -> kernel -> most bytes per GPU held
         self.reclaimed = Meter(bin_seconds, self.duration)  # bytes off the GPU of live kernels
         self._reclaimed_bytes = 0

@@ -145,8 +145,9 @@ export interface IGPU {
   /** This entry is a MIG instance. */
   mig: boolean;
   /**
-   * SM busy %, mean over the last 10 minutes (or since the server started), every process on the
-   * GPU counted: the GPU's compute demand against 100 %.
+   * SM busy %, mean over the rebalance window (5 x rebalance_idle, at least load_window: the last
+   * 10 minutes by default; or since the server started), every process on the GPU counted: the
+   * GPU's compute demand against 100 %.
    */
   load?: number;
   /**

@@ -51,7 +51,7 @@ export class GPUCard {
       gpu.memory_used === null ? null : String(gpu.memory_used)
     );
     setAttr(this.node, 'data-released-bytes', String(gpu.released_bytes ?? 0));
-    // A marker where kernels share the SMs: how many, and the load over the last 10 minutes
+    // A marker where kernels share the SMs: how many, and the load over the rebalance window
     const shared = gpu.contended
       ? ` · SM shared by ${gpu.computing?.length ?? 0} kernels, ${formatPercent(gpu.load)} busy`
       : '';
