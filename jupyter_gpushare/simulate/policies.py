@@ -54,8 +54,8 @@ from .defaults import (
     REBALANCE,
     REBALANCE_IDLE,
     REBALANCE_PER_HOUR,
-    REBALANCE_WINDOW,
     RELEASE_POLICY,
+    window_of,
 )
 from .engine import RELEASED, RESIDENT, Kernel, Simulation, reason_kind
 from .workload import Workload
@@ -112,6 +112,11 @@ class Policy:
                 m = sim.node_gpus(int(rule.rank_groups(groups, k.need, width)[0]))
             sim.machine_of[k.user_index] = m
         return m
+
+    def history_seconds(self, load_window: float) -> float:
+        """Seconds of SM history the policy judges GPUs over, at most (placement's
+        ``load_window``; a rebalancing policy's window may be longer)."""
+        return load_window
 
     def fits(self, sim: Simulation, k: Kernel) -> bool:
         """Whether a kernel starting now gets its memory (else: out of memory)."""
@@ -523,6 +528,9 @@ class GPUShare(Policy):
             self.schedule_check(sim, k.user_index, sim.now)  # its server notices at its next poll
 
     # -- rebalance: idle kernels off contended GPUs ----------------------------------------------
+    def history_seconds(self, load_window: float) -> float:
+        return max(load_window, window_of(self.rebalance_idle, load_window))
+
     def on_compute(self, sim: Simulation, gpus: list[int]) -> None:
         """A cell computes on ``gpus``: the rebalance passes over their machine run from now
         on, for as long as a GPU of it has computed within the load window (before and after
@@ -537,7 +545,7 @@ class GPUShare(Policy):
 
     def _rebalance_tick(self, sim: Simulation, machine: range) -> None:
         self._rebalance(sim, machine)
-        if (any(sim.busy(g, REBALANCE_WINDOW) for g in machine)
+        if (any(sim.busy(g, window_of(self.rebalance_idle, sim.load_window)) for g in machine)
                 and sim.now + REBALANCE_TICK <= sim.duration):
             sim.schedule(sim.now + REBALANCE_TICK, partial(self._rebalance_tick, sim, machine))
         else:
@@ -549,7 +557,7 @@ class GPUShare(Policy):
         product rebalancer's window: a kernel may move when its person is away (no cell
         running or waiting, idle ``rebalance_idle`` s) and it has moved fewer than
         ``rebalance_per_hour`` times in the last hour."""
-        w = REBALANCE_WINDOW
+        w = window_of(self.rebalance_idle, sim.load_window)
         if not any(sim.busy(g, w) >= 2 and sim.node.load(g, sim.now, w) >= rule.CONTENDED_LOAD
                    for g in machine):
             return  # no GPU can be contended (the rule's test, on the two inputs it reads)
