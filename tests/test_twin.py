@@ -113,3 +113,25 @@ def test_the_simulator_judges_pressure_over_pressure_idle_timeout_as_the_control
     run = twin.simulate(w, s, twin.device_transfer(s))
     released = [t for t, kid, what in run.timeline if what.startswith("released (memory pressure")]
     assert released and 20 + 120 <= released[0] <= 20 + 120 + 2 * s.poll_interval, run.timeline
+
+
+def test_the_simulator_stops_a_restore_ahead_without_room_after_5_s_as_the_server_does():
+    """The server stops a restore ahead that finds no room within ``core.ahead.ROOM_WAIT``
+    (5 s) and the cell, when it comes, restores as any cell; the simulator kept such a restore
+    waiting for ``ahead_grace`` (300 s) and restored it ahead when room came later."""
+    from jupyter_gpushare.simulate.workload import Cell, KernelWork, Session, Workload
+
+    gib = 1 << 30
+    # a fills the GPU with b: released under pressure at about 140; b grows while its cell
+    # runs (200-320, a's room gone), then frees; a's person comes back at 300, its cell at 500
+    a = (Cell(10.0, 10.0, 50.0, gpus=1, nbytes=6 * gib), Cell(480.0, 10.0, 50.0, gpus=1, nbytes=6 * gib))
+    b = (Cell(20.0, 10.0, 50.0, gpus=1, nbytes=7 * gib // 2),
+         Cell(170.0, 120.0, 50.0, gpus=1, nbytes=7 * gib, keeps=gib))
+    w = Workload(1000.0, (KernelWork("a", "u", 6 * gib, (Session(0.0, a),)),
+                          KernelWork("b", "u", 7 * gib // 2, (Session(0.0, b),))), "t")
+    s = twin.TwinSettings(gpus=1, gpu_gib=10)
+    run = twin.simulate(w, s, twin.device_transfer(s), leads={("a", 1): 200.0})
+    lines = [(t, what) for t, kid, what in run.timeline if kid == "a"]
+    assert any(what.startswith("released (memory pressure") for _, what in lines), lines
+    assert any(what.startswith("activity") for _, what in lines), lines
+    assert run.kernel("a").restores == {"cell": 1}, lines

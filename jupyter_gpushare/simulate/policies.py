@@ -18,8 +18,9 @@
   restores it with a cell's room rules (make-room takes only kernels idle past
   ``pressure_idle_timeout``, so never one whose person works), ranked below cells' restores:
   it never takes room a cell's restore waits for, and waits behind them. A kernel restored
-  ahead that runs no cell for ``ahead_grace`` s is released again; a restore ahead that found
-  no room within ``ahead_grace`` of the activity is dropped (0: neither). Migration
+  ahead that runs no cell for ``ahead_grace`` s is released again (0: never); a restore
+  ahead that found no room within 5 s of the activity is stopped, as the server stops it
+  (``core.ahead.ROOM_WAIT``). Migration
   (``move_after``, the product's ``restore_move_after``): a restore whose kernel's own GPUs
   have lacked room for ``move_after`` s goes onto other GPUs of its machine that have it, by
   :func:`jupyter_gpushare.policy.room.move_plan` unchanged (each GPU without room onto the
@@ -45,6 +46,7 @@ from functools import partial
 from typing import cast
 
 from .. import policy as product
+from ..core.ahead import ROOM_WAIT as AHEAD_ROOM_WAIT
 from ..policy import placement as rule
 from ..policy.room import lacking
 from .defaults import (
@@ -375,8 +377,8 @@ class GPUShare(Policy):
     def on_activity(self, sim: Simulation, k: Kernel) -> None:
         since = k.ahead_since
         assert since is not None
-        if self.ahead_grace > 0:
-            sim.schedule(since + self.ahead_grace, partial(self._ahead_dropped, sim, k, since))
+        # the server stops a restore ahead that finds no room within ahead.ROOM_WAIT s
+        sim.schedule(since + AHEAD_ROOM_WAIT, partial(self._ahead_dropped, sim, k, since))
         self._try_restore(sim, k)
 
     def on_ahead_restored(self, sim: Simulation, k: Kernel) -> None:
@@ -385,8 +387,9 @@ class GPUShare(Policy):
             sim.schedule(sim.now + self.ahead_grace, partial(self._ahead_unused, sim, k, since))
 
     def _ahead_dropped(self, sim: Simulation, k: Kernel, since: float) -> None:
-        """No room found and no cell within ``ahead_grace`` of the activity at ``since``: the
-        server drops the restore ahead (the cell, when it comes, restores as any cell)."""
+        """No room found within ``AHEAD_ROOM_WAIT`` s of the activity at ``since``, and no
+        cell: the server stops the restore ahead (the cell, when it comes, restores as any
+        cell)."""
         if k.ahead_since is None and k.pending is None:
             self._stop_waiting(k)  # a CPU-only cell came (lazy mode): nothing wants it now
         if k.ahead_since == since and k.state == RELEASED:
