@@ -21,6 +21,8 @@ from jupyter_gpushare.server.channel import AgentServer, Refused
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import LedgerRefused, SharedSimNode
 
+from .helpers import wait_for
+
 SQUATTER = "gpushare-squatter"
 
 
@@ -30,28 +32,38 @@ async def test_a_flood_of_refused_connections_logs_one_line_then_a_count_per_int
     async def refuse(kernel_id: str, pid: int) -> None:
         raise Refused(f"pid {pid} is not a process of kernel {kernel_id}")
 
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "agent channel: refused" in r.getMessage()]
+
+    def counted() -> int:
+        return sum(int(m.group(1)) for line in lines()[1:]
+                   if (m := re.search(r"refused (\d+) more peer", line)))
+
     server = AgentServer(str(tmp_path / "a.sock"), refuse, {})
     server.refusal_log_interval = 1.0
     caplog.set_level(logging.WARNING, logger="jupyter_gpushare")
     await server.start()
     n = 300
+    loop = asyncio.get_running_loop()
     try:
+        start = loop.time()
         for i in range(n):
             reader, writer = await asyncio.open_unix_connection(server.path)
             writer.write(encode({"id": 0, "op": "hello", "kernel_id": f"k{i}", "pid": os.getpid()}))
             await writer.drain()
             await reader.read()  # refused and closed
             writer.close()
-        await asyncio.sleep(1.3)  # the interval ends: its count is logged
+        intervals = (loop.time() - start) / server.refusal_log_interval
+        # the interval ends: its count is logged by the interval's timer, not by stop()
+        await wait_for(lambda: counted() == n - 1, what="the last interval's count")
     finally:
         await server.stop()
-    lines = [r.getMessage() for r in caplog.records if "agent channel: refused" in r.getMessage()]
     assert server.refusals == n
-    assert len(lines) <= 4, lines  # not one per connection
-    assert "refused a peer: pid" in lines[0]
-    counted = sum(int(m.group(1)) for line in lines[1:]
-                  if (m := re.search(r"refused (\d+) more peer", line)))
-    assert counted == n - 1, lines  # every refusal is accounted for
+    # one line, then one a started interval, not one a connection (the flood took 4 s, not
+    # under 3, on 2 cores at a load of 15: count the intervals it took)
+    assert len(lines()) <= 2 + intervals, lines()
+    assert "refused a peer: pid" in lines()[0]
+    assert counted() == n - 1, lines()  # every refusal is accounted for
 
 
 def test_the_shared_ledger_is_created_writable_by_its_owner_only(tmp_path):
