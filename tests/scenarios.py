@@ -54,11 +54,12 @@ async def released(jp_fetch: Any, kernels: Any, app: Any, mib: int = 256, name: 
     return k
 
 
-async def crowded(jp_fetch: Any, kernels: Any, app: Any) -> tuple[Any, Any]:
-    """On a 2 GiB GPU: kernel a released with 1.25 GiB, then kernel b holding 1.25 GiB, so a's
-    restore does not fit unless b goes."""
-    a = await released(jp_fetch, kernels, app, 1280, name="a")
+async def crowded(jp_fetch: Any, kernels: Any, app: Any, mib: int = 1280) -> tuple[Any, Any]:
+    """On a GPU of under twice ``mib`` MiB (SMALL_NODE for the default 1.25 GiB): kernel a
+    released with ``mib``, then kernel b holding ``mib``, so a's restore does not fit unless
+    b goes."""
+    a = await released(jp_fetch, kernels, app, mib, name="a")
     b = await kernels.start()
-    await b.run(hold(1280, name="b"))
+    await b.run(hold(mib, name="b"))
     await app.poll_once()
     return a, b

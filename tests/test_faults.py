@@ -15,7 +15,11 @@ import pytest
 from jupyter_gpushare import clock
 
 from .helpers import execute_request, get_json, kernel_status, wait_for
-from .scenarios import SMALL_NODE, MiB, crowded, hold, intact, released, rest
+from .scenarios import MiB, crowded, hold, intact, released, rest
+
+#: two kernels of STATE MiB do not fit on one GPU together (small: every byte is copied and
+#: checksummed, and 1.25 GiB states made these tests minutes long on 2 busy cores)
+SMALL_NODE, STATE = {"simulated_gpus": [256 * MiB, 256 * MiB]}, 160
 
 
 def state(app, kernel) -> str:
@@ -27,8 +31,8 @@ def state(app, kernel) -> str:
 async def test_two_restores_that_do_not_both_fit_take_turns_and_neither_fails(
     jp_fetch, kernels, gpushare_app, events
 ):
-    a = await released(jp_fetch, kernels, gpushare_app, 1280, name="a")
-    b = await released(jp_fetch, kernels, gpushare_app, 1280, name="b")
+    a = await released(jp_fetch, kernels, gpushare_app, STATE, name="a")
+    b = await released(jp_fetch, kernels, gpushare_app, STATE, name="b")
     (code_a, body_a), (code_b, body_b) = await asyncio.gather(
         rest(jp_fetch, a.id, "restore"), rest(jp_fetch, b.id, "restore"))
     assert sorted([code_a, code_b]) == [200, 202], (body_a, body_b)
@@ -36,7 +40,7 @@ async def test_two_restores_that_do_not_both_fit_take_turns_and_neither_fails(
     waiting = body_b if code_a == 200 else body_a
     assert waiting["state"] == "released" and waiting["waiting"].startswith("waiting for")
     assert not [e for e in events if e["action"] == "restore_failed"]
-    assert gpushare_app.node.used(0) == 1280 * MiB
+    assert gpushare_app.node.used(0) == STATE * MiB
     await wait_for(lambda: "memory" in (gpushare_app.controller.states[second.id].waiting or ""),
                    what="the second restore to wait for memory")
 
@@ -147,7 +151,7 @@ async def test_gpu_work_outside_cells_stops_automatic_release_and_says_why(
 async def test_cells_held_for_a_restore_are_answered_and_never_run_when_the_kernel_restarts(
     jp_fetch, kernels, gpushare_app, tmp_path
 ):
-    a, _ = await crowded(jp_fetch, kernels, gpushare_app)  # a's restore cannot fit
+    a, _ = await crowded(jp_fetch, kernels, gpushare_app, STATE)  # a's restore cannot fit
     marker = tmp_path / "ran"
     msg_id = a.send(f"open({str(marker)!r}, 'w').write('ran')")
     await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting for memory")
@@ -288,7 +292,7 @@ MAKE_ROOM = {**SMALL_NODE, "pressure_idle_timeout": 30.0, "idle_timeout": 3600.0
 async def test_a_victim_released_to_make_room_is_released_whole_when_the_waiter_goes_away(
     jp_fetch, kernels, gpushare_app
 ):
-    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    a, b = await crowded(jp_fetch, kernels, gpushare_app, STATE)
     await b.run(stall("checkpoint", 2.0))
     clock.advance(31)  # b idle past pressure_idle_timeout: make-room may take it
     await gpushare_app.poll_once()
@@ -297,7 +301,7 @@ async def test_a_victim_released_to_make_room_is_released_whole_when_the_waiter_
     a.ws.close()  # a's tab goes away while b's bytes move
     await wait_for(lambda: gpushare_app.controller.states[b.id].op is None, what="b's release to end")
     assert state(gpushare_app, b) == "released"
-    assert gpushare_app.controller.states[b.id].released_bytes == 1280 * MiB
+    assert gpushare_app.controller.states[b.id].released_bytes == STATE * MiB
     await wait_for(lambda: gpushare_app.controller.states[a.id].op is None, what="a's restore to end")
     await b.run(intact("b"), timeout=60)  # b comes back whole (taking a's room if it must)
 
@@ -402,7 +406,7 @@ async def test_a_stopped_kernel_is_not_released_and_runs_on_when_continued(
 async def test_a_victim_whose_release_fails_is_not_retried_in_a_hot_loop(
     jp_fetch, kernels, gpushare_app, events
 ):
-    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    a, b = await crowded(jp_fetch, kernels, gpushare_app, STATE)
     await b.run("from jupyter_gpushare.sim import device\n"
                 "device.get_device().inject_fault('lock', RuntimeError('injected: lock refused'))")
     clock.advance(31)
