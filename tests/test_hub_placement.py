@@ -82,6 +82,19 @@ async def test_a_new_kernel_avoids_the_gpu_another_users_released_kernel_comes_b
     await shut(alice, bob)
 
 
+async def test_a_new_kernel_avoids_the_gpu_another_users_kernel_was_just_placed_on(hub):
+    """alice's kernel is placed on GPU 0 and has not used it yet: bob's server cannot see it
+    (nothing is allocated), the service can (its pending), so bob's kernel goes to GPU 1."""
+    alice = await hub.kernel("alice")
+    assert await visible(alice) == "0"  # both GPUs empty: the first
+    await until(lambda: admin_view(hub),
+                lambda v: any(k.get("id") == alice.id for k in kernels_of(v, "alice")),
+                "the service sees alice's new kernel")
+    bob = await hub.kernel("bob")
+    assert await visible(bob) == "1"
+    await shut(alice, bob)
+
+
 async def test_a_server_that_cannot_reach_the_service_places_by_its_own_view(hub):
     dave = await hub.kernel("dave")  # the service's address answers nothing: placed anyway
     assert await visible(dave) in ("0", "1")

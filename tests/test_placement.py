@@ -164,6 +164,28 @@ async def test_the_hub_services_view_narrows_the_room_and_shares_come_first():
     assert got is not None and got.value == "0"  # placed by the server's own view
 
 
+async def test_kernels_other_servers_placed_count_where_the_hub_service_saw_them():
+    """Two servers of a node place kernels back to back: this one cannot see the other's
+    kernel before it allocates, the hub service can (its ``pending``); the new kernel goes to
+    the other GPU. Without the service's answer, only this server's own placements count."""
+    two = [gpu(0), gpu(1, used=16 * MiB)]  # GPU 0 has a few bytes more room
+
+    async def service(uuids: list[str]) -> Any:
+        return {"SIM-0": (2 * GiB, True), "SIM-1": (2 * GiB, True)}
+
+    seen = {"SIM-0": 1}  # another server's kernel placed on GPU 0, not computing yet
+    got = await placer(two, service_room=service, service_pending=lambda: seen).place(
+        "k", Spec(), {})
+    assert got is not None and got.gpus == [1]
+
+    async def silent(uuids: list[str]) -> Any:
+        return None
+
+    got = await placer(two, service_room=silent, service_pending=lambda: seen).place(
+        "k", Spec(), {})
+    assert got is not None and got.gpus == [0]  # an old answer is not taken for a new one
+
+
 async def test_placed_kernels_count_before_they_allocate_and_exact_bytes_never_outrank_load():
     two = [gpu(0, used=16 * MiB), gpu(1)]  # GPU 1 has a few bytes more room
     p = placer(two)

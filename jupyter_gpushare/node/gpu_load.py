@@ -14,9 +14,10 @@ numbers.
 - ``room`` and ``within_share``: the caller's (free memory less what is promised, narrowed
   by the hub service's view).
 
-Kernels placed by other servers of the node and not yet allocated are not seen here (the
-simulated node's ledger and NVML know only allocations): their memory and load count once
-they use the GPU. A placement is forgotten when its kernel has ended (a kernel not listed yet
+Kernels placed by other servers of the node and not yet allocated are not in this server's
+records (the simulated node's ledger and NVML know only allocations): the hub service's view,
+where there is one, counts them (``seen_pending``); without it their memory and load count
+once they use the GPU. A placement is forgotten when its kernel has ended (a kernel not listed yet
 may still be starting: forgotten after a grace) and follows its kernel when a restore moves
 it.
 """
@@ -164,10 +165,14 @@ class GpuLoad:
 
     # -- views ------------------------------------------------------------------------------
     def views(self, room: Mapping[int, int | None], within: Mapping[int, bool] | None = None,
-              exclude: str | None = None, now: float | None = None) -> dict[int, GpuView]:
+              exclude: str | None = None, now: float | None = None,
+              seen_pending: Mapping[int, float] | None = None) -> dict[int, GpuView]:
         """A view of each GPU of ``room`` (bytes a new state may take there, None: unknown);
         ``within``: per GPU, whether the person is within their share (default: yes);
-        ``exclude``: a kernel left out of every count (the one being restored)."""
+        ``exclude``: a kernel left out of every count (the one being restored);
+        ``seen_pending``: per GPU, the pending load a node-wide view counts (the hub
+        service's, every server's placed kernels, this one's among them): the larger of it
+        and this server's own counts."""
         now = clock.now() if now is None else now
         busy_since = now - max(self.window, BUSY_FLOOR)
         records = self.kernels()
@@ -201,7 +206,8 @@ class GpuLoad:
         for g, r in room.items():
             record = gpus.get(g)
             load = record.recent_load(self.window) if record is not None else 0.0
-            out[g] = GpuView(g, r, load=load, pending=pending.get(g, 0.0),
+            seen = (seen_pending or {}).get(g, 0.0)
+            out[g] = GpuView(g, r, load=load, pending=max(pending.get(g, 0.0), seen),
                              kernels=len(there.get(g, ())), busy=busy.get(g, 0),
                              within_share=(within or {}).get(g, True))
         return out

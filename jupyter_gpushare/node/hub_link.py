@@ -105,6 +105,9 @@ class HubLink:
         self.connected = False
         self.error: str | None = "not contacted yet"
         self.me: dict[str, Any] = {}
+        #: per GPU UUID of the last place answer: kernels placed there that have not computed
+        #: yet, by any server of the node (the service's ``pending``; placement weighs them)
+        self.pending: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._pushes: set[asyncio.Task[Any]] = set()
         self._following: set[str] = set()  # kernels whose waiting restore is pushed again
@@ -223,6 +226,7 @@ class HubLink:
         if not isinstance(gpus, dict):
             return None
         out: dict[str, tuple[int | None, bool]] = {}
+        pending: dict[str, int] = {}
         for uuid, row in gpus.items():
             if not isinstance(row, dict) or uuid not in uuids:
                 continue
@@ -230,6 +234,10 @@ class HubLink:
             if room is not None and (not isinstance(room, int) or isinstance(room, bool)):
                 continue
             out[uuid] = (room, row.get("within_share") is not False)
+            n = row.get("pending")
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                pending[uuid] = n
+        self.pending = pending
         return out
 
     # -- what status shows ---------------------------------------------------------------------

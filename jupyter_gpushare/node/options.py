@@ -85,8 +85,8 @@ class NodeOptions(Configurable):
         covers what the kernel is expected to need (its kernelspec's
         metadata.gpushare.memory, bytes or "8GiB"; else the most its kernelspec's recent
         kernels held on one GPU; else context_bytes); qualifying GPUs rank by SM load over
-        load_window plus the expected load of kernels this server placed there that have
-        not used the GPU yet, then by kernels there, then by room; its device 0 is the
+        load_window plus the expected load of kernels placed there that have not used the
+        GPU yet (this server's; with the hub service, every server's), then by kernels there, then by room; its device 0 is the
         best. An existing CUDA_VISIBLE_DEVICES in the kernel's or the server's environment
         is the set it chooses within. How many GPUs: the kernelspec's
         metadata.gpushare.gpus, else placement_gpus. A kernel placed where no GPU has room

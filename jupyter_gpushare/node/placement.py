@@ -15,9 +15,11 @@ to need; qualifying GPUs rank by SM load, then by kernels there, then by room, t
   yet, so two kernels started back to back land on different GPUs;
 - with the hub service (``GPUShareHubLink.url``), the service's view of each GPU counts too:
   what other users' released kernels will take back and what waiting restores need there
-  (the smaller room of the two views counts), and GPUs where the user is over their share
-  rank after those where they are within it. A service that does not answer within a couple
-  of seconds is left out (logged): the kernel is placed by this server's view;
+  (the smaller room of the two views counts), kernels other servers placed there and that
+  have not used it yet (their expected load, as for this server's own), and GPUs where the
+  user is over their share rank after those where they are within it. A service that does
+  not answer within a couple of seconds is left out (logged): the kernel is placed by this
+  server's view;
 - the candidates are the GPUs the kernel's environment allows (an existing
   ``CUDA_VISIBLE_DEVICES``, the kernel's or the server's), else every GPU;
 - how many: the kernelspec's ``metadata.gpushare.gpus``, else ``placement_gpus``. A
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +42,7 @@ from tornado.web import HTTPError
 
 from ..policy import caps
 from ..policy.fairshare import parse_share
-from ..policy.placement import choose, expected_need
+from ..policy.placement import PENDING_LOAD, choose, expected_need
 from ..policy.room import narrow
 from ..telemetry import GPUInfo
 from ..units import format_bytes
@@ -168,10 +170,13 @@ class Placer:
         load: GpuLoad | None = None,
         recent: Callable[[str], list[int]] | None = None,
         default_cap: Callable[[], int | None] | None = None,
+        service_pending: Callable[[], Mapping[str, int]] | None = None,
     ):
         """load: the GPUs' load and this server's placements (shared with the restore room;
         default: the last sample's SM utilization of ``devices``); recent(kernelspec name):
-        the most bytes per GPU its recent kernels held."""
+        the most bytes per GPU its recent kernels held; service_pending: per GPU UUID, the
+        kernels the hub service saw placed there by any server of the node and not computing
+        yet (asked with ``service_room``)."""
         self.devices = devices
         self.read_free = read_free
         self.held = held
@@ -181,6 +186,7 @@ class Placer:
         self.min_room = max(1, min_room)
         self.sample = sample
         self.service_room = service_room
+        self.service_pending = service_pending
         self.recent = recent or (lambda name: [])
         self.default_cap = default_cap or (lambda: None)  # the admin's cap per GPU
         self.log = log or logging.getLogger(__name__)
@@ -220,6 +226,7 @@ class Placer:
             load=app.controller.room.load,
             recent=app.tracker.recent_peaks_of,
             default_cap=app.default_cap,
+            service_pending=lambda: app.hub_link.pending if app.hub_link is not None else {},
         )
 
     async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:
@@ -257,7 +264,8 @@ class Placer:
         cap = caps.ceiling(requested_cap(kernel_spec), self.default_cap())
         need = expected_need(memory, cap, self.recent(spec_name(kernel_spec)), self.min_room)
         self.load.forget(self.kernel_ids())
-        views = self.load.views(room, within)
+        views = self.load.views(room, within, seen_pending=self._service_pending(
+            [g for g, _ in candidates]) if within else None)
         by_index = {g.index: (g, token) for g, token in candidates}
         chosen = [by_index[v.gpu] for v in choose(views.values(), need, count)]  # type: ignore[index]
         # real GPUs: an entry as written where there was one, else the UUID (CUDA's own
@@ -291,6 +299,12 @@ class Placer:
                              "be read (%s); placed by this server's", kernel_id, e or type(e).__name__)
             seen = None
         return narrow(room, {by_uuid[u]: v for u, v in (seen or {}).items() if u in by_uuid})
+
+    def _service_pending(self, gpus: list[GPUInfo]) -> dict[int, float]:
+        """Per GPU, the load the hub service's placed-not-computing kernels are expected to
+        add (every server's: this server sees only its own)."""
+        counts = self.service_pending() if self.service_pending is not None else {}
+        return {g.index: counts[g.uuid] * PENDING_LOAD for g in gpus if counts.get(g.uuid)}
 
     async def _devices(self) -> list[GPUInfo]:
         gpus = self.devices()
