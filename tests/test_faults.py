@@ -303,6 +303,7 @@ async def test_a_victim_released_to_make_room_is_released_whole_when_the_waiter_
     assert state(gpushare_app, b) == "released"
     assert gpushare_app.controller.states[b.id].released_bytes == STATE * MiB
     await wait_for(lambda: gpushare_app.controller.states[a.id].op is None, what="a's restore to end")
+    clock.advance(31)  # a idle past pressure_idle_timeout too: b need not wait 30 s for its room
     await b.run(intact("b"), timeout=60)  # b comes back whole (taking a's room if it must)
 
 
