@@ -40,10 +40,10 @@ async def test_a_capped_kernels_allocation_past_its_cap_fails_and_a_restore_neve
         assert "nothing changed" in out.stdout, out.stdout
     raised = await k.run("%gpushare cap 1GiB")
     assert "can be at most 64 MiB per GPU" in raised.stdout, raised.stdout
-    for body in ({"memory_cap": -5}, {"memory_cap": "8 apples"}, {"cap": 1}, {"memory_cap": True}):
+    for body in ({"memory_cap": -5}, {"memory_cap": "8GiB"}, {"cap": 1}, {"memory_cap": True}):
         code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body=body)
         assert code == 400, (body, answer)
-    code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": "1GiB"})
+    code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": 1 << 30})
     assert code == 409 and "at most 64 MiB" in answer["message"], answer
     assert (await kernel_status(jp_fetch, k.id))["memory_cap"] == 64 * MiB
 
@@ -53,7 +53,7 @@ async def test_a_capped_kernels_allocation_past_its_cap_fails_and_a_restore_neve
                    what="the server to see the 48 MiB")
     code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "release")
     assert code == 200 and answer["state"] == "released", answer
-    code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": "32MiB"})
+    code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": 32 * MiB})
     assert code == 200 and answer["memory_cap"] == 32 * MiB, answer
     code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "restore")
     assert code == 409 and "cap is 32.0 MiB per GPU" in answer["message"], answer

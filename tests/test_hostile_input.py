@@ -205,6 +205,8 @@ def expected_outcome(case: Case, world: World) -> tuple[int, str | None]:
         return (200, "restored") if kid == world.released.id else (409, None)
     if case.op.path == "/kernels/{kernel_id}/pin":
         return 200, "pinned"
+    if case.op.path == "/kernels/{kernel_id}/cap":
+        return 200, "capped"
     return 200, None
 
 
@@ -227,6 +229,9 @@ async def reset(app: Any, world: World) -> None:
     for kid in world.ids:
         if ctl.get(kid).pinned:
             ctl.set_pinned(kid, False)
+        if ctl.get(kid).own_cap is not None:  # its agent follows before the restore below
+            ctl.set_memory_cap(kid, None)
+            app.tell_cap(kid)
     if ctl.get(world.resident.id).held:
         await ctl.restore(world.resident.id, trigger="rest")
     if not ctl.get(world.released.id).held:
@@ -283,6 +288,10 @@ async def check_case(fetch: Any, app: Any, world: World, case: Case) -> int:
     elif change == "pinned":
         assert st_.pinned is json.loads(case.body or b"")["pinned"]
         assert after[kid][:1] + after[kid][2:] == before[kid][:1] + before[kid][2:]
+    elif change == "capped":
+        asked = json.loads(case.body or b"")["memory_cap"]
+        assert st_.own_cap == (None if asked is None else int(asked))
+        assert after[kid] == before[kid]
     await reset(app, world)
     return code
 

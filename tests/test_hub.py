@@ -237,10 +237,17 @@ async def test_an_admins_group_cap_applies_to_a_new_kernel_of_its_member(servers
         assert status is not None and status["memory_cap"] == 64 * MiB, status
         out = await erin.run(hold(96, chunk=32), ok=False)
         assert "gpushare memory cap is 64.0 MiB per GPU" in out["text"] + str(out["error"]), out
-        admin = await until(lambda: admin_view(hub),
-                            lambda v: any(u["name"] == "erin" and u.get("cap") for u in v["users"]),
-                            "the admin page shows erin's cap")
-        assert next(u for u in admin["users"] if u["name"] == "erin")["cap"] == 64 * MiB
+        # memory no framework limit covers (raw CUDA's way): watched, flagged to the admin
+        await erin.run("from jupyter_gpushare.sim import device\n"
+                       "device.get_device().backend.alloc(0, 96 << 20)")
+        admin = await until(lambda: admin_view(hub), lambda v: any(
+            k.get("over_cap") for u in v["users"] if u["name"] == "erin" for k in u["kernels"]),
+            "the admin page shows erin's kernel over its cap")
+        me = next(u for u in admin["users"] if u["name"] == "erin")
+        assert me["cap"] == 64 * MiB
+        assert me["kernels"][0]["over_cap"] == "holds 96.0 MiB of its 64 MiB cap on GPU 0"
+        await until(lambda: hub.metric("gpushare_hub_user_kernels_over_cap", 'user="erin"'),
+                    lambda n: n == 1, "the service's metric counts erin's kernel over its cap")
     finally:
         await shut(erin)
 

@@ -448,9 +448,15 @@ class Coordinator:
             ledger = self.view.ledger(self.settings.shares, self.groups)
             m.user_memory.clear()
             m.user_over.clear()
+            m.user_over_cap.clear()
             for user, per in ledger.usage.items():
                 m.user_memory.labels(user).set(sum(per.values()))
                 m.user_over.labels(user).set(int(any(ledger.over(user, g) for g in per)))
+            over_cap: dict[str, int] = {}
+            for p in self.view.placed:
+                over_cap[p.ref.user] = over_cap.get(p.ref.user, 0) + bool(p.kernel.over_cap)
+            for user, n in over_cap.items():
+                m.user_over_cap.labels(user).set(n)
             ok = sum(1 for e in self.entries.values() if e.error is None)
             m.servers.labels("ok").set(ok)
             m.servers.labels("error").set(len(self.entries) - ok)

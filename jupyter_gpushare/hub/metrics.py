@@ -28,6 +28,9 @@ class HubMetrics:
                                  "GPU memory each person's kernels hold, all GPUs", ["user"], registry=r)
         self.user_over = Gauge("gpushare_hub_user_over_share",
                                "1 when the person holds more than their share", ["user"], registry=r)
+        self.user_over_cap = Gauge("gpushare_hub_user_kernels_over_cap",
+                                   "Kernels of the person the node sees hold more than their "
+                                   "memory cap", ["user"], registry=r)
         self.waiting = Gauge("gpushare_hub_waiting_restores", "Restores waiting for GPU memory now",
                              registry=r)
         self.waits = Counter("gpushare_hub_waits", "Restores seen waiting for GPU memory", registry=r)

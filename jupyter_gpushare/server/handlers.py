@@ -247,10 +247,13 @@ class CapHandler(GPUShareHandler):
     @authorized
     async def put(self, kernel_id: str) -> None:
         body = self.json_body()
-        if set(body) != {"memory_cap"}:
-            raise BadRequest('body must be {"memory_cap": "8GiB"} (bytes per GPU, a whole number '
-                             'or an amount) or {"memory_cap": null} (back to the default)')
-        value = body["memory_cap"]
+        value = body.get("memory_cap", "")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # JSON's 8589934592.0 is a whole number too
+        if set(body) != {"memory_cap"} or not (value is None or (isinstance(value, int)
+                                                                 and not isinstance(value, bool))):
+            raise BadRequest('body must be {"memory_cap": BYTES} (bytes per GPU, a whole number '
+                             'such as 8589934592) or {"memory_cap": null} (back to the default)')
         try:
             cap = None if value is None else parse_cap(value, "memory_cap")
         except CapError as e:

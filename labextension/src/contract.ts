@@ -21,10 +21,10 @@ export interface IPinRequest {
 
 export interface ICapRequest {
   /**
-   * Bytes per GPU (> 0), or an amount like "8GiB"; null = back to the default. Above the kernel's
-   * ceiling (its kernelspec's or the admin's cap): 409.
+   * Bytes per GPU (1 up to 1 PiB); null = back to the default. Above the kernel's ceiling (its
+   * kernelspec's or the admin's cap): 409.
    */
-  memory_cap: number | string | null;
+  memory_cap: number | null;
 }
 
 /** The kernel's state (see docs/how-it-works.md, Kernel states). */
