@@ -1,0 +1,192 @@
+"""What keeps gpushare from serving a workload on fewer GPUs: lower bounds next to the compute
+limit, and at each GPU count which criterion fails and why.
+
+The workload and settings are ``jupyter gpushare simulate``'s (the same options after ``--``):
+the default synthetic workload, ``--quick``'s, or ``--trace FILE``. From the exclusive run (no
+cell waits, no SMs shared):
+
+- compute limit: the peak of the SM % asked by the cells running at once, in GPUs (as the
+  simulator's headline);
+- cells above 50 % SM at once: two such cells cannot share a GPU without slowing each other,
+  so at that moment as many GPUs as they span are needed (a packing bound);
+- delay budget: p99 cell delay <= 1 s lets at most 1 % of cells wait > 1 s; a released state
+  whose restore takes > 1 s makes its next cell wait that long (no activity is seen ahead of
+  cells by default); the gaps longer than the product's ``long_idle`` before such a cell are
+  releases the product makes whatever the GPU count, each a cell that waits;
+- memory bound: the bytes that must be on the GPUs at once: kernels computing, and kernels
+  idle between cells whose restore would take > 1 s, less the largest idle states the budget
+  left lets go at that moment (with the product's ``long_idle``: idle states count until it);
+  in GPUs of the workload's size.
+
+Then gpushare at each GPU count (``--counts``): why it does not serve, the cells that waited
+> 1 s by the kind of release before them, the GPU cells slowed > 1.1 x, out-of-memory cells
+and the releases by reason.
+
+    python benchmarks/what_binds.py [--counts 5,8,13] [--smoke] [-- SIMULATE OPTIONS]
+
+``--smoke``: the quick workload over one day, at one count: the whole path in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+from collections import Counter
+from dataclasses import replace
+from typing import Any
+
+from jupyter_gpushare.simulate.capacity import why_not
+from jupyter_gpushare.simulate.cli import parser as simulate_parser
+from jupyter_gpushare.simulate.cli import settings_from
+from jupyter_gpushare.simulate.engine import Simulation
+from jupyter_gpushare.simulate.figures import figures
+from jupyter_gpushare.simulate.generator import generate
+from jupyter_gpushare.simulate.settings import POLICIES, Settings
+from jupyter_gpushare.simulate.trace import read_trace
+from jupyter_gpushare.simulate.workload import GiB, Workload
+
+
+def workload_of(argv: list[str]) -> tuple[Workload, Settings, str]:
+    args = simulate_parser().parse_args(argv)
+    s = settings_from(args)
+    if args.trace:
+        w, node = read_trace(args.trace[0])
+        s = replace(s, gpus=args.gpus or int(node.get("gpus", s.gpus)),
+                    gpu_gib=args.gpu_gib or float(node.get("gpu_gib", s.gpu_gib)))
+        return w, s, f"trace {args.trace[0]}"
+    days = min(2, args.days) if args.quick else args.days
+    synthetic = generate(s.max_users_per_gpu * s.total_gpus, days=days, seed=s.seed,
+                         gpu_gib=s.gpu_gib)
+    users = max(1, round(args.users_per_gpu * s.total_gpus))
+    return synthetic.first_users(users), s, f"default workload, {days} days, {users} users"
+
+
+def simulation(w: Workload, s: Settings, policy: str, total: int | None,
+               observer: Any = None) -> Simulation:
+    return Simulation(w, POLICIES[policy](s), int(s.gpu_gib * GiB), s.gpus, s.transfer,
+                      nodes=s.nodes, bin_seconds=s.bin_seconds, restore_mode=s.restore_mode,
+                      placement=s.placement, total_gpus=total, ahead_lead=s.ahead_lead,
+                      ahead_share=s.ahead_share, seed=s.seed, servers=s.servers,
+                      load_window=s.load_window, release_copies=s.release_copies,
+                      precopy_after=s.precopy_after, observer=observer).run()
+
+
+def bounds(w: Workload, s: Settings) -> list[str]:
+    by_kernel: dict[int, list[tuple[float, float, int, int]]] = {}
+
+    def seen(t: float, k: Any, what: str, data: dict) -> None:
+        if what == "cell":  # (start, end, bytes per GPU held, GPUs held on)
+            by_kernel.setdefault(k.index, []).append((data["start"], data["end"], k.held,
+                                                      len(k.gpus)))
+
+    ex = simulation(w, s, "exclusive", None, seen)
+    cap = s.gpu_gib * GiB
+    cells = sum(len(v) for v in by_kernel.values())
+    budget = cells - 1 - math.ceil(0.99 * (cells - 1))  # cells that may wait > 1 s at p99 <= 1 s
+    slow = lambda n: s.transfer.restore_seconds(n) > 1.0  # noqa: E731
+    long_idle = s.long_idle if s.release_policy == "needs" else s.config.idle_timeout
+    forced = sum(1 for cs in by_kernel.values() for a, b in zip(sorted(cs), sorted(cs)[1:], strict=False)
+                 if b[0] - a[1] > long_idle and slow(min(a[2], b[2])))
+    left = max(0, budget - forced)
+    out = [f"cells: {cells}; p99 delay <= 1 s lets {budget} wait > 1 s; gaps over long_idle "
+           f"({long_idle:g} s) before a cell of a state whose restore takes > 1 s: {forced} "
+           f"(released whatever the GPU count, each a cell that waits); left: {left}"]
+    for label, allowed, cut in (("any release rule", budget, None),
+                                (f"releases at long_idle {long_idle:g} s", left, long_idle)):
+        events = []
+        for cs in by_kernel.values():
+            cs.sort()
+            for i, (a, e, held, n) in enumerate(cs):
+                if held:
+                    events += [(a, 1, "cell", held * n, id(cs), i), (e, -1, "cell", held * n, id(cs), i)]
+                if i + 1 < len(cs) and slow(min(held, cs[i + 1][2])):
+                    end = cs[i + 1][0] if cut is None else min(cs[i + 1][0], e + cut)
+                    if end > e:
+                        b = min(held, cs[i + 1][2]) * n
+                        events += [(e, 1, "gap", b, id(cs), i), (end, -1, "gap", b, id(cs), i)]
+        events.sort(key=lambda x: (x[0], x[1]))
+        computing, idle, peak, at = 0, {}, 0, 0.0
+        for t, d, kind, b, k, i in events:
+            if kind == "cell":
+                computing += d * b
+            elif d > 0:
+                idle[(k, i)] = b
+            else:
+                idle.pop((k, i), None)
+            if d > 0:
+                held = computing + sum(idle.values()) - sum(heapq.nlargest(allowed, idle.values()))
+                if held > peak:
+                    peak, at = held, t
+        out.append(f"memory bound ({label}): {peak / GiB:.0f} GiB on the GPUs at {at / 3600:.1f} h "
+                   f"= {peak / cap:.2f} GPUs of {s.gpu_gib:g} GiB -> {math.ceil(peak / cap - 1e-9)}")
+    sm = big = peak_sm = peak_big = 0.0
+    at = 0.0
+    edges = sorted((t, d, r.utilization * r.gpus, r.gpus if r.utilization > 50 else 0)
+                   for r in ex.cells if r.end is not None and r.gpus and r.utilization > 0
+                   for t, d in ((r.start, 1), (r.end, -1)))
+    for t, d, u, g in edges:
+        sm += d * u
+        big += d * g
+        peak_sm = max(peak_sm, sm)
+        if big > peak_big:
+            peak_big, at = big, t
+    out.insert(0, f"compute limit: {math.ceil(peak_sm / 100 - 1e-9)} GPUs (peak SM demand "
+                  f"{peak_sm:.0f} %); cells above 50 % SM at once: {peak_big:.0f} GPUs' worth "
+                  f"at {at / 3600:.2f} h")
+    return out
+
+
+def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
+    released: dict[int, list[tuple[float, str]]] = {}
+
+    def seen(t: float, k: Any, what: str, data: dict) -> None:
+        if what == "released":
+            reason = str(data["reason"])
+            kind = ("long idle" if reason.startswith("long idle") else
+                    "pressure" if "pressure" in reason or "below" in reason else
+                    "rebalance" if reason.startswith("rebalance") else
+                    "make-room" if "room" in reason else "idle")
+            released.setdefault(k.index, []).append((t, kind))
+
+    sim = simulation(w, s, "gpushare", gpus, seen)
+    f = figures(sim)
+    waited: Counter[str] = Counter()
+    for r in sim.cells:
+        if r.delay > 1.0:
+            before = [kind for t, kind in released.get(r.kernel, []) if t <= r.arrival]
+            waited[(before[-1] if before else "none") + (" (room)" if r.waited_for_room else "")] += 1
+    slowed = sum(1 for r in sim.cells if r.end is not None and r.gpus and r.utilization > 0
+                 and r.duration > 0 and (r.end - r.start) / r.duration > 1.1)
+    gpu_cells = sum(1 for r in sim.cells if r.gpus and r.utilization > 0)
+    problems = why_not(f, s)
+    return [f"{gpus} GPUs: {'serves' if not problems else '; '.join(problems)}",
+            f"  cells waited > 1 s: {sum(waited.values())} of {len(sim.cells)}, by the release "
+            f"before: {dict(waited.most_common())}",
+            f"  GPU cells slowed > 1.1x: {slowed} of {gpu_cells}; out of memory: "
+            f"{f['oom_failures']}; releases {f['releases']} {f['release_reasons']}; moves "
+            f"{f['moves']}; peak used {f['peak_used_pct']:.0f} %"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--counts", default="", help="GPU counts to run gpushare at (comma list)")
+    ap.add_argument("--smoke", action="store_true", help="--quick --days 1, at 4 GPUs")
+    ap.add_argument("simulate", nargs=argparse.REMAINDER,
+                    help="after --: jupyter gpushare simulate's options")
+    args = ap.parse_args()
+    rest = [a for a in args.simulate if a != "--"]
+    if args.smoke:
+        rest, args.counts = ["--quick", "--days", "1"], "4"
+    w, s, name = workload_of(rest)
+    print(f"{name}: {len(w.users)} users, {len(w.kernels)} kernels; machines of {s.gpus} x "
+          f"{s.gpu_gib:g} GiB; release policy {s.release_policy}; transfer model {s.transfer.name}")
+    for line in bounds(w, s):
+        print(line)
+    for n in [int(c) for c in args.counts.split(",") if c.strip()]:
+        for line in at_count(w, s, n):
+            print(line)
+
+
+if __name__ == "__main__":
+    main()
