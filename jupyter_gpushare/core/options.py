@@ -114,8 +114,10 @@ class RestoreOptions(Configurable):
         30.0,
         help="""Seconds a restore waits for room on the GPU(s) its kernel was released from
         (while idle kernels there are released to make it, if policy allows) before it
-        restores onto other GPUs that have room: the kernel then runs there, its device
-        numbering unchanged, and the cell, status (restored_onto) and log say where it went.
+        restores onto other GPUs that have room (preferring those left above
+        pressure_free_fraction free, so the move has no idle kernel released there): the
+        kernel then runs there, its device numbering unchanged, and the cell, status
+        (restored_onto) and log say where it went.
         Only with methods that can (the driver method on driver 580 or newer, the simulated
         method; never the framework method: the waiting message says why), and only for a
         state wholly off the GPU. Default 30. 0 = never move: restores wait for their own
