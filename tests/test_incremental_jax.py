@@ -7,6 +7,7 @@ else holds is never kept; ``JUPYTER_GPUSHARE_KEEP_HOST_COPY=0`` keeps nothing.""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -26,8 +27,14 @@ def no_copies_left(monkeypatch):
     drop_kept()
 
 
+def to_device(held):
+    """As on a GPU, the new array owns its memory: on the CPU device, device_put may alias an
+    aligned NumPy buffer (and hold it, so its copy would not be kept)."""
+    return jax_adapter._to_device(replace(held, host=held.host.copy()))
+
+
 def adapter() -> JaxAdapter:
-    return JaxAdapter(is_device=lambda array: True)
+    return JaxAdapter(is_device=lambda array: True, to_device=to_device)
 
 
 def state():
