@@ -359,7 +359,9 @@ def start_hub(directory: Path, users: list[str], admins: list[str], service_conf
     process = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", "jupyterhub_config.py"],
                                cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT)
     hub = Hub(directory, port, service_port, admin_token, process, node_path, hub_port)
-    deadline = time.monotonic() + 90
+    # the Hub answering is the event; its exit the failure. Not a fixed 90 s: at a load of 11
+    # on 2 cores a Hub was still creating its services then (the test's timeout bounds this)
+    deadline = time.monotonic() + 280
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1):
