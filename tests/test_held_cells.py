@@ -16,8 +16,10 @@ import pytest
 from tornado.httpclient import HTTPClientError
 
 from .helpers import kernel_status, wait_for
-from .scenarios import SMALL_NODE, crowded, hold, intact, rest
+from .scenarios import MiB, crowded, hold, intact, rest
 
+#: two kernels of STATE MiB do not fit on one GPU (small: every byte is copied and checksummed)
+SMALL_NODE, STATE = {"simulated_gpus": [256 * MiB, 256 * MiB]}, 160
 #: no background polls: only the kernel manager's own call can tell the gate in time
 NO_POLLS = {**SMALL_NODE, "poll_interval": 3600.0}
 
@@ -36,7 +38,7 @@ def stall(step: str, seconds: float) -> str:
 async def test_rest_interrupt_stops_a_cell_waiting_for_memory_and_it_never_runs(
     jp_fetch, kernels, gpushare_app, tmp_path
 ):
-    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    a, b = await crowded(jp_fetch, kernels, gpushare_app, STATE)
     mark = tmp_path / "ran"
     msg_id = a.send(touch(mark))
     await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="a to wait for memory")
@@ -81,7 +83,7 @@ async def test_rest_interrupt_stops_a_cell_held_behind_a_release_in_flight(
 async def test_rest_restart_answers_a_held_cell_at_once_and_says_the_state_is_gone(
     jp_fetch, kernels, gpushare_app, tmp_path
 ):
-    a, b = await crowded(jp_fetch, kernels, gpushare_app)
+    a, b = await crowded(jp_fetch, kernels, gpushare_app, STATE)
     mark = tmp_path / "ran"
     msg_id = a.send(touch(mark))
     await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="a to wait for memory")
@@ -100,7 +102,7 @@ async def test_rest_restart_answers_a_held_cell_at_once_and_says_the_state_is_go
 
 @pytest.mark.parametrize("gpushare_config", [NO_POLLS])
 async def test_shutdown_answers_a_held_cell_at_once(jp_fetch, kernels, gpushare_app, tmp_path):
-    a, _ = await crowded(jp_fetch, kernels, gpushare_app)
+    a, _ = await crowded(jp_fetch, kernels, gpushare_app, STATE)
     msg_id = a.send(touch(tmp_path / "ran"))
     await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="a to wait for memory")
     shutdown = asyncio.ensure_future(jp_fetch("api", "kernels", a.id, method="DELETE"))
