@@ -24,21 +24,24 @@ def _hold(mib: int, name: str, device: int = 0) -> str:
 
 
 async def test_sigterm_with_kernels_in_every_state_exits_cleanly():
-    async with Server("sigterm", gpushare={"simulated_gpus": [2 * GiB, 2 * GiB], "idle_timeout": 0,
+    # GPUs of 256 MiB (1/8 of the 2 GiB this was written for: every byte is copied)
+    async with Server("sigterm", gpushare={"simulated_gpus": [GiB // 4, GiB // 4], "idle_timeout": 0,
                                            "pressure_idle_timeout": 3600,
                                            "poll_interval": 0.5}) as srv:
         active = await srv.start_kernel()
-        await active.run(_hold(256, "a"))
+        await active.run(_hold(32, "a"))
         has_room = await srv.start_kernel()
-        await has_room.run(_hold(256, "b"))
+        await has_room.run(_hold(32, "b"))
         no_room = await srv.start_kernel()
-        await no_room.run(_hold(1280, "c"))
+        await no_room.run(_hold(160, "c"))
         releasing = await srv.start_kernel()
-        await releasing.run(_hold(1536, "d", device=1))
+        await releasing.run(_hold(192, "d", device=1)  # its release is in flight at SIGTERM
+                            + "\nfrom jupyter_gpushare.sim import device\n"
+                            "_stall = device.get_device().stall('checkpoint', seconds=2.0)")
         for k in (has_room, no_room):
             await srv.wait_kernel(k.id, lambda v: v["gpu_memory_bytes"] > 0, "memory seen")
             await srv.api("POST", f"/api/gpushare/kernels/{k.id}/release")
-        await active.run(_hold(1280, "e"))  # now no_room's state cannot come back
+        await active.run(_hold(160, "e"))  # now no_room's state cannot come back
         await srv.wait_kernel(releasing.id, lambda v: v["gpu_memory_bytes"] > 0, "memory seen")
         release = asyncio.ensure_future(
             srv.api("POST", f"/api/gpushare/kernels/{releasing.id}/release"))
