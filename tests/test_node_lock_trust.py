@@ -191,7 +191,7 @@ async def _waiting(jp_fetch, kernel_id: str) -> str | None:
 # -- two real servers whose lock files are refused: restores still never collide -----------------
 async def test_refused_lock_files_never_let_two_servers_restores_collide(tmp_path):
     node_path = str(tmp_path / "node.sqlite")
-    SharedSimNode(node_path, (2 * GiB,)).close()
+    SharedSimNode(node_path, (256 * MiB,)).close()  # small: every byte is copied
     node = SharedSimNode(node_path)
     locks_dir = tmp_path / "locks"
     locks_dir.mkdir(mode=0o700)
@@ -200,8 +200,8 @@ async def test_refused_lock_files_never_let_two_servers_restores_collide(tmp_pat
     config = {"simulated_node": node_path, "node_lock_dir": str(locks_dir),
               "idle_timeout": 0, "pressure_idle_timeout": 3600, "poll_interval": 0.5}
     async with Server("trust-a", gpushare=config) as a, Server("trust-b", gpushare=config) as b:
-        ka, kb = await released_on((a, b), 640)
-        node.alloc(os.getpid(), 0, 1 * GiB)  # another user's process: 1 GiB free, room for one
+        ka, kb = await released_on((a, b), 80)
+        node.alloc(os.getpid(), 0, 128 * MiB)  # another user's process: 128 MiB free: room for one
         try:
             answers = await asyncio.gather(
                 post(a, f"/api/gpushare/kernels/{ka.id}/restore"),
@@ -211,7 +211,7 @@ async def test_refused_lock_files_never_let_two_servers_restores_collide(tmp_pat
             for _, body in answers:
                 assert "twice that without a restore turn" in body["waiting"], body
         finally:
-            node.release(os.getpid(), 0, 1 * GiB)
+            node.release(os.getpid(), 0, 128 * MiB)
         views = []
         for srv, k in ((a, ka), (b, kb)):
             views.append(await srv.kernel_status(k.id))
