@@ -44,7 +44,7 @@ class CapWatch:
             cap = self.controller.memory_cap(st) if st is not None else None
             if cap is None:
                 continue
-            text = caps.over_text(rec.gpu_bytes, cap)
+            text = caps.over_text(rec.gpu_bytes, cap, self.controller.context_bytes)
             seen[kernel_id] = (cap, text is not None)
             if text is None:
                 self.flagged.discard(kernel_id)

@@ -193,7 +193,7 @@ class Controller:
             gpu_bytes=rec.gpu_bytes,
             idle_timeout=st.idle_timeout,
             releasable=self.method_for(st.kernel_id) is not None and st.release_blocked is None,
-            memory_cap=self.memory_cap(st),
+            memory_cap=self.memory_cap(st), cap_slack=self.context_bytes,
             pressure_window=pressure_window,
         )
 

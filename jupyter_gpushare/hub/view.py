@@ -214,7 +214,7 @@ class NodeView:
                 gpu_bytes=dict(p.gpu_bytes),
                 idle_timeout=k.idle_timeout,
                 releasable=k.releasable,
-                memory_cap=k.memory_cap,  # over it: released first when someone needs room
+                over_cap=k.over_cap is not None,  # as its server judged: released first
             )))
         return out
 

@@ -53,7 +53,7 @@ class Caps:
         self.cap: int | None = None
         self.total: int | None = None  # memory of the smallest GPU the kernel may use
         self.applied: dict[str, str] = {}  # framework -> what the cap is there, as said
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._hook: _AfterImport | None = None
 
     def set(self, cap: int | None, total: int | None = None) -> list[str]:
@@ -132,9 +132,10 @@ def _torch(caps: Caps) -> str:
     cap = caps.cap
 
     def apply() -> None:
+        now = caps.cap  # as it is when CUDA starts, not when this was queued
         for i in range(cuda.device_count()):
             total = cuda.get_device_properties(i).total_memory
-            cuda.set_per_process_memory_fraction(1.0 if cap is None else min(1.0, cap / total), i)
+            cuda.set_per_process_memory_fraction(1.0 if now is None else min(1.0, now / total), i)
 
     if cap is None:
         if cuda.is_initialized():

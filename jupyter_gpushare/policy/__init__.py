@@ -90,7 +90,8 @@ def observed(
     kernel_id: str, cfg: ReleaseSettings, now: float, *, resident: bool, busy: bool,
     pinned: bool, idle_seconds: float, utilization_since: Callable[[float], float],
     gpu_bytes: dict[int, int], idle_timeout: float | None = None, releasable: bool = True,
-    pressure_window: float | None = None, memory_cap: int | None = None,
+    pressure_window: float | None = None, memory_cap: int | None = None, cap_slack: int = 0,
+    over_cap: bool | None = None,
 ) -> Candidate:
     """A :class:`Candidate` from what was observed of a kernel: the one builder (the server's
     controller, the simulator and the hub's view all use it, so they judge alike).
@@ -112,7 +113,9 @@ def observed(
         gpu_bytes={g: b for g, b in gpu_bytes.items() if g >= 0},
         idle_timeout=idle_timeout,
         releasable=releasable,
-        over_cap=caps.over(gpu_bytes, memory_cap) is not None,
+        # over its memory cap (plus a CUDA context, ``cap_slack``), unless the caller knows
+        over_cap=(caps.over(gpu_bytes, memory_cap, cap_slack) is not None
+                  if over_cap is None else over_cap),
     )
 
 

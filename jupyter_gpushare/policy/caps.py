@@ -75,19 +75,20 @@ def effective(own: int | None, ceiling_: int | None) -> int | None:
     return own if ceiling_ is None else min(own, ceiling_)
 
 
-def over(gpu_bytes: Mapping[int, int], cap: int | None) -> tuple[int, int] | None:
-    """(gpu, bytes) of the GPU where the kernel holds most above ``cap``; None when it holds
-    no more than its cap anywhere (or has none)."""
+def over(gpu_bytes: Mapping[int, int], cap: int | None, slack: int = 0) -> tuple[int, int] | None:
+    """(gpu, bytes) of the GPU where the kernel holds most above ``cap`` plus ``slack`` (a CUDA
+    context, which the node's reading counts and no framework's limit does); None when it
+    holds no more anywhere (or has no cap)."""
     if not cap:
         return None
-    worst = max(((g, b) for g, b in gpu_bytes.items() if b > cap), key=lambda p: p[1],
+    worst = max(((g, b) for g, b in gpu_bytes.items() if b > cap + slack), key=lambda p: p[1],
                 default=None)
     return worst
 
 
-def over_text(gpu_bytes: Mapping[int, int], cap: int | None) -> str | None:
-    """``holds 9.1 GiB of its 8 GiB cap on GPU 0``, or None when within it."""
-    found = over(gpu_bytes, cap)
+def over_text(gpu_bytes: Mapping[int, int], cap: int | None, slack: int = 0) -> str | None:
+    """``holds 9.1 GiB of its 8 GiB cap on GPU 0``, or None when within it (and ``slack``)."""
+    found = over(gpu_bytes, cap, slack)
     if found is None or cap is None:
         return None
     gpu, held = found

@@ -61,7 +61,8 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         # its memory cap (bytes per GPU, None: uncapped) and, when the node sees it hold more
         # on a GPU, "holds 9.1 GiB of its 8 GiB cap on GPU 0"
         "memory_cap": controller.memory_cap(st),
-        "over_cap": caps.over_text(rec.gpu_bytes, controller.memory_cap(st)) if rec else None,
+        "over_cap": caps.over_text(rec.gpu_bytes, controller.memory_cap(st),
+                                   controller.context_bytes) if rec else None,
     }
 
 
