@@ -6,6 +6,8 @@ the cell, status and metrics. Real server, real kernels, the simulated node."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from traitlets import TraitError
@@ -118,3 +120,25 @@ async def test_placement_expects_a_capped_kernel_to_need_its_cap():
     assert await need(CapSpec(memory="1.5GiB"), default_cap=lambda: 768 * MiB) == 768 * MiB
     with pytest.raises(PlacementError, match="memory_limit cannot be negative"):
         await need(CapSpec(memory_limit="-1GiB"))
+
+
+def test_frameworks_are_capped_before_they_start_and_said_not_to_be_after():
+    """PyTorch and JAX on this machine's CPU builds, in a process of their own (the cap sets
+    the process's environment and import hook): capped as they are imported, before their
+    first allocation; a cap asked once JAX has started is said not to hold."""
+    pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    code = (
+        "import json, os\nfrom jupyter_gpushare.kernel import caps\nc = caps.get()\n"
+        "c.set(1 << 30, 80 << 30)\n"  # before either is imported
+        "import torch, jax.numpy as jnp\n"
+        "before, fraction = dict(c.applied), os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION']\n"
+        "jnp.zeros(3)\n"  # JAX starts
+        "print(json.dumps([before, fraction, c.set(512 << 20)]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    before, fraction, late = json.loads(out.stdout.strip().splitlines()[-1])
+    assert before["torch"] == "PyTorch: capped at 1.0 GiB per GPU (set_per_process_memory_fraction)"
+    assert before["jax"] == "JAX: capped at 1.0 GiB per GPU (XLA_PYTHON_CLIENT_MEM_FRACTION=0.0125)"
+    assert fraction == "0.0125"
+    assert any(line.startswith("JAX: already started: its memory cannot be limited any more")
+               for line in late), late
