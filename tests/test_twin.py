@@ -91,12 +91,13 @@ def test_the_product_options_are_the_settings_at_scale():
 
 
 def test_a_transfer_model_is_fitted_to_the_products_moves():
-    s = twin.TwinSettings()
-    model = twin.fit_transfer([(1 << 30, 0.5), (4 << 30, 1.25)], [(1 << 30, 1.0)], s)
-    assert abs(model.release_seconds(2 << 30) - 0.75) < 1e-6
-    # one size only: the device's rate, the rest as overhead
-    assert abs(model.restore_seconds(1 << 30) - 1.0) < 1e-6
-    assert model.restore_bandwidth == s.rate
+    """The device's copy speed, and the median of what each move took beyond it."""
+    s = twin.TwinSettings(rate=4e9)
+    model = twin.fit_transfer([(int(4e9), 1.5), (int(8e9), 2.5), (int(4e9), 9.0)],
+                              [(int(2e9), 0.5)], s)
+    assert abs(model.release_seconds(int(4e9)) - 1.5) < 1e-9  # 0.5 s over the copy; 8 s spike left out
+    assert model.restore_overhead == 0.0 and model.restore_bandwidth == s.rate
+    assert model.incremental  # the simulated method keeps its host copy
 
 
 def test_the_simulator_judges_pressure_over_pressure_idle_timeout_as_the_controller_does():
@@ -129,7 +130,7 @@ def test_the_simulator_stops_a_restore_ahead_without_room_after_5_s_as_the_serve
          Cell(170.0, 120.0, 50.0, gpus=1, nbytes=7 * gib, keeps=gib))
     w = Workload(1000.0, (KernelWork("a", "u", 6 * gib, (Session(0.0, a),)),
                           KernelWork("b", "u", 7 * gib // 2, (Session(0.0, b),))), "t")
-    s = twin.TwinSettings(gpus=1, gpu_gib=10)
+    s = twin.TwinSettings(gpus=1, gpu_gib=10, scale=1.0)  # the server's own pace: 5 s
     run = twin.simulate(w, s, twin.device_transfer(s), leads={("a", 1): 200.0})
     lines = [(t, what) for t, kid, what in run.timeline if kid == "a"]
     assert any(what.startswith("released (memory pressure") for _, what in lines), lines

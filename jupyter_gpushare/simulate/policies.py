@@ -214,6 +214,9 @@ class GPUShare(Policy):
     """What each user's jupyter-gpushare server does, one server per user."""
 
     name = "gpushare"
+    #: s a restore ahead may wait for room before the server stops it (a constant of the
+    #: server's, not an option: the twin, whose product runs faster, sets it at its scale)
+    ahead_room_wait: float = AHEAD_ROOM_WAIT
 
     def __init__(self, config: product.PolicyConfig, poll_interval: float = 2.0, seed: int = 0,
                  release_policy: str = RELEASE_POLICY, long_idle: float = LONG_IDLE,
@@ -378,7 +381,7 @@ class GPUShare(Policy):
         since = k.ahead_since
         assert since is not None
         # the server stops a restore ahead that finds no room within ahead.ROOM_WAIT s
-        sim.schedule(since + AHEAD_ROOM_WAIT, partial(self._ahead_dropped, sim, k, since))
+        sim.schedule(since + self.ahead_room_wait, partial(self._ahead_dropped, sim, k, since))
         self._try_restore(sim, k)
 
     def on_ahead_restored(self, sim: Simulation, k: Kernel) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..core.ahead import ROOM_WAIT as AHEAD_ROOM_WAIT
 from ..policy import PolicyConfig
 from . import defaults
 from .engine import CellRecord, Kernel, Simulation
@@ -120,7 +121,8 @@ class TwinSettings:
             servers="rule", seed=self.seed, release_policy=self.release_policy,
             long_idle=self.long_idle, move_after=self.move_after, ahead_grace=self.ahead_grace,
             rebalance=self.rebalance, rebalance_idle=self.rebalance_idle,
-            load_window=self.load_window)
+            load_window=self.load_window, release_copies="changed",
+            precopy_after=self.precopy_after)
 
 
 # -- what each side records ---------------------------------------------------------------------
@@ -137,6 +139,8 @@ class CellRun:
     gpus: int = 0  # GPUs it computes on
     oom: bool = False  # it failed for lack of GPU memory
     ran_on: tuple[int, ...] = ()  # the kernel's GPUs when it ran
+    began: float | None = None  # when its code began, where that is not ``start`` (the
+    # product's: ``start`` leaves out Jupyter's own path from the browser to the kernel)
 
     @property
     def delay(self) -> float | None:
@@ -144,9 +148,10 @@ class CellRun:
 
     @property
     def slowdown(self) -> float | None:
-        if self.start is None or self.end is None or self.nominal <= 0 or not self.gpus:
+        began = self.start if self.began is None else self.began
+        if began is None or self.end is None or self.nominal <= 0 or not self.gpus:
             return None
-        return (self.end - self.start) / self.nominal
+        return (self.end - began) / self.nominal
 
 
 @dataclass
@@ -288,7 +293,11 @@ def simulate(workload: Workload, s: TwinSettings, transfer: TransferModel,
 
     sim = _Recorded(w, POLICIES["gpushare"](settings), int(s.gpu_gib * GiB), s.gpus, transfer,
                     observer=observe, restore_mode="eager", placement="room", seed=s.seed,
-                    load_window=s.load_window, leads=leads or {})
+                    load_window=s.load_window, release_copies="changed",
+                    precopy_after=s.precopy_after, leads=leads or {})
+    # the server's 5 s for a restore ahead to find room is wall time, not an option: at the
+    # product's scale it is that many times longer in the trace's time
+    sim.policy.ahead_room_wait = AHEAD_ROOM_WAIT * s.scale  # type: ignore[attr-defined]
     sim.run()
     for rec in sim.cells:
         ki, index = sim.index_of[id(rec)]
@@ -320,25 +329,29 @@ def _cell_run(k: KernelWork, index: int, rec: CellRecord, kernel: Kernel) -> Cel
 # -- the transfer model, fitted to the product's own moves ---------------------------------------------
 def fit_transfer(releases: Iterable[tuple[int, float]], restores: Iterable[tuple[int, float]],
                  s: TwinSettings) -> TransferModel:
-    """A line (overhead + bytes / bandwidth) through the product's releases and restores
-    ((trace bytes per GPU, trace seconds) each, from its events), fitted by least squares; the
-    device's own rate where a side has fewer than two sizes to fit a slope to."""
-    def line(points: list[tuple[int, float]]) -> tuple[float, float]:
-        device = s.rate
-        if not points:
-            return 0.0, device
-        xs = [float(b) for b, _ in points]
-        ys = [t for _, t in points]
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if len(points) >= 2 and var > 0:
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var
-            if slope > 0:
-                return max(0.0, my - slope * mx), 1.0 / slope
-        return max(0.0, my - mx / device), device
+    """The product's releases and restores ((trace bytes per GPU, trace seconds) each, from
+    its events) as overhead + bytes / the device's rate: the copy's speed is the simulated
+    device's (set, known), the overhead is the median of what each took beyond it (the
+    agent's round trips, the server's steps: on a busy machine a few take far longer, and a
+    slope fitted through them would say the copy is slow). A release copies only what
+    changed since its host copy, as the simulated method does."""
+    def overhead(points: list[tuple[int, float]]) -> float:
+        extra = sorted(t - b / s.rate for b, t in points)
+        return max(0.0, extra[len(extra) // 2]) if extra else 0.0
 
-    rel, res = line(list(releases)), line(list(restores))
-    return TransferModel("fitted", rel[0], rel[1], res[0], res[1])
+    return TransferModel("fitted", overhead(list(releases)), s.rate, overhead(list(restores)),
+                         s.rate, incremental=True)
+
+
+def fit_with_make_room(releases: list[tuple[int, float]], restores: list[tuple[int, float]],
+                       make_room: list[tuple[int, float]], s: TwinSettings) -> TransferModel:
+    """:func:`fit_transfer`, the release line fitted to the releases made to make room as the
+    waiting restore saw them (from its wait to its bytes' move: the server's steps around
+    the release), where there were any: what a cell waits for."""
+    model = fit_transfer(releases, restores, s)
+    if not make_room:
+        return model
+    return replace(model, release_overhead=fit_transfer(make_room, [], s).release_overhead)
 
 
 def device_transfer(s: TwinSettings) -> TransferModel:
