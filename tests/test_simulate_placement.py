@@ -191,3 +191,18 @@ def test_the_compute_limit_is_the_peak_sm_demand_of_cells_running_at_once():
                  "limit", ("A", "B"))
     limit = capacity.compute_limit(w, Settings(gpus=2, gpu_gib=10.0, transfer=TINY_TRANSFER))
     assert limit == {"gpus": 2, "peak_sm_demand_pct": pytest.approx(200.0)}
+
+
+def test_the_headline_tries_every_count_from_the_compute_limit_below_the_bisections_answer():
+    """Whether a count serves is not monotonic (a partly filled last machine can fail where
+    fewer GPUs serve), so from the compute limit up every count is tried: the answer is the
+    first that serves, and every count tried below it fails."""
+    w = Workload(400.0, tuple(kernel(f"k{i}", f"U{i}", 1, 10.0 * i, Cell(0, 100, 90))
+                              for i in range(4)), "steps", tuple(f"U{i}" for i in range(4)))
+    s = Settings(gpus=2, gpu_gib=10.0, transfer=TINY_TRANSFER)
+    limit = capacity.compute_limit(w, s)["gpus"]
+    found = capacity.fewest_gpus("gpushare", w, s, from_gpus=limit)
+    tried = {p["gpus"]: p["serves"] for p in found["probes"]}
+    assert found["gpus"] is not None and found["gpus"] >= limit
+    assert all(g in tried for g in range(limit, found["gpus"] + 1)), tried
+    assert tried[found["gpus"]] and not any(tried[g] for g in range(limit, found["gpus"]))

@@ -83,14 +83,17 @@ def serves(f: dict[str, Any], s: Settings) -> bool:
     return not why_not(f, s)
 
 
-def fewest_gpus(policy: str, workload: Workload, s: Settings, every: bool = False) -> dict[str, Any]:
+def fewest_gpus(policy: str, workload: Workload, s: Settings, every: bool = False,
+                from_gpus: int | None = None) -> dict[str, Any]:
     """The fewest GPUs (in machines of ``s.gpus``) on which ``policy`` serves every user of
     ``workload``, with that run's figures; ``exclusive``: its own count, by definition.
 
     Bisects between the widest kernel's GPUs and exclusive's count (which serves unless a
     user's own kernels do not fit a GPU); None where not even that serves. ``every``: then
     tries each count below the one found too (placement can make fewer GPUs serve where
-    more do not); ``fails_above``: the counts above the fewest tried that do not serve."""
+    more do not); ``from_gpus``: the same from that count up (the compute limit: fewer
+    cannot serve without slowing cells); ``fails_above``: the counts above the fewest tried
+    that do not serve."""
     probes: list[dict[str, Any]] = []
     cache: dict[int, dict[str, Any]] = {}
     top = sum(workload.user_gpus().values())
@@ -113,8 +116,9 @@ def fewest_gpus(policy: str, workload: Workload, s: Settings, every: bool = Fals
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if ok(mid) else (mid, hi)
             best = hi
-            if every:
-                best = next(g for g in range(low, best + 1) if ok(g))
+            if every or from_gpus is not None:
+                start = low if every else min(best, max(low, from_gpus or low))
+                best = next(g for g in range(start, best + 1) if ok(g))
     f = cache.get(best) if best is not None else None
     hours = workload.duration / 3600.0
     reserved = workload.reserved_gpu_seconds() / 3600.0

@@ -267,9 +267,13 @@ def compared_models(s: Settings) -> list[TransferModel]:
     return [s.transfer] + [PRESETS[m] for m in COMPARED_MODELS if m != s.transfer.name]
 
 
-def headline(workload: Workload, s: Settings, policies: list[str]) -> dict[str, Any]:
+def headline(workload: Workload, s: Settings, policies: list[str],
+             limit: int | None = None) -> dict[str, Any]:
     """Fewest GPUs per policy under the chosen transfer model and the compared ones (a policy
-    that never moves state is searched once: the model does not change it)."""
+    that never moves state is searched once: the model does not change it). ``limit``: the
+    compute limit, from which every count below the bisection's answer is tried too (whether
+    a count serves is not monotonic: a partly filled last machine can fail where fewer GPUs
+    serve)."""
     models = compared_models(s)
     out: dict[str, Any] = {"models": [m.name for m in models], "by_model": {}}
     first: dict[str, Any] = {}
@@ -280,7 +284,7 @@ def headline(workload: Workload, s: Settings, policies: list[str]) -> dict[str, 
             if i and not moves_state(p, s):
                 rows[p] = first[p]
             else:
-                rows[p] = fewest_gpus(p, workload, sm)
+                rows[p] = fewest_gpus(p, workload, sm, from_gpus=limit)
         if not i:
             first = rows
         out["by_model"][model.name] = rows
@@ -314,7 +318,8 @@ def compare(name: str, source: str, workload_for: Any, reference_users: int, s: 
         result["placement_table"] = {"policy": moving[0], "rows": placement_comparison(
             moving[0], workload_for(reference_users), s, compared_models(s))}
     if capacity:
-        result["fewest_gpus"] = {**headline(workload_for(reference_users), s, policies),
+        result["fewest_gpus"] = {**headline(workload_for(reference_users), s, policies,
+                                            result["compute_limit"]["gpus"]),
                                  "compute_limit": result["compute_limit"]}
         result["capacity"] = {p: most_users(p, workload_for, s) for p in policies}
         result["goal"] = report.goal(result["capacity"], s.delay_bound)
