@@ -7,6 +7,7 @@ imported (``present()``), so loading the agent never imports torch, cupy or jax.
 from __future__ import annotations
 
 import abc
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,3 +90,14 @@ class OffloadAdapter(abc.ABC):
     def drop_host_copies(self, wanted: int | None = None) -> int:
         """Free kept host copies, oldest first, until ``wanted`` bytes (None: all)."""
         return 0
+
+
+#: "0": no host copy kept after a restore (every release copies everything); the PyTorch and
+#: JAX adapters keep one by default and trust it only while it is provably current
+KEEP_HOST_COPY_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
+
+
+def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
+    """Whether adapters keep host copies after a restore (``KEEP_HOST_COPY_ENV``)."""
+    value = (os.environ if environ is None else environ).get(KEEP_HOST_COPY_ENV, "1")
+    return value.strip().lower() not in ("0", "false", "no", "off")

@@ -33,7 +33,6 @@ ids, values and devices) and raises.
 from __future__ import annotations
 
 import gc
-import os
 import re
 import sys
 import threading
@@ -44,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..walk import Ref, namespace_roots, walk, walk_namespace
-from .base import OffloadAdapter, OffloadReport
+from .base import KEEP_HOST_COPY_ENV, OffloadAdapter, OffloadReport, keep_host_copies
 from .txn import Change, apply_all
 
 
@@ -104,13 +103,9 @@ class _Binding:
     path: str = ""  # where the slot is, for messages
 
 
-#: "0": no host copy kept after a restore (the same switch as the PyTorch adapter's)
-KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
-
-
-def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
-    value = (os.environ if environ is None else environ).get(KEEP_ENV, "1")
-    return value.strip().lower() not in ("0", "false", "no", "off")
+# a kept copy is used only while provably current (PyTorch: version counters and a device
+# fingerprint; JAX: the very array alive); the switch is the base's
+KEEP_ENV = KEEP_HOST_COPY_ENV
 
 
 @dataclass

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..walk import Child, Ref, walk_namespace
-from .base import OffloadAdapter, OffloadReport
+from .base import KEEP_HOST_COPY_ENV, OffloadAdapter, OffloadReport, keep_host_copies
 from .pinned import PinnedPool
 from .txn import Change, UndoIncomplete, apply_all
 
@@ -394,16 +394,9 @@ class _Group:
     kept: _Kept | None = None  # the kept copy ``host`` came from (nothing was copied)
 
 
-#: "0": no host copy is kept after a restore (every release copies everything). Kept by
-#: default: a kept copy is used only while its storage's version counters and its device
-#: fingerprint are those of the copy, so a write PyTorch does not count (``.data``, DLPack, a
-#: raw pointer) is still seen.
-KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
-
-
-def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
-    value = (os.environ if environ is None else environ).get(KEEP_ENV, "1")
-    return value.strip().lower() not in ("0", "false", "no", "off")
+# a kept copy is used only while provably current (PyTorch: version counters and a device
+# fingerprint; JAX: the very array alive); the switch is the base's
+KEEP_ENV = KEEP_HOST_COPY_ENV
 
 
 @dataclass
