@@ -264,12 +264,7 @@ class StreamCopies:
         queued next reads; its value is read after :meth:`synchronize`."""
         if self.copy != self._cuda_copy:  # the test hooks: storages in host memory
             return fingerprint(storage)
-        torch = _torch()
-        stream = self._stream(device)
-        if device not in self._joined or self.background:
-            stream.wait_stream(torch.cuda.current_stream(device))
-            self._joined.add(device)
-        with torch.cuda.stream(stream):
+        with _torch().cuda.stream(self._joined_stream(device)):
             return fingerprint(storage)
 
     def synchronize(self, devices: Iterable[Any]) -> None:
@@ -301,15 +296,19 @@ class StreamCopies:
             stream = _streams[key] = _torch().cuda.Stream(device=device, priority=0)
         return stream
 
-    def _cuda_copy(self, dst: Any, src: Any, device: Any) -> None:
+    def _joined_stream(self, device: Any) -> Any:
+        """The copy stream of ``device``, after the work queued on the device so far. A
+        pre-copy waits before every copy: the cells keep queueing work, and a copy must see
+        every write that its version counters (read just before) count."""
         torch = _torch()
         stream = self._stream(device)
-        # a pre-copy waits before every copy: the cells keep queueing work, and a copy must
-        # see every write that its version counters (read just before) count
         if device not in self._joined or self.background:
             stream.wait_stream(torch.cuda.current_stream(device))
             self._joined.add(device)
-        with torch.cuda.stream(stream):
+        return stream
+
+    def _cuda_copy(self, dst: Any, src: Any, device: Any) -> None:
+        with _torch().cuda.stream(self._joined_stream(device)):
             _byte_view(dst).copy_(_byte_view(src), non_blocking=True)
 
     def _cuda_sync(self, device: Any) -> None:
