@@ -127,8 +127,14 @@ async def _start(hub: Hub) -> None:
 
 
 async def gpu_a(hub: Hub) -> dict:
-    view = await admin_view(hub)
-    return next(g for n in view["nodes"] for g in n["gpus"] if g["uuid"] == uuid_of(hub))
+    """The GPU of gpu-a on the admin page, once a server on it has reported it (the service
+    learns of a GPU from the servers' reports, so just after the start it may not list it)."""
+    uuid = uuid_of(hub)
+
+    def listed(view: dict) -> list[dict]:
+        return [g for n in view["nodes"] for g in n["gpus"] if g["uuid"] == uuid]
+
+    return listed(await until(lambda: admin_view(hub), listed, "gpu-a's GPU listed"))[0]
 
 
 def uuid_of(hub: Hub) -> str:
@@ -178,7 +184,7 @@ def page_says_weaker(hub: Hub) -> None:
 
 async def test_a_fabricated_wait_releases_nobody_and_the_refusal_is_logged_with_its_reason(cluster):
     hub, daemons = cluster
-    assert (await gpu_a(hub))["checked_by"] == "the node daemon of gpu-a"
+    await until(lambda: gpu_a(hub), lambda g: g["checked_by"] == "the node daemon of gpu-a", "checked")
     bob = await holding_kernel(hub, "bob", BIG, "b")
     bob_pid = (await hub.kernel_status("bob", bob.id))["pids"][0]
     claim = {"need": BIG * MiB, "released": BIG * MiB,
