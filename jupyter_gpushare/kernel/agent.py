@@ -389,9 +389,11 @@ class Agent:
             out["framework_bytes"] = sum(a.device_bytes() for a in present_adapters())
         except Exception as e:  # a framework in a bad state must not break reporting
             out["error"] = str(e)
-        device_module = sys.modules.get("jupyter_gpushare.sim.device")
-        if device_module is not None and device_module._device is not None:
-            out["simulated_bytes"] = device_module._device.allocated()
+        # read without touching the module's names directly: this runs on the channel's
+        # thread while a cell may still be importing the module (partially initialized)
+        device = _sim_device_in_use()
+        if device is not None:
+            out["simulated_bytes"] = device.allocated()
         out["background_gpu_threads"] = self.background_gpu_threads()
         try:
             copies = self.host_copies()
@@ -486,7 +488,8 @@ def _sim():
 
 
 def _sim_device_in_use() -> Any:
-    """The process's simulated GPU if something made it (never makes one)."""
+    """The process's simulated GPU if something made it (never makes one); None too while a
+    cell's thread is still importing the module (its names are not all there yet)."""
     module = sys.modules.get("jupyter_gpushare.sim.device")
     return getattr(module, "_device", None) if module is not None else None
 
