@@ -210,8 +210,21 @@ class Controller:
             c = replace(c, idle_seconds=idle_seconds, busy=False)
         return self.rules.seconds_until_release(c)
 
+    def holds(self, kernel_id: str, pid: int | None) -> Callable[[], dict[int, int] | None]:
+        """What the kernel's process ``pid`` holds per GPU at the last poll, the reading
+        ``seen_free`` pairs with its restore's reservation (None: not measured per process,
+        or another process now)."""
+        def now() -> dict[int, int] | None:
+            rec = self.tracker.kernels.get(kernel_id)
+            if rec is None or not rec.attributed or not rec.pids or (
+                    pid is not None and rec.pids[0] != pid):
+                return None
+            return dict(rec.gpu_bytes)
+        return now
+
     def seen_free(self) -> dict[int, int]:
-        """Free memory per GPU from the last sample, minus what restores reserved."""
+        """Free memory per GPU from the last sample, minus what restores reserved and has
+        not landed yet (landed bytes are in the sample's used memory already)."""
         out = {}
         for g in self.node_room.total_bytes():
             rec = self.tracker.gpus.get(g)

@@ -115,7 +115,7 @@ class RestoreRoom:
                 grant.release()
                 raise asyncio.CancelledError
             if not short and st.held is held:
-                grant.reserve(want)
+                grant.reserve(want, self.c.holds(st.kernel_id, held.kernel_pid))
                 grant.why = stays
                 st.waiting = None
                 return grant
@@ -305,7 +305,7 @@ class RestoreRoom:
         if still_short or op.stopped or st.held is not held:
             grant.release()  # taken meanwhile, or stopped: the loop looks again
             return None
-        grant.reserve(moved_want)
+        grant.reserve(moved_want, self.c.holds(st.kernel_id, held.kernel_pid))
         grant.mapping = plan
         grant.why = why
         self.load.moved(st.kernel_id, plan)
