@@ -22,6 +22,7 @@ measure (the tracker's history, the simulated node, the hub service's view).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import cast
@@ -174,46 +175,84 @@ def rebalance(
     %) and fits its bytes with ``keep`` (bytes per GPU, the pressure threshold) still free
     there: a move that pushed a GPU below it would have that GPU's idle kernels released; the
     one idle longest goes first. Targets are counted as taken once planned, so two kernels
-    do not crowd onto one quiet GPU."""
+    do not crowd onto one quiet GPU.
+
+    It runs at every poll over every GPU and resident kernel of the node, so it does the
+    work once: the residents are sorted and grouped by GPU once, and the quiet GPUs are kept
+    best first (a GPU's key does not depend on the bytes of a kernel that fits there), so a
+    move reads the first quiet GPU that fits instead of ranking them all."""
     placed: dict[int, GpuView] = dict(views)
-    floor = keep or {}
-    hot = [g for g, v in placed.items() if contended(v, threshold)]
+    hot = sorted((g for g, v in placed.items() if contended(v, threshold)),
+                 key=lambda g: (-placed[g].load, g))
+    targets = _Quiet(placed, quiet, keep or {})
+    if not hot or not targets.order:
+        return []
+    on: dict[int, list[Resident]] = {}
+    for r in sorted(residents, key=lambda r: (-r.idle_seconds, r.kernel)):
+        if r.movable:
+            for g in r.gpus:
+                on.setdefault(g, []).append(r)
     out: list[tuple[str, dict[int, int]]] = []
     moved: set[str] = set()
-    for g in sorted(hot, key=lambda g: (-placed[g].load, g)):
+    for g in hot:
         n = 0
-        for r in sorted(residents, key=lambda r: (-r.idle_seconds, r.kernel)):
+        for r in on.get(g, ()):
             if n >= most:
                 break
-            if not r.movable or r.kernel in moved or g not in r.gpus:
+            if r.kernel in moved:
                 continue
-            plan = _move_all(r, placed, quiet, floor)
+            plan = targets.plan(r)
             if plan is None:
                 continue
             for src, dst in plan.items():
-                placed[dst] = add(placed[dst], Need(r.gpus[src], 0.0))
+                targets.take(dst, Need(r.gpus[src], 0.0))
             out.append((r.kernel, plan))
             moved.add(r.kernel)
             n += 1
     return out
 
 
-def _move_all(r: Resident, placed: dict[int, GpuView], quiet: float,
-              keep: Mapping[int, int]) -> dict[int, int] | None:
-    plan: dict[int, int] = {}
-    taken = set(r.gpus)
-    for g in sorted(r.gpus, key=lambda g: (-r.gpus[g], g)):
-        options = [v for t, v in placed.items()
-                   if t not in taken and fits(v, r.gpus[g] + keep.get(t, 0))
-                   and v.expected <= quiet and not contended(v)]
-        best = rank(options, r.gpus[g])
-        if not best:
-            return None
-        target = best[0].gpu
-        assert isinstance(target, int)
-        plan[g] = target
-        taken.add(target)
-    return plan
+class _Quiet:
+    """The GPUs a moved kernel may go to (quiet, not contended), best first by the rule's
+    key for a kernel that fits, kept up as moves are planned onto them."""
+
+    def __init__(self, placed: dict[int, GpuView], quiet: float, keep: Mapping[int, int]):
+        self.placed = placed
+        self.quiet = quiet
+        self.keep = keep
+        self.order = sorted((_fitting_key(v), t) for t, v in placed.items() if self._ok(v))
+
+    def _ok(self, v: GpuView) -> bool:
+        return v.room is not None and v.expected <= self.quiet and not contended(v)
+
+    def plan(self, r: Resident) -> dict[int, int] | None:
+        """{GPU of ``r``: the best quiet GPU that fits it}, all of ``r``'s GPUs or None."""
+        plan: dict[int, int] = {}
+        taken = set(r.gpus)
+        for g in sorted(r.gpus, key=lambda g: (-r.gpus[g], g)):
+            n = max(0, r.gpus[g])
+            for _, t in self.order:
+                if t not in taken and fits(self.placed[t], n + max(0, self.keep.get(t, 0))):
+                    plan[g] = t
+                    taken.add(t)
+                    break
+            else:
+                return None
+        return plan
+
+    def take(self, t: int, need: Need) -> None:
+        """A move is planned onto ``t``: it counts there (and may no longer be quiet)."""
+        old = self.placed[t]
+        self.order.remove((_fitting_key(old), t))
+        self.placed[t] = new = add(old, need)
+        if self._ok(new):
+            bisect.insort(self.order, (_fitting_key(new), t))
+
+
+def _fitting_key(view: GpuView) -> tuple:
+    """:func:`key` of ``view`` for any kernel that fits there (the same for every size)."""
+    return (False, False, not view.within_share, _step(view.expected), view.kernels,
+            -(view.room or 0), _order(view.gpu))
 
 
 def pressure_floor(total: Mapping[int, int], fraction: float) -> dict[int, int]:
