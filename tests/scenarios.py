@@ -44,10 +44,11 @@ async def rest(jp_fetch: Any, kernel_id: str, action: str, method: str = "POST",
 
 
 async def released(jp_fetch: Any, kernels: Any, app: Any, mib: int = 256, name: str = "x",
-                   device: int = 0) -> Any:
-    """A kernel holding ``mib`` MiB (see ``hold``), released over REST."""
+                   device: int = 0, extra: str = "") -> Any:
+    """A kernel holding ``mib`` MiB (see ``hold``), released over REST; ``extra``: code the
+    same cell runs after (a stall for the restore, say)."""
     k = await kernels.start()
-    await k.run(hold(mib, device=device, name=name))
+    await k.run(hold(mib, device=device, name=name) + ("\n" + extra if extra else ""))
     await app.poll_once()
     code, body = await rest(jp_fetch, k.id, "release")
     assert code == 200 and body["state"] == "released", body

@@ -15,10 +15,17 @@ from jupyter_gpushare.reclaim import ReclaimError
 
 from . import scenarios
 from .helpers import rest, wait_for
-from .scenarios import hold, intact, released
+from .scenarios import MiB, hold, intact, released
 
 ACTIVITY = {"trigger": "activity"}
 GRACE = 30.0
+#: MiB a kernel holds: small, since every byte is made, copied and checksummed on 2 shared
+#: cores; what a test proves is which restores run and when, not how long bytes take
+STATE = 64
+#: two kernels of CROWD MiB do not fit on one GPU of SMALL_NODE together
+CROWD = 160
+#: how long an operation may take to end: a bound for a loaded 2-core machine, not a timing
+OP_WAIT = 120.0
 
 
 @pytest.fixture
@@ -27,22 +34,29 @@ def gpushare_config():
 
 
 SMALL_NODE = {"idle_timeout": 600.0, "pressure_idle_timeout": 30.0, "ahead_grace": GRACE,
-              **scenarios.SMALL_NODE}
+              "simulated_gpus": [256 * MiB, 256 * MiB]}
 
 
 def counted(outcome: str) -> float:
     return metrics.AHEAD_RESTORES.labels(outcome)._value.get()
 
 
+def stall(step: str, seconds: float) -> str:
+    """A cell that makes the kernel's next simulated ``step`` wait ``seconds`` (in the kernel)."""
+    return ("from jupyter_gpushare.sim import device as _device\n"
+            f"_stall = _device.get_device().stall({step!r}, seconds={seconds})")
+
+
 async def resident(app, kid: str) -> None:
     await wait_for(lambda: app.controller.states[kid].held is None
-                   and app.controller.states[kid].op is None, what="resident")
+                   and app.controller.states[kid].op is None, timeout=OP_WAIT,
+                   what="resident")
 
 
 async def test_activity_restores_ahead_and_the_cell_runs_without_a_restore(
     jp_fetch, kernels, gpushare_app, events, restores
 ):
-    k = await released(jp_fetch, kernels, gpushare_app, 512)
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
     before = counted("restored")
     code, body = await rest(jp_fetch, "POST", "kernels", k.id, "restore", body=ACTIVITY)
     assert code == 202, body
@@ -63,7 +77,7 @@ async def test_bad_activity_requests_are_refused_and_resident_is_a_no_op(
     jp_fetch, kernels, gpushare_app
 ):
     k = await kernels.start()
-    await k.run(hold(256))
+    await k.run(hold(STATE))
     await gpushare_app.poll_once()
     code, body = await rest(jp_fetch, "POST", "kernels", "no-such-kernel", "restore", body=ACTIVITY)
     assert code == 404 and "no kernel" in body["message"]
@@ -80,7 +94,7 @@ async def test_bad_activity_requests_are_refused_and_resident_is_a_no_op(
 
 
 async def test_a_flood_of_activity_requests_costs_one_restore(jp_fetch, kernels, gpushare_app, restores):
-    k = await released(jp_fetch, kernels, gpushare_app, 1024)
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
     answers = await asyncio.gather(*(rest(jp_fetch, "POST", "kernels", k.id, "restore", body=ACTIVITY)
                                      for _ in range(30)))
     assert {code for code, _ in answers} <= {200, 202}
@@ -93,9 +107,12 @@ async def test_a_flood_of_activity_requests_costs_one_restore(jp_fetch, kernels,
 
 
 async def test_a_cell_sent_during_an_ahead_restore_joins_it(jp_fetch, kernels, gpushare_app, restores):
-    k = await released(jp_fetch, kernels, gpushare_app, 1024)
+    # the restore's copy waits 3 s in the kernel: the cell is sent while its bytes move
+    k = await released(jp_fetch, kernels, gpushare_app, STATE, extra=stall("restore", 3.0))
     code, _ = await rest(jp_fetch, "POST", "kernels", k.id, "restore", body=ACTIVITY)
     assert code == 202
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "restoring",
+                   what="the ahead restore to move bytes")
     ex = await k.run(intact())
     assert "intact" in ex.stdout
     assert restores == [(k.id, "activity")]  # one restore, the ahead one
@@ -106,12 +123,13 @@ async def test_ahead_restore_evicts_no_working_person_and_is_stopped_without_roo
     jp_fetch, kernels, gpushare_app, events
 ):
     gpushare_app.ahead.room_wait = 0.5
-    a, b = await scenarios.crowded(jp_fetch, kernels, gpushare_app)  # b was just used
+    a, b = await scenarios.crowded(jp_fetch, kernels, gpushare_app, CROWD)  # b was just used
     failed_restores = metrics.RESTORES.labels("simulated", "failed")._value.get()
     code, body = await rest(jp_fetch, "POST", "kernels", a.id, "restore", body=ACTIVITY)
     assert code == 202
     await wait_for(lambda: gpushare_app.controller.states[a.id].op is None
-                   and gpushare_app.controller.states[a.id].error, what="the ahead restore stopped")
+                   and gpushare_app.controller.states[a.id].error, timeout=OP_WAIT,
+                   what="the ahead restore stopped")
     st = gpushare_app.controller.states[a.id]
     assert st.state == "released" and not st.failed
     assert st.error.startswith("not restored ahead of your next cell: no room within 0.5 s")
@@ -127,7 +145,7 @@ async def test_ahead_restore_evicts_no_working_person_and_is_stopped_without_roo
 
 @pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
 async def test_ahead_restore_makes_room_as_make_room_does(jp_fetch, kernels, gpushare_app, restores):
-    a, b = await scenarios.crowded(jp_fetch, kernels, gpushare_app)
+    a, b = await scenarios.crowded(jp_fetch, kernels, gpushare_app, CROWD)
     clock.advance(31)  # b idle past pressure_idle_timeout: make-room may take it
     await gpushare_app.poll_once()
     code, _ = await rest(jp_fetch, "POST", "kernels", a.id, "restore", body=ACTIVITY)
@@ -142,7 +160,7 @@ async def test_a_cell_arriving_while_the_ahead_restore_waits_restores_by_itself(
     jp_fetch, kernels, gpushare_app, restores
 ):
     gpushare_app.ahead.room_wait = 60
-    a, b = await scenarios.crowded(jp_fetch, kernels, gpushare_app)
+    a, b = await scenarios.crowded(jp_fetch, kernels, gpushare_app, CROWD)
     code, _ = await rest(jp_fetch, "POST", "kernels", a.id, "restore", body=ACTIVITY)
     assert code == 202
     await wait_for(lambda: gpushare_app.controller.states[a.id].waiting, what="waiting for memory")
@@ -161,10 +179,10 @@ async def test_ahead_restore_lets_a_cells_restore_go_first(jp_fetch, kernels, gp
     """a and c released on GPU 0, d fills it; c's cell waits for room, then a person opens a's
     notebook: when d frees, c's cell gets the room, not a's hint."""
     gpushare_app.ahead.room_wait = 60
-    a = await released(jp_fetch, kernels, gpushare_app, 1280, name="a")
-    c = await released(jp_fetch, kernels, gpushare_app, 1280, name="c")
+    a = await released(jp_fetch, kernels, gpushare_app, CROWD, name="a")
+    c = await released(jp_fetch, kernels, gpushare_app, CROWD, name="c")
     d = await kernels.start()
-    await d.run(hold(1280, name="d"))
+    await d.run(hold(CROWD, name="d"))
     await gpushare_app.poll_once()
     cell = c.send(intact("c"))
     await wait_for(lambda: gpushare_app.controller.states[c.id].waiting, what="c waits for memory")
@@ -183,7 +201,7 @@ async def test_ahead_restore_lets_a_cells_restore_go_first(jp_fetch, kernels, gp
 async def test_ahead_restore_that_fails_leaves_the_kernel_released(
     jp_fetch, kernels, gpushare_app, events, monkeypatch
 ):
-    k = await released(jp_fetch, kernels, gpushare_app, 512)
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
     method = gpushare_app.methods["simulated"]
 
     async def broken(target, progress):
@@ -192,7 +210,8 @@ async def test_ahead_restore_that_fails_leaves_the_kernel_released(
     monkeypatch.setattr(method, "restore", broken)
     code, _ = await rest(jp_fetch, "POST", "kernels", k.id, "restore", body=ACTIVITY)
     assert code == 202
-    await wait_for(lambda: gpushare_app.controller.states[k.id].op is None, what="the restore's end")
+    await wait_for(lambda: gpushare_app.controller.states[k.id].op is None, timeout=OP_WAIT,
+                   what="the restore's end")
     st = gpushare_app.controller.states[k.id]
     assert (st.state, st.failed) == ("released", False)
     assert st.error == "restore ahead of your next cell failed: simulated fault"
@@ -210,7 +229,7 @@ async def test_ahead_restore_that_fails_leaves_the_kernel_released(
 async def test_kernel_restored_ahead_without_a_cell_is_released_after_ahead_grace(
     jp_fetch, kernels, gpushare_app, events
 ):
-    k = await released(jp_fetch, kernels, gpushare_app, 512)
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
     await rest(jp_fetch, "POST", "kernels", k.id, "restore", body=ACTIVITY)
     await resident(gpushare_app, k.id)
     await gpushare_app.poll_once()
@@ -219,13 +238,14 @@ async def test_kernel_restored_ahead_without_a_cell_is_released_after_ahead_grac
     assert gpushare_app.controller.states[k.id].state in ("active", "idle")
     clock.advance(GRACE / 2 + 1)  # far less than idle_timeout (600 s)
     await gpushare_app.poll_once()
-    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "released", what="release")
+    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "released",
+                   timeout=OP_WAIT, what="release")
     last = [e for e in events if e["action"] == "released"][-1]
     assert "ahead_grace 30 s" in last["reason"]
 
 
 async def test_kernel_restored_ahead_then_used_keeps_its_idle_timeout(jp_fetch, kernels, gpushare_app):
-    k = await released(jp_fetch, kernels, gpushare_app, 512)
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
     await rest(jp_fetch, "POST", "kernels", k.id, "restore", body=ACTIVITY)
     await resident(gpushare_app, k.id)
     await gpushare_app.poll_once()
@@ -241,7 +261,7 @@ async def test_kernel_restored_ahead_then_used_keeps_its_idle_timeout(jp_fetch, 
 async def test_pinned_kernel_restored_ahead_is_not_released_after_ahead_grace(
     jp_fetch, kernels, gpushare_app
 ):
-    k = await released(jp_fetch, kernels, gpushare_app, 512)
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
     await rest(jp_fetch, "PUT", "kernels", k.id, "pin", body={"pinned": True})
     await rest(jp_fetch, "POST", "kernels", k.id, "restore", body=ACTIVITY)
     await resident(gpushare_app, k.id)
