@@ -236,10 +236,15 @@ async def test_a_kernel_in_a_small_memory_cgroup_is_not_released_into_an_oom_kil
 
 
 # -- operations interrupted from outside: the bytes in flight always land -----------------------
-def stall(step: str, seconds: float) -> str:
-    """A cell that makes the kernel's next simulated ``step`` wait ``seconds`` (in the kernel)."""
-    return ("from jupyter_gpushare.sim import device as _device\n"
+def stall(step: str, seconds: float, reached: object = None) -> str:
+    """A cell that makes the kernel's next simulated ``step`` wait ``seconds`` (in the kernel);
+    ``reached``: a file the kernel makes once the step is inside its stall (wait for it)."""
+    code = ("from jupyter_gpushare.sim import device as _device\n"
             f"_stall = _device.get_device().stall({step!r}, seconds={seconds})")
+    if reached is not None:
+        code += ("\nimport threading as _threading\n_threading.Thread(target=lambda: "
+                 f"_stall.reached.wait() and open({str(reached)!r}, 'w').close(), daemon=True).start()")
+    return code
 
 
 async def reconnect(jp_ws_fetch, kernel):
@@ -323,10 +328,11 @@ async def test_server_shutdown_while_a_restore_moves_bytes_waits_for_it(jp_fetch
 # -- the kernel dies or stops mid-operation ------------------------------------------------------
 @pytest.mark.parametrize("step", ["checkpoint", "restore"])
 async def test_a_kernel_killed_mid_operation_ends_with_its_state_dropped_and_says_so(
-    step, jp_fetch, kernels, gpushare_app
+    step, jp_fetch, kernels, gpushare_app, tmp_path
 ):
     k = await kernels.start()
-    await k.run(hold(256) + "\n" + stall(step, 30.0))
+    reached = tmp_path / "reached"
+    await k.run(hold(256) + "\n" + stall(step, 30.0, reached))
     await gpushare_app.poll_once()
     pid = gpushare_app.tracker.kernel_pid(k.id)
     if step == "checkpoint":
@@ -336,7 +342,7 @@ async def test_a_kernel_killed_mid_operation_ends_with_its_state_dropped_and_say
         assert (await rest(jp_fetch, k.id, "release"))[0] == 200
         msg_id = k.send("print('never runs')")
         await wait_for(lambda: state(gpushare_app, k) == "restoring", what="the restore")
-    await asyncio.sleep(0.2)  # the kernel is inside the stalled step
+    await wait_for(reached.exists, what="the kernel inside the stalled step")
     os.kill(pid, 9)
     if step == "checkpoint":
         code, body = await pending
@@ -426,19 +432,20 @@ async def test_a_victim_whose_release_fails_is_not_retried_in_a_hot_loop(
 
 
 async def test_a_channel_dropped_mid_release_leaves_the_state_held_until_the_agent_is_back(
-    jp_fetch, kernels, gpushare_app
+    jp_fetch, kernels, gpushare_app, tmp_path
 ):
     """The agent channel breaks while the kernel checkpoints: the server cannot confirm where
     the state is, so it keeps it held; the agent reconnects, learns its state, and the next
     cell brings the data back."""
     gpushare_app.methods["simulated"].undo_timeout = 0.5
     k = await kernels.start()
-    await k.run(hold(256) + "\n" + stall("checkpoint", 1.0))
+    reached = tmp_path / "reached"
+    # 3 s: the channel is closed while the checkpoint is held, however slow the machine
+    await k.run(hold(256) + "\n" + stall("checkpoint", 3.0, reached))
     await gpushare_app.poll_once()
     conn = gpushare_app.channel.connections[k.id]
     pending = asyncio.ensure_future(rest(jp_fetch, k.id, "release"))
-    await wait_for(lambda: state(gpushare_app, k) == "releasing", what="the release")
-    await asyncio.sleep(0.2)  # inside the stalled checkpoint
+    await wait_for(reached.exists, what="the kernel inside the stalled checkpoint")
     conn._close()
     code, body = await pending
     assert code == 409 and "not confirmed" in body["message"], body

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 import pytest
 from tornado.httpclient import HTTPClientError
+
+from jupyter_gpushare.server.gate import GATES_KEY
 
 from .helpers import kernel_status, wait_for
 from .scenarios import MiB, crowded, hold, intact, rest
@@ -29,9 +32,28 @@ def touch(path: object) -> str:
     return f"open({str(path)!r}, 'w').close()\nprint('ran')"
 
 
-def stall(step: str, seconds: float) -> str:
-    return ("from jupyter_gpushare.sim import device as _device\n"
-            f"_stall = _device.get_device().stall({step!r}, seconds={seconds})")
+def stall(step: str, seconds: float | None, reached: object = None, go: object = None) -> str:
+    """A cell that makes the kernel's next simulated ``step`` wait ``seconds`` (None: until
+    the file ``go`` exists), in the kernel; ``reached``: a file the kernel makes once the step
+    is inside its stall (wait for it)."""
+    code = ("from jupyter_gpushare.sim import device as _device\n"
+            f"_stall = _device.get_device().stall({step!r}, seconds={seconds})\n"
+            "import os as _os, threading as _threading, time as _time\n"
+            "def _watch():\n"
+            "    _stall.reached.wait()\n")
+    if reached is not None:
+        code += f"    open({str(reached)!r}, 'w').close()\n"
+    if go is not None:
+        code += (f"    while not _os.path.exists({str(go)!r}):\n"
+                 "        _time.sleep(0.02)\n"
+                 "    _stall.release()\n")
+    return code + "_threading.Thread(target=_watch, daemon=True).start()"
+
+
+def queued(app: Any, kernel_id: str) -> bool:
+    """A cell of the kernel is held by the gate (on one of its websockets)."""
+    gates = app.settings[GATES_KEY]
+    return any(conn._queued for conn in gates._of(kernel_id))
 
 
 @pytest.mark.parametrize("gpushare_config", [SMALL_NODE])
@@ -61,16 +83,20 @@ async def test_rest_interrupt_stops_a_cell_held_behind_a_release_in_flight(
     jp_fetch, kernels, gpushare_app, tmp_path
 ):
     k = await kernels.start()
-    await k.run(hold(256) + "\n" + stall("checkpoint", 1.5))
+    reached, go = tmp_path / "reached", tmp_path / "go"
+    # the checkpoint is held in the kernel until the test makes the file go
+    await k.run(hold(256) + "\n" + stall("checkpoint", None, reached, go))
     await gpushare_app.poll_once()
     pending = asyncio.ensure_future(rest(jp_fetch, k.id, "release"))
-    await wait_for(lambda: gpushare_app.controller.states[k.id].state == "releasing", what="the release")
+    await wait_for(reached.exists, what="the release's checkpoint held in the kernel")
     mark = tmp_path / "ran"
     msg_id = k.send(touch(mark))
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: queued(gpushare_app, k.id), what="the cell held by the gate")
     await jp_fetch("api", "kernels", k.id, "interrupt", method="POST", body=b"")
-    ex = await k.wait(msg_id, timeout=1.0)  # before the release has ended
+    ex = await k.wait(msg_id)
+    assert not pending.done()  # answered while the release is still in flight
     assert ex.error and ex.error["ename"] == "KeyboardInterrupt"
+    go.touch()
     code, body = await pending
     assert code == 200 and body["state"] == "released", body  # the release ended whole
     await asyncio.sleep(0.5)
@@ -114,16 +140,17 @@ async def test_shutdown_answers_a_held_cell_at_once(jp_fetch, kernels, gpushare_
 
 
 async def test_a_kernel_killed_mid_restore_answers_the_held_cell_that_its_state_is_gone(
-    jp_fetch, kernels, gpushare_app
+    jp_fetch, kernels, gpushare_app, tmp_path
 ):
     k = await kernels.start()
-    await k.run(hold(256) + "\n" + stall("restore", 30.0))
+    reached = tmp_path / "reached"
+    await k.run(hold(256) + "\n" + stall("restore", 30.0, reached))
     await gpushare_app.poll_once()
     pid = gpushare_app.tracker.kernel_pid(k.id)
     assert (await rest(jp_fetch, k.id, "release"))[0] == 200
     msg_id = k.send("print('never runs')")
     await wait_for(lambda: gpushare_app.controller.states[k.id].state == "restoring", what="the restore")
-    await asyncio.sleep(0.2)  # inside the stalled restore
+    await wait_for(reached.exists, what="the kernel inside the stalled restore")
     os.kill(pid, 9)
     ex = await k.wait(msg_id)
     assert ex.status == "error" and ex.error

@@ -32,8 +32,9 @@ async def computed_on(app: Any, kernel: Any, gpu: int) -> None:
     """Wait until a poll saw ``kernel`` compute on ``gpu`` (the node's numbering)."""
     rec = app.tracker.kernels[kernel.id]
     before = rec.computed.get(gpu)
+    # 120 s: a bound for a loaded 2-core machine (30 s ran out at load 10-77), not a timing
     await wait_for(lambda: rec.computed.get(gpu, 0.0) != (before or 0.0) and rec.computed.get(gpu),
-                   what=f"a poll to see kernel {kernel.id[:8]} compute on GPU {gpu}")
+                   timeout=120, what=f"a poll to see kernel {kernel.id[:8]} compute on GPU {gpu}")
 
 
 async def trained(app: Any, kernel: Any, gpu: int) -> None:
