@@ -30,6 +30,7 @@ from hypothesis.stateful import (  # noqa: E402
 )
 
 from jupyter_gpushare.kernel.offload import torch_adapter  # noqa: E402
+from jupyter_gpushare.kernel.offload.base import KEPT_CHECK_ENV  # noqa: E402
 from jupyter_gpushare.kernel.offload.torch_adapter import drop_kept, kept_copies  # noqa: E402
 
 from .test_offload_fast import CopyFailed, FakeGPUs  # noqa: E402
@@ -40,6 +41,7 @@ pytestmark = pytest.mark.torch
 @pytest.fixture(autouse=True)
 def no_copies_left(monkeypatch):
     monkeypatch.delenv(torch_adapter.KEEP_ENV, raising=False)  # kept by default
+    monkeypatch.delenv(KEPT_CHECK_ENV, raising=False)  # every byte checked
     drop_kept()
     yield
     drop_kept()
@@ -129,16 +131,19 @@ def unseen_write(t, how: str, value: float = 1.5) -> None:
         t.data.add_(value)
     elif how == "dlpack":
         torch.from_dlpack(t).add_(value)
+    elif how == "numpy":  # a NumPy view of the tensor's memory (CPU storages here)
+        array = t.numpy()
+        array += value
     else:  # a raw pointer, as a C extension writes
         new = (t.detach() + value).contiguous()
         ctypes.memmove(t.data_ptr(), new.data_ptr(), new.numel() * new.element_size())
     assert t._version == before  # PyTorch's counters saw nothing
 
 
-@pytest.mark.parametrize("how", ["data", "dlpack", "pointer"])
+@pytest.mark.parametrize("how", ["data", "dlpack", "numpy", "pointer"])
 def test_a_write_the_version_counters_miss_is_copied_at_release(how):
-    """Restored with its host copy kept, then written through ``.data``, DLPack or a raw
-    pointer: the fingerprint differs, so the release copies it and the restore brings back
+    """Restored with its host copy kept, then written through ``.data``, DLPack, NumPy or a
+    raw pointer: the fingerprint differs, so the release copies it and the restore brings back
     the written bytes, never the kept ones."""
     gpus = FakeGPUs()
     ns = {"w": gpus.put(torch.zeros(300)), "same": gpus.put(torch.ones(50))}
@@ -197,6 +202,98 @@ def test_kept_copies_are_dropped_oldest_first():
     assert kept_copies()["current"] == 600
     assert drop_kept(1) == 400 and kept_copies()["current"] == 200
     assert gpus.adapter().offload(ns).copied == 400
+
+
+def test_the_cpu_fingerprint_is_the_devices_product_and_sum():
+    """The CPU path (blocks of rows widened into one buffer, a matrix-vector product) gives
+    the value of the GPU path's product and sum, across blocks, a short last row and a tail."""
+    x = torch.randint(-(1 << 31), (1 << 31) - 1, (300 * 4096 + 77,), dtype=torch.int32)
+    data = torch.cat([x.view(torch.uint8), torch.tensor([5, 6, 7], dtype=torch.uint8)])
+    cols, rows = torch_adapter._weights(data.device)
+    full = 300 * 4096
+    per_row = (x[:full].view(-1, 4096) * cols).sum(dim=1)
+    value = (per_row * rows[:300]).sum() + (x[full:] * cols[:77]).sum() * rows[300]
+    expected = value * torch_adapter._chunk_weight(0)
+    expected += (data[-3:].to(torch.int64) * cols[:3]).sum() * torch_adapter._chunk_weight(-2)
+    assert int(torch_adapter.fingerprint(data.untyped_storage())) == int(expected)
+
+
+BIG = (1 << 20) // 4 + 1024  # float32s: a storage over 1 MiB, sampled under "sampled"
+
+
+def off_sample_word() -> int:
+    """A 32-bit word the "sampled" check does not read."""
+    return (torch_adapter._SAMPLE_OFFSET + 1) % torch_adapter._SAMPLE_STRIDE
+
+
+def released_and_restored(gpus, ns) -> None:
+    adapter = gpus.adapter()
+    adapter.offload(ns)
+    adapter.reload()
+
+
+def test_the_sampled_check_sees_whole_rewrites_and_counted_writes(monkeypatch):
+    """``JUPYTER_GPUSHARE_KEPT_CHECK=sampled``: a rewrite of a whole tensor behind the
+    counters, and any write through PyTorch's ops (its counter), are copied; a small storage
+    is read whole."""
+    monkeypatch.setenv(KEPT_CHECK_ENV, "sampled")
+    gpus = FakeGPUs()
+    ns = {"big": gpus.put(torch.zeros(BIG)), "small": gpus.put(torch.zeros(1000)),
+          "counted": gpus.put(torch.zeros(BIG))}
+    released_and_restored(gpus, ns)
+    unseen_write(ns["big"], "data")  # e.g. a hand-written optimizer step through .data
+    unseen_write(ns["small"][999:], "dlpack")  # one word, of a storage read whole
+    with torch.no_grad():
+        ns["counted"][off_sample_word()] = 2.0  # one word, but through an in-place op
+    adapter = gpus.adapter()
+    assert adapter.offload(ns).copied == 2 * BIG * 4 + 4000
+    adapter.reload()
+    assert torch.equal(ns["big"], torch.full((BIG,), 1.5)) and float(ns["small"][999]) == 1.5
+    assert float(ns["counted"][off_sample_word()]) == 2.0
+    assert gpus.adapter().offload(ns).copied == 0  # and unchanged again: nothing to copy
+
+
+def test_the_sampled_and_counters_checks_miss_what_they_do_not_read(monkeypatch):
+    """The opt-outs' documented limit: a small write behind the counters, between the
+    sampled words ("sampled") or anywhere ("counters"), is not copied, and the restore
+    brings back the bytes from before it."""
+    for check in ("sampled", "counters"):
+        monkeypatch.setenv(KEPT_CHECK_ENV, check)
+        drop_kept()
+        gpus = FakeGPUs()
+        ns = {"w": gpus.put(torch.zeros(BIG))}
+        released_and_restored(gpus, ns)
+        word = off_sample_word()
+        unseen_write(ns["w"][word:word + 1], "data")
+        adapter = gpus.adapter()
+        assert adapter.offload(ns).copied == 0, check
+        adapter.reload()
+        assert float(ns["w"][word]) == 0.0, check  # the write is lost: why "full" is default
+
+
+def test_a_copy_is_trusted_only_under_the_check_it_was_taken_for(monkeypatch):
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(64))}
+    released_and_restored(gpus, ns)  # kept under "full"
+    monkeypatch.setenv(KEPT_CHECK_ENV, "counters")
+    adapter = gpus.adapter()
+    assert adapter.offload(ns).copied == 256  # no "counters" copy: copied again
+    adapter.reload()  # now kept under "counters"
+    assert gpus.adapter().offload(ns).copied == 0
+
+
+def test_a_storage_resized_in_place_is_copied_again(monkeypatch):
+    """``untyped_storage().resize_`` moves the bytes and no counter: the kept copy's address
+    and size no longer match, so even "counters" copies it."""
+    monkeypatch.setenv(KEPT_CHECK_ENV, "counters")
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.arange(16.0))}
+    released_and_restored(gpus, ns)
+    ns["w"].untyped_storage().resize_(32 * 4)
+    adapter = gpus.adapter()
+    assert adapter.offload(ns).copied == 128
+    adapter.reload()
+    assert torch.equal(ns["w"], torch.arange(16.0)) and ns["w"].untyped_storage().nbytes() == 128
 
 
 class IncrementalTorch(RuleBasedStateMachine):
@@ -278,7 +375,7 @@ class IncrementalTorch(RuleBasedStateMachine):
         self.mark(name)
 
     @precondition(lambda self: self.adapter is None and self.ns)
-    @rule(data=st.data(), how=st.sampled_from(["data", "dlpack", "pointer"]),
+    @rule(data=st.data(), how=st.sampled_from(["data", "dlpack", "numpy", "pointer"]),
           value=st.floats(0.5, 4))
     def write_unseen(self, data, how, value):
         """A write no version counter sees: the fingerprint must."""

@@ -101,3 +101,20 @@ def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
     """Whether adapters keep host copies after a restore (``KEEP_HOST_COPY_ENV``)."""
     value = (os.environ if environ is None else environ).get(KEEP_HOST_COPY_ENV, "1")
     return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+#: how a release checks that a kept PyTorch host copy is still current, past the version
+#: counters (which see every write through PyTorch's own ops, not those through ``.data``,
+#: DLPack, NumPy or a raw pointer): "full" (the default) reads every byte of the storage on
+#: its device; "sampled" reads one 32-bit word in 1,024 of a storage over 1 MiB, so it sees a
+#: rewrite of a whole tensor but may miss a small one; "counters" reads nothing, so such a
+#: write is lost at the next restore. An unknown value means "full".
+KEPT_CHECK_ENV = "JUPYTER_GPUSHARE_KEPT_CHECK"
+KEPT_CHECKS = ("full", "sampled", "counters")
+
+
+def kept_check(environ: dict[str, str] | None = None) -> str:
+    """How a kept host copy is checked (``KEPT_CHECK_ENV``): one of ``KEPT_CHECKS``."""
+    value = (os.environ if environ is None else environ).get(KEPT_CHECK_ENV, "full")
+    value = value.strip().lower()
+    return value if value in KEPT_CHECKS else "full"

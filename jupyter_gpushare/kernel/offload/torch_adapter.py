@@ -43,7 +43,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..walk import Child, Ref, walk_namespace
-from .base import KEEP_HOST_COPY_ENV, OffloadAdapter, OffloadReport, keep_host_copies
+from .base import (
+    KEEP_HOST_COPY_ENV,
+    OffloadAdapter,
+    OffloadReport,
+    keep_host_copies,
+    kept_check,
+)
 from .pinned import PinnedPool
 from .txn import Change, UndoIncomplete, apply_all
 
@@ -130,7 +136,11 @@ def _storage_shared(storage: torch.UntypedStorage) -> bool:
 # the bus.
 _FP_COLUMNS = 4096  # 32-bit words per row
 _FP_ROWS = 2048  # rows per chunk: 32 MiB of the storage at a time, a temporary of 64 MiB
+_FP_BLOCK_ROWS = 256  # CPU: rows widened at a time (a reused buffer of 8 MiB)
+_SAMPLE_ALL_BELOW = 1 << 20  # "sampled" check: storages up to 1 MiB are read whole
+_SAMPLE_STRIDE = 1024  # "sampled" check: one 32-bit word per 4 KiB page
 _FP_SEED = int.from_bytes(os.urandom(8), "little") >> 1
+_SAMPLE_OFFSET = _FP_SEED % _SAMPLE_STRIDE  # which word of each 4 KiB, drawn per process
 _fp_weights: dict[str, tuple[Any, Any]] = {}  # device -> (column weights, row weights)
 
 
@@ -163,17 +173,41 @@ def fingerprint(storage: torch.UntypedStorage) -> torch.Tensor:
     stream (reading it waits for the work queued before)."""
     torch = _torch()
     data = _byte_view(storage)
-    cols, rows = _weights(data.device)
-    total = torch.zeros((), dtype=torch.int64, device=data.device)
     nwords = data.numel() // 4
-    words = data[:nwords * 4].view(torch.int32)
+    total = _words_fingerprint(data[:nwords * 4].view(torch.int32))
+    tail = data[nwords * 4:]
+    if tail.numel():
+        cols, _ = _weights(data.device)
+        total += (tail.to(torch.int64) * cols[:tail.numel()]).sum() * _chunk_weight(-2)
+    return total
+
+
+def sampled_fingerprint(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The fingerprint of a strided sample of the storage (``KEPT_CHECK_ENV`` = "sampled"):
+    one 32-bit word per 4 KiB (at an offset drawn per process) of a storage over 1 MiB,
+    every byte of a smaller one. A rewrite of a whole tensor changes it; a write that misses
+    every sampled word does not."""
+    torch = _torch()
+    if storage.nbytes() <= _SAMPLE_ALL_BELOW:
+        return fingerprint(storage)
+    data = _byte_view(storage)
+    words = data[:data.numel() // 4 * 4].view(torch.int32)
+    return _words_fingerprint(words[_SAMPLE_OFFSET::_SAMPLE_STRIDE].contiguous())
+
+
+def _words_fingerprint(words: torch.Tensor) -> torch.Tensor:
+    """sum(w[i] * words[i]) mod 2**64 over a flat int32 tensor, chunk by chunk."""
+    torch = _torch()
+    cols, rows = _weights(words.device)
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
     chunk = _FP_COLUMNS * _FP_ROWS
-    for index, start in enumerate(range(0, nwords, chunk)):
+    buffer: list[Any] = []  # the CPU's widening buffer, reused across chunks
+    for index, start in enumerate(range(0, words.numel(), chunk)):
         part = words[start:start + chunk]
         full = part.numel() // _FP_COLUMNS * _FP_COLUMNS
         rows_of = part[:full].view(-1, _FP_COLUMNS)
-        if rows_of.device.type == "cpu":  # same values; CPU kernels vectorize it this way
-            per_row = rows_of.to(torch.int64).mul_(cols).sum(dim=1)
+        if rows_of.device.type == "cpu":
+            per_row = _cpu_row_sums(rows_of, cols, buffer)
         else:  # one pass less on a GPU: the widening happens inside the product
             per_row = (rows_of * cols).sum(dim=1)
         value = (per_row * rows[:per_row.numel()]).sum()
@@ -181,10 +215,32 @@ def fingerprint(storage: torch.UntypedStorage) -> torch.Tensor:
             rest = part[full:]
             value += (rest * cols[:rest.numel()]).sum() * rows[per_row.numel()]
         total += value * _chunk_weight(index)
-    tail = data[nwords * 4:]
-    if tail.numel():
-        total += (tail.to(torch.int64) * cols[:tail.numel()]).sum() * _chunk_weight(-2)
     return total
+
+
+def _cpu_row_sums(rows_of: torch.Tensor, cols: torch.Tensor, buffer: list[Any]) -> torch.Tensor:
+    """Each row's sum(cols * row) in int64, the GPU's product and sum, but widened a block of
+    rows at a time into one reused buffer and summed by a matrix-vector product: on a CPU,
+    fresh temporaries the size of the data (new pages each) cost more than the arithmetic."""
+    torch = _torch()
+    n = rows_of.shape[0]
+    out = torch.empty(n, dtype=torch.int64)
+    if not n:
+        return out
+    if not buffer:
+        buffer.append(torch.empty(min(n, _FP_BLOCK_ROWS), _FP_COLUMNS, dtype=torch.int64))
+    block_rows = buffer[0].shape[0]
+    for start in range(0, n, block_rows):
+        block = rows_of[start:start + block_rows]
+        wide = buffer[0][:block.shape[0]]
+        wide.copy_(block)
+        torch.mv(wide, cols, out=out[start:start + block.shape[0]])
+    return out
+
+
+#: the fingerprint each kind of check takes ("counters" takes none)
+_FINGERPRINTS: dict[str, Callable[[Any], Any]] = {"full": fingerprint,
+                                                  "sampled": sampled_fingerprint}
 
 
 def _read_fingerprints(values: list[Any]) -> list[int]:
@@ -258,14 +314,15 @@ class StreamCopies:
         self.copy(new, host, device)
         return new
 
-    def fingerprint(self, storage: Any, device: Any) -> Any:
-        """``storage``'s fingerprint, queued where this move's copies go (a pre-copy's: its
-        own stream, after the work queued on the device), so that it reads what the copy
-        queued next reads; its value is read after :meth:`synchronize`."""
+    def fingerprint(self, storage: Any, device: Any, check: str = "full") -> Any:
+        """``storage``'s fingerprint (``check``: "full" or "sampled"), queued where this
+        move's copies go (a pre-copy's: its own stream, after the work queued on the device),
+        so that it reads what the copy queued next reads; its value is read after
+        :meth:`synchronize`."""
         if self.copy != self._cuda_copy:  # the test hooks: storages in host memory
-            return fingerprint(storage)
+            return _FINGERPRINTS[check](storage)
         with _torch().cuda.stream(self._joined_stream(device)):
-            return fingerprint(storage)
+            return _FINGERPRINTS[check](storage)
 
     def synchronize(self, devices: Iterable[Any]) -> None:
         """One wait per device (every device's copies were queued before the first wait, so
@@ -345,8 +402,8 @@ class LegacyCopies:
     def to_device(self, host: Any, device: Any) -> Any:
         return self._to_device(host, device)
 
-    def fingerprint(self, storage: Any, device: Any) -> Any:
-        return fingerprint(storage)
+    def fingerprint(self, storage: Any, device: Any, check: str = "full") -> Any:
+        return _FINGERPRINTS[check](storage)
 
     def synchronize(self, devices: Iterable[Any]) -> None:
         self._synchronize()
@@ -404,11 +461,12 @@ class _Kept:
     storage (a weak reference: the copy never keeps device memory alive), every tensor of
     its group (weak) and their version counters at the moment of the copy.
 
-    It is current while the storage lives, the same tensors (no more, no fewer) use it, and
-    none of their version counters moved: every in-place write through PyTorch bumps the
-    counter of the tensor written (a view shares its base's). Writes PyTorch does not see
-    (through ``.data``, DLPack, a raw pointer) move no counter: a release also checks the
-    storage's device fingerprint (:func:`fingerprint`) against the one taken with the copy
+    It is current while the storage lives at the same address and size, the same tensors
+    (no more, no fewer) use it, and none of their version counters moved: every in-place
+    write through PyTorch bumps the counter of the tensor written (a view shares its
+    base's). Writes PyTorch does not see (through ``.data``, DLPack, NumPy, a raw pointer)
+    move no counter: a release also checks the storage's device fingerprint (``check``:
+    every byte, or a sample; see ``KEPT_CHECK_ENV``) against the one taken with the copy
     (:func:`_unchanged`), and copies the storage again when it differs."""
 
     host: Any
@@ -417,7 +475,11 @@ class _Kept:
     storage: Any  # torch.multiprocessing.reductions.StorageWeakRef
     tensors: list[weakref.ref]
     versions: list[int | None]  # None: an inference tensor, which has no counter
-    fingerprint: int | None = None  # of the bytes copied (None: not known, never trusted)
+    fingerprint: int | None = None  # of the bytes copied (None: not known)
+    #: the check ``fingerprint`` was taken for ("counters": none taken); a copy is trusted
+    #: only under the check it was taken for
+    check: str = "full"
+    data_ptr: int = 0  # the storage's address at the copy
     at: float = field(default_factory=time.monotonic)
 
     def current(self, tensors: list[Any] | None = None) -> bool:
@@ -428,8 +490,12 @@ class _Kept:
             return False
         if tensors is not None and {id(t) for t in tensors} != {id(t) for t in alive}:
             return False
-        return all(t.untyped_storage()._cdata == self.storage.cdata and t._version == v
-                   for t, v in zip(alive, self.versions, strict=True))
+        if not all(t.untyped_storage()._cdata == self.storage.cdata and t._version == v
+                   for t, v in zip(alive, self.versions, strict=True)):
+            return False
+        storage = alive[0].untyped_storage() if alive else None  # resized: a new address
+        return storage is not None and (storage.data_ptr(), storage.nbytes()) == (
+            self.data_ptr, self.nbytes)
 
 
 def _versions(tensors: list[Any]) -> list[int | None]:
@@ -449,24 +515,30 @@ _kept: dict[int, _Kept] = {}
 _kept_lock = threading.RLock()
 
 
-def _kept_entry(group: _Group, storage: Any, host: Any, print_: int | None) -> _Kept:
+def _kept_entry(group: _Group, storage: Any, host: Any, print_: int | None,
+                check: str) -> _Kept:
     return _Kept(host, group.nbytes, group.device, _weak_storage(storage),
-                 [weakref.ref(t) for t in group.tensors], _versions(group.tensors), print_)
+                 [weakref.ref(t) for t in group.tensors], _versions(group.tensors), print_,
+                 check, storage.data_ptr())
 
 
-def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any) -> set[int]:
+def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any, check: str) -> set[int]:
     """Of (kept copy, device storage) pairs whose version counters say unchanged, the
-    storages (``_cdata``) whose fingerprint now is the copy's. A fingerprint that cannot be
-    taken (no room for its temporaries) counts as changed: the storage is copied."""
-    if not candidates:
-        return set()
+    storages (``_cdata``) whose kept copy passes ``check`` (:func:`.base.kept_check`): its
+    fingerprint now is the copy's, or, under "counters", nothing more. A copy taken under
+    another check, or a fingerprint that cannot be taken (no room for its temporaries),
+    counts as changed: the storage is copied."""
+    candidates = [(entry, storage) for entry, storage in candidates if entry.check == check
+                  and (check == "counters" or entry.fingerprint is not None)]
+    if not candidates or check == "counters":
+        return {storage._cdata for _, storage in candidates}
     try:
-        now = _read_fingerprints([copies.fingerprint(storage, entry.device)
+        now = _read_fingerprints([copies.fingerprint(storage, entry.device, check)
                                   for entry, storage in candidates])
     except Exception:
         return set()
     return {storage._cdata for (entry, storage), value in zip(candidates, now, strict=True)
-            if entry.fingerprint is not None and entry.fingerprint == value}
+            if entry.fingerprint == value}
 
 
 def kept_copies() -> dict[str, int]:
@@ -570,12 +642,13 @@ class TorchAdapter(OffloadAdapter):
             return report  # offloaded: nothing is on the device
         start = time.perf_counter()
         copies = self.copies.for_background()
+        check = kept_check()
         groups = self._find_groups(namespace, report)
         with _kept_lock:
             counted = [(entry, storage) for group, storage in groups
                        if (entry := _kept.get(storage._cdata)) is not None
                        and entry.current(group.tensors)]
-        unchanged = _unchanged(counted, copies)
+        unchanged = _unchanged(counted, copies, check)
         # each copy is queued after its fingerprint, on the same stream: a write between
         # the two makes them differ, and the release copies that storage again
         queued: list[tuple[_Group, Any, list[int | None], Any]] = []
@@ -592,11 +665,14 @@ class TorchAdapter(OffloadAdapter):
                     if old is not None:  # stale: its buffer serves the new copy
                         copies.recycle(old.host)
                         del old
-                print_ = copies.fingerprint(storage, group.device)
+                print_ = (None if check == "counters"
+                          else copies.fingerprint(storage, group.device, check))
                 group.host = copies.to_host(storage, group.device)
                 queued.append((group, storage, versions, print_))
             copies.synchronize(group.device for group, _, _, _ in queued)
-            prints = _read_fingerprints([p for _, _, _, p in queued])
+            prints: list[int | None] = [None] * len(queued)
+            if check != "counters":
+                prints = list(_read_fingerprints([p for _, _, _, p in queued]))
         except BaseException:
             self._drop_host_copies([group for group, _, _, _ in queued], copies)
             raise
@@ -610,7 +686,7 @@ class TorchAdapter(OffloadAdapter):
             return report
         with _kept_lock:
             for (group, storage, versions, _), print_value in zip(queued, prints, strict=True):
-                entry = _kept_entry(group, storage, group.host, print_value)
+                entry = _kept_entry(group, storage, group.host, print_value, check)
                 entry.versions = versions
                 _kept[storage._cdata] = entry
                 report.copied += group.nbytes
@@ -633,6 +709,7 @@ class TorchAdapter(OffloadAdapter):
         reserved_before = _cuda_reserved()
         groups = self._find_groups(namespace, report)
         copies = self.copies
+        check = kept_check()
 
         # 1. copy every storage to host (every device's copies queued, then one wait per
         # device), except those whose kept host copy is current (its version counters and
@@ -642,7 +719,7 @@ class TorchAdapter(OffloadAdapter):
             counted = [(entry, storage) for group, storage in groups
                        if (entry := _kept.get(storage._cdata)) is not None
                        and entry.current(group.tensors) and not _storage_shared(entry.host)]
-            unchanged = _unchanged(counted, copies)
+            unchanged = _unchanged(counted, copies, check)
             try:
                 for group, storage in groups:
                     if storage._cdata in unchanged:
@@ -713,9 +790,10 @@ class TorchAdapter(OffloadAdapter):
         # the counters: never kept
         keep = [keep_host_copies() and not _storage_shared(group.host) for group in groups]
         prints: list[int | None] = [None] * len(groups)
-        if any(keep):  # the restored bytes' fingerprints, read once per device
-            try:
-                taken = _read_fingerprints([fingerprint(storage) for storage, k
+        check = kept_check()
+        if any(keep) and check != "counters":  # the restored bytes' fingerprints, one wait
+            try:  # per device
+                taken = _read_fingerprints([_FINGERPRINTS[check](storage) for storage, k
                                             in zip(fresh, keep, strict=True) if k])
             except Exception:  # no room for the temporaries: nothing is kept this time
                 keep = [False] * len(groups)
@@ -726,7 +804,7 @@ class TorchAdapter(OffloadAdapter):
             for group, storage, k, print_ in zip(groups, fresh, keep, prints, strict=True):
                 host, group.host = group.host, None
                 if k:  # the next release copies what changes
-                    _kept[storage._cdata] = _kept_entry(group, storage, host, print_)
+                    _kept[storage._cdata] = _kept_entry(group, storage, host, print_, check)
                 else:  # kept for the next cycle (bounded), or freed
                     copies.recycle(host)
                 del host
