@@ -16,11 +16,14 @@ from jupyter_gpushare.node.placement import PlacementError
 from jupyter_gpushare.policy import Candidate, PolicyConfig, make_room
 from jupyter_gpushare.server.options import KernelOptions
 
+from . import test_nvml_server as nvml
 from .helpers import kernel_status, rest, wait_for
 from .scenarios import MiB, hold, intact
 from .test_compute_placement import kernelspec, start
 from .test_placement import Spec, gpu, placer
 
+GiB = 1 << 30
+fake_nvml, fake_driver = nvml.fake_nvml, nvml.fake_driver  # NVML and the driver, faked
 CAPPED = {"metadata": {"gpushare": {"memory_limit": "64MiB"}}}
 
 
@@ -58,8 +61,10 @@ async def test_a_capped_kernels_allocation_past_its_cap_fails_and_a_restore_neve
     code, answer = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": 32 * MiB})
     assert code == 200 and answer["memory_cap"] == 32 * MiB, answer
     code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "restore")
-    assert code == 409 and "cap is 32.0 MiB per GPU" in answer["message"], answer
-    assert (await kernel_status(jp_fetch, k.id))["state"] in ("released", "failed")
+    assert code == 409 and "holds 48.0 MiB on GPU 0, more than its memory cap of 32 MiB per GPU" \
+        in answer["message"] and "%gpushare cap off" in answer["message"], answer
+    status = await kernel_status(jp_fetch, k.id)
+    assert status["state"] == "released" and "memory cap of 32 MiB" in status["error"], status
     out = await k.run("%gpushare cap off")
     assert "64 MiB per GPU" in out.stdout, out.stdout
     assert "intact" in (await k.run(intact())).stdout
@@ -142,3 +147,74 @@ def test_frameworks_are_capped_before_they_start_and_said_not_to_be_after():
     assert fraction == "0.0125"
     assert any(line.startswith("JAX: already started: its memory cannot be limited any more")
                for line in late), late
+
+
+# -- a cap that changes while the kernel runs or sits released ----------------------------------
+@pytest.mark.parametrize("gpushare_config", [nvml.DRIVER])
+async def test_the_driver_method_never_brings_back_more_than_a_cap_set_since_the_release(
+    fake_nvml, fake_driver, jp_fetch, kernels, gpushare_app
+):
+    """The driver restores a process whole: a state over a cap set after its release is
+    refused before the driver is asked, the state held; one over its cap at the release
+    (watched, not limited) comes back as it was."""
+    k, pid, _ = await nvml._driver_kernel(fake_nvml, fake_driver, kernels, gpushare_app, 4 * GiB)
+    code, _ = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": 2 * GiB})
+    assert code == 200
+    assert (await rest(jp_fetch, "POST", "kernels", k.id, "release"))[0] == 200
+    code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "restore")
+    assert code == 200 and answer["state"] == "active", answer  # over it before, as now
+    await gpushare_app.poll_once()
+
+    assert (await rest(jp_fetch, "POST", "kernels", k.id, "release"))[0] == 200
+    code, _ = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": GiB})
+    assert code == 200
+    steps = fake_driver.steps()
+    code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "restore")
+    assert code == 409, answer
+    assert answer["message"].startswith("not restored: its GPU state holds 4.0 GiB on GPU 0, "
+                                         "more than its memory cap of 1 GiB per GPU"), answer
+    assert fake_driver.steps() == steps and fake_driver.states[pid] == "checkpointed"
+    status = await kernel_status(jp_fetch, k.id)
+    assert status["state"] == "released" and "memory cap of 1 GiB" in status["error"], status
+    assert gpushare_app.controller.states[k.id].held.gpus == {0: 4 * GiB}
+
+    code, _ = await rest(jp_fetch, "PUT", "kernels", k.id, "cap", body={"memory_cap": None})
+    assert code == 200  # lifted: the state comes back whole
+    code, answer = await rest(jp_fetch, "POST", "kernels", k.id, "restore")
+    assert code == 200 and answer["state"] == "active", answer
+    assert fake_driver.steps()[-2:] == [f"restore {pid}", f"unlock {pid}"]
+
+
+async def _device_cap(kernel) -> int | None:
+    out = await kernel.run("from jupyter_gpushare.sim import device as _d\nprint(_d.get_device().cap)")
+    text = out.stdout.strip().splitlines()[-1]
+    return None if text == "None" else int(text)
+
+
+def _applied(kernel, cap):
+    async def check():  # the kernel's agent has applied ``cap`` to its simulated GPU
+        return await _device_cap(kernel) == cap
+    return check
+
+
+@pytest.mark.parametrize("gpushare_config", [{"memory_limit": "64MiB"}])
+async def test_a_change_of_the_admins_cap_reaches_a_running_capped_kernel_tighter_or_looser(
+    jp_fetch, kernels, gpushare_app
+):
+    k = await kernels.start()
+    assert (await kernel_status(jp_fetch, k.id))["memory_cap"] == 64 * MiB
+    await wait_for(_applied(k, 64 * MiB), what="the admin's cap applied in the kernel")
+
+    gpushare_app.memory_limit = "32MiB"  # as when the hub service's cap for the person drops
+    await gpushare_app.poll_once()
+    assert (await kernel_status(jp_fetch, k.id))["memory_cap"] == 32 * MiB
+    await wait_for(_applied(k, 32 * MiB), what="the tighter cap applied in the kernel")
+    ex = await k.run(hold(48, chunk=16), ok=False)
+    assert ex.error is not None and "gpushare memory cap is 32.0 MiB per GPU" in ex.error["evalue"]
+
+    gpushare_app.memory_limit = "256MiB"
+    await gpushare_app.poll_once()
+    assert (await kernel_status(jp_fetch, k.id))["memory_cap"] == 256 * MiB
+    await wait_for(_applied(k, 256 * MiB), what="the looser cap applied in the kernel")
+    await k.run(hold(96, chunk=32))
+    assert "intact" in (await k.run(intact())).stdout

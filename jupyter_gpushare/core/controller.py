@@ -143,6 +143,11 @@ class Controller:
         #: the admin's default cap for this server's kernels, bytes per GPU (None: none);
         #: the server sets it (GPUShareApp.memory_limit, the hub service's caps)
         self.default_cap: Callable[[], int | None] = lambda: None
+        #: kernel -> (its held state, the cap in effect when it was released): a restore
+        #: refuses a state over a cap set or lowered since (cap_refusal)
+        self._cap_at_release: dict[str, tuple[Held, int | None]] = {}
+        #: kernel -> its kernelspec's memory_limit (None: none), read once, for its ceiling
+        self._spec_cap: dict[str, int | None] = {}
 
     # -- reading -------------------------------------------------------------------------
     def get(self, kernel_id: str) -> Lifecycle:
@@ -152,7 +157,8 @@ class Controller:
             st = self.states[kernel_id] = Lifecycle(kernel_id)
             overrides = self.kernels.overrides(kernel_id)
             st.idle_timeout = overrides.get("idle_timeout")
-            st.cap_ceiling = caps.ceiling(overrides.get("memory_limit"), self.default_cap())
+            self._spec_cap[kernel_id] = overrides.get("memory_limit")
+            st.cap_ceiling = self.cap_ceiling(kernel_id)
         return self.states[kernel_id]
 
     def find(self, kernel_id: str) -> Lifecycle | None:
@@ -174,6 +180,38 @@ class Controller:
     def memory_cap(self, st: Lifecycle) -> int | None:
         """The kernel's memory cap in effect, bytes per GPU (None: uncapped)."""
         return caps.effective(st.own_cap, st.cap_ceiling)
+
+    def cap_ceiling(self, kernel_id: str) -> int | None:
+        """The most a kernel's cap may be now: the smaller of its kernelspec's and the
+        admin's (``default_cap``, which follows the hub service's caps); None: neither."""
+        return caps.ceiling(self._spec_cap.get(kernel_id), self.default_cap())
+
+    def cap_refusal(self, st: Lifecycle, held: Held) -> str | None:
+        """Why ``held`` may not come back under the kernel's memory cap (None: it may).
+
+        A restore never brings back more than a cap set or lowered since the release: a
+        method that restores a process whole (the driver) cannot limit what comes back, so
+        a state over that cap on a GPU (past one CUDA context, as a running kernel is
+        flagged) is refused before anything moves, and stays held. A kernel over its cap
+        when it was released (watched, not limited) comes back as it was."""
+        cap = self.memory_cap(st)
+        found = caps.over(held.gpus, cap, self.context_bytes)
+        if cap is None or found is None:
+            return None
+        then = self._cap_at_release.get(st.kernel_id)
+        if then is not None and then[0] is held and then[1] is not None and cap >= then[1]:
+            return None
+        gpu, n = found
+        if st.cap_ceiling is None or n <= st.cap_ceiling + self.context_bytes:
+            how = "lift or raise its own cap (%gpushare cap off, or the panel), then restore"
+        else:
+            how = (f"its kernelspec's or the admin's cap ({caps.describe(st.cap_ceiling)}) "
+                   "cannot be raised by the kernel: ask for a higher cap, or restart the "
+                   "kernel (its released GPU state is then lost)")
+        where = f" on GPU {gpu}" if gpu >= 0 else ""
+        return (f"not restored: its GPU state holds {format_bytes(n)}{where}, more than its "
+                f"memory cap of {caps.describe(cap)} per GPU, set since it was released; a "
+                f"restore never brings back more than the cap: {how}; the state stays held")
 
     def idle_timeout(self, st: Lifecycle) -> float:
         """The kernel's idle timeout in effect (its own, else the server's; 0 = never)."""
@@ -533,6 +571,7 @@ class Controller:
                     pid_bytes=target.pid_bytes, kernel_pid=kernel_pid,
                     attributed=attributed, since=clock.now())
         st.hold(held)
+        self._cap_at_release[kid] = (held, self.memory_cap(st))
         self.announce.tell_agent(kid, RELEASING)
         started = time.monotonic()
         try:
@@ -648,16 +687,33 @@ class Controller:
         need = self.need(held)
         shown = CellProgress(self.kernels.agent(st.kernel_id), parent,
                         clear_when_done=self.clear_progress and op.trigger in CLEARED_TRIGGERS)
+        refused = self._refuse_over_cap(st, held)  # before it waits for (or makes) room
+        if refused is not None:
+            return refused
         # a kernel moved off a contended GPU goes to its new one; else the room finds where
         grant = await self.rebalancer.grant(st, op, held, need, shown) or await self.room.find(
             st, op, held, need, shown, wait)
         if isinstance(grant, Outcome):
             return grant
+        refused = self._refuse_over_cap(st, held)  # the cap may have changed while it waited
+        if refused is not None:
+            grant.release()
+            return refused
         try:
             st.restore_moving()
             return await to_the_end(self._move_back(st, op, held, shown, grant))
         finally:
             grant.release()
+
+    def _refuse_over_cap(self, st: Lifecycle, held: Held) -> Outcome | None:
+        """The outcome of a restore refused for the kernel's cap (None: not refused); the
+        state stays as it is, the reason shown in status."""
+        why = self.cap_refusal(st, held)
+        if why is None or st.held is not held:
+            return None
+        st.note_error(why)
+        log.info("gpushare: kernel %s: %s", st.kernel_id, why)
+        return Outcome(False, why, True)
 
     async def _move_back(
         self, st: Lifecycle, op: Operation, held: Held, shown: CellProgress, grant: Grant
@@ -779,6 +835,8 @@ class Controller:
             st.op.stop(why)
         self.states.pop(kernel_id, None)
         self._busy_since.pop(kernel_id, None)
+        self._cap_at_release.pop(kernel_id, None)
+        self._spec_cap.pop(kernel_id, None)
         metrics.forget_kernel(kernel_id)
 
     async def shutdown(self, timeout: float = 30.0) -> None:

@@ -112,8 +112,9 @@ export interface IHub {
    */
   over_share: boolean;
   /**
-   * The admin's memory cap for the user's kernels (the service's caps table), bytes per GPU; each
-   * new kernel of this server is capped at it. null = none.
+   * The admin's memory cap for the user's kernels (the service's caps table), bytes per GPU; every
+   * kernel of this server is capped at it, those running when it changes too (at the next poll).
+   * null = none.
    */
   cap: number | null;
 }
