@@ -16,8 +16,10 @@ allocation where it can be:
   error, as a framework's limit does.
 
 Frameworks imported later are limited as they are imported (a post-import hook on
-``sys.meta_path``). What cannot be limited (raw CUDA, another language's kernel) is watched
-by the server, which flags a kernel over its cap. Every line said is plain about which case
+``sys.meta_path``); one that a cell is still importing when the cap comes (the server's
+word arrives on the agent channel's thread) is limited once its import ends. What cannot be
+limited (raw CUDA, another language's kernel) is watched by the server, which flags a kernel
+over its cap. Every line said is plain about which case
 applies.
 """
 
@@ -30,6 +32,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +73,9 @@ class Caps:
                 sys.meta_path.insert(0, self._hook)
             lines = []
             for name, fn in APPLY.items():
+                if name not in ALWAYS and _importing(name):
+                    self._when_imported(name)  # half there: its names are not all set yet
+                    continue
                 if name in sys.modules or name in ALWAYS:
                     line = self._apply_one(name, fn)
                     if line:
@@ -85,6 +91,21 @@ class Caps:
             self.applied[name] = line
         return line
 
+    def _when_imported(self, name: str) -> None:
+        """Apply the cap to ``name`` once another thread's import of it ends: the hook does
+        it when that import began after the hook was in place, a watcher thread otherwise."""
+        spec = getattr(sys.modules.get(name), "__spec__", None)
+        if isinstance(getattr(spec, "loader", None), _Then):
+            return
+
+        def watch() -> None:
+            while _importing(name):
+                time.sleep(IMPORT_WATCH)
+            if name in sys.modules:  # (a failed import leaves nothing to cap)
+                self._on_import(name)
+
+        threading.Thread(target=watch, daemon=True, name=f"gpushare-cap-{name}").start()
+
     def _on_import(self, name: str) -> None:
         with self._lock:
             if self.cap is not None and name in APPLY:
@@ -96,6 +117,15 @@ class Caps:
             return ""
         return (f"gpushare: this kernel's memory cap is {format_bytes(self.cap)} per GPU "
                 "(%gpushare cap shows and changes it)")
+
+
+IMPORT_WATCH = 0.05  # s between looks at an import another thread is running
+
+
+def _importing(name: str) -> bool:
+    """``name`` is in ``sys.modules`` but its import has not ended (a cell's thread runs it)."""
+    spec = getattr(sys.modules.get(name), "__spec__", None)
+    return bool(getattr(spec, "_initializing", False))
 
 
 _ORIGINAL_ENV: dict[str, str | None] = {}  # what the kernel had before the cap set it
