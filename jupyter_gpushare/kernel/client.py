@@ -398,15 +398,26 @@ class RemoteBackend:
             self._held[gpu] = max(0, self._held.get(gpu, 0) - nbytes)
             self.client.notify("free", gpu=gpu, bytes=nbytes)
 
-    def busy_begin(self, gpu: int) -> None:
+    def busy_begin(self, gpu: int, sm: float = 100.0) -> None:
         with self._cond:
             self._busy[gpu] = self._busy.get(gpu, 0) + 1
-            self.client.notify("busy_begin", gpu=gpu)
+            if sm == 100.0:  # the default: what a server that predates sm reads too
+                self.client.notify("busy_begin", gpu=gpu)
+            else:
+                self.client.notify("busy_begin", gpu=gpu, sm=sm)
 
     def busy_end(self, gpu: int) -> None:
         with self._cond:
             self._busy[gpu] = max(0, self._busy.get(gpu, 0) - 1)
             self.client.notify("busy_end", gpu=gpu)
+
+    def busy_work(self, gpu: int) -> tuple[float, float]:
+        """(s of full-speed work done on ``gpu`` since busy_begin, the speed now), the node's."""
+        try:
+            reply = self.client.request("busy_work", gpu=gpu)
+        except (RemoteError, OSError, TimeoutError) as e:
+            raise RuntimeError(f"simulated GPU compute failed: {e}") from None
+        return float(reply.get("work", 0.0)), float(reply.get("speed", 1.0))
 
     def device_count(self) -> int:
         return self._count

@@ -46,13 +46,13 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..protocol import SIMULATED_GPUS_ENV
-from .node import SimNode, SimOutOfMemoryError, format_bytes, parse_gpus
+from .node import FULL, SimNode, SimOutOfMemoryError, check_sm, format_bytes, parse_gpus
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ KEEP_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
 PACE_SLICE = 0.02  # s: the finest step in which a paced copy advances its progress
 TRANSFER_LOG = 64  # per-GPU copies remembered by transfer_log()
 MAX_WAIT = 30.0  # s the longest wait_resume() holds its caller
+COMPUTE_CHECK = 0.1  # s between compute()'s looks at a shared GPU's speed
 
 
 def _rate_from_env(value: str | None) -> float | None:
@@ -95,8 +96,9 @@ class Backend(Protocol):
 
     def alloc(self, gpu: int, nbytes: int) -> None: ...
     def free(self, gpu: int, nbytes: int) -> None: ...
-    def busy_begin(self, gpu: int) -> None: ...
+    def busy_begin(self, gpu: int, sm: float = FULL) -> None: ...
     def busy_end(self, gpu: int) -> None: ...
+    def busy_work(self, gpu: int) -> tuple[float, float]: ...
     def device_count(self) -> int: ...
 
 
@@ -113,11 +115,14 @@ class LocalBackend:
     def free(self, gpu: int, nbytes: int) -> None:
         self.node.release(self.pid, gpu, nbytes)
 
-    def busy_begin(self, gpu: int) -> None:
-        self.node.busy_begin(self.pid, gpu)
+    def busy_begin(self, gpu: int, sm: float = FULL) -> None:
+        self.node.busy_begin(self.pid, gpu, sm=sm)
 
     def busy_end(self, gpu: int) -> None:
         self.node.busy_end(self.pid, gpu)
+
+    def busy_work(self, gpu: int) -> tuple[float, float]:
+        return self.node.busy_work(self.pid, gpu)
 
     def device_count(self) -> int:
         return len(self.node.capacities)
@@ -422,15 +427,47 @@ class SimDevice:
             return self._waiting
 
     @contextmanager
-    def busy(self, gpu: int) -> Iterator[None]:
-        """The process's device ``gpu`` computes while this runs."""
+    def busy(self, gpu: int, sm: float = FULL) -> Iterator[None]:
+        """The process's device ``gpu`` computes while this runs, asking ``sm`` % of its time."""
         gpu = self.physical(gpu)
         with self.op():
-            self.backend.busy_begin(gpu)
+            self.backend.busy_begin(gpu, sm)
             try:
                 yield
             finally:
                 self.backend.busy_end(gpu)
+
+    def compute(self, seconds: float, sm: float = FULL, gpus: Sequence[int] = (0,),
+                check: float = COMPUTE_CHECK) -> None:
+        """Run ``seconds`` of work, as long as it takes alone on a GPU, at ``sm`` % of each
+        of the process's devices ``gpus``: slower while other processes' work on a GPU asks
+        more than 100 % of it in all, as on a real GPU (the node's speed); each GPU's share
+        ends when its work is done, the call when all have. ``check``: s between two looks
+        at the node's speed while it is below full (it rises when others' work ends)."""
+        sm = check_sm(sm)
+        if seconds <= 0:
+            return
+        todo = [self.physical(g) for g in dict.fromkeys(gpus)]
+        with self.op():
+            for g in todo:
+                self.backend.busy_begin(g, sm)
+            left = list(todo)
+            try:
+                while left:
+                    waits = []
+                    for g in list(left):
+                        work, speed = self.backend.busy_work(g)
+                        if work >= seconds - 1e-3:
+                            self.backend.busy_end(g)
+                            left.remove(g)
+                        else:  # at full speed nothing can make it sooner: sleep to its end
+                            end = (seconds - work) / max(speed, 1e-6)
+                            waits.append(end if speed >= 1.0 else min(end, check))
+                    if waits:
+                        time.sleep(max(1e-3, min(waits)))
+            finally:
+                for g in left:
+                    self.backend.busy_end(g)
 
     def background_users(self) -> list[str]:
         """Names of the live threads other than the main thread that used the GPU."""

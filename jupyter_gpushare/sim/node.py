@@ -3,6 +3,13 @@
 The server owns one ``SimNode``; kernels allocate on it through the agent channel, so
 several kernels share (and can exhaust) the same simulated memory exactly as on a real
 GPU. A kernel with no server (plain IPython) gets a private in-process node.
+
+Compute is shared as on a real GPU, whose processes' kernels take turns on the SMs
+(time-slicing): a busy process asks for a share of the GPU's time (``sm``, the % that
+NVML would read were it alone; 100 by default), and while the shares asked on one GPU add up
+to more than 100 % each runs slower in proportion (``speed`` = 100 / the sum). The GPU's
+utilization reads as NVML's does: the share of the sample period in which any kernel ran,
+min(100 %, the sum); a process's, its share of that (:func:`shared_time`).
 """
 
 from __future__ import annotations
@@ -35,10 +42,16 @@ def parse_gpus(text: str | None) -> tuple[int, ...]:
     return sizes
 
 
+#: % of the GPU's time a busy process asks for when it does not say (a kernel that runs
+#: alone keeps the GPU busy all along)
+FULL = 100.0
+
+
 @dataclass
 class _Busy:
-    intervals: list[tuple[float, float]]
+    intervals: list[tuple[float, float, float]]  # (start, end, sm %)
     open_since: float | None = None
+    open_sm: float = FULL
 
 
 class NodeLedger(Protocol):
@@ -61,9 +74,10 @@ class NodeLedger(Protocol):
     def drop_pid(self, pid: int) -> None: ...
     def drop_gone(self, alive: Callable[[int], bool]) -> list[int]: ...
     def pids(self) -> dict[int, dict[int, int]]: ...
-    def busy_begin(self, pid: int, gpu: int, at: float | None = None) -> None: ...
+    def busy_begin(self, pid: int, gpu: int, at: float | None = None, sm: float = FULL) -> None: ...
     def busy_end(self, pid: int, gpu: int, at: float | None = None) -> None: ...
     def busy_fraction(self, pid: int | None, gpu: int, since: float, until: float) -> float: ...
+    def busy_work(self, pid: int, gpu: int, until: float | None = None) -> tuple[float, float]: ...
 
 
 def gpu_uuid(node_id: str, index: int) -> str:
@@ -180,7 +194,7 @@ class SimNode:
         with self._lock:
             for (p, _), b in self._busy.items():
                 if p == pid and b.open_since is not None:
-                    b.intervals.append((b.open_since, now))
+                    b.intervals.append((b.open_since, now, b.open_sm))
                     b.open_since = None
 
     def drop_pid(self, pid: int) -> None:
@@ -210,54 +224,108 @@ class SimNode:
             return dict(out)
 
     # -- busy time ----------------------------------------------------------------
-    def busy_begin(self, pid: int, gpu: int, at: float | None = None) -> None:
+    def busy_begin(self, pid: int, gpu: int, at: float | None = None, sm: float = FULL) -> None:
+        """``pid`` computes on ``gpu``, asking ``sm`` % of its time (0 < sm <= 100)."""
         self._check_gpu(gpu)
+        sm = check_sm(sm)
         with self._lock:
             b = self._busy.setdefault((pid, gpu), _Busy([]))
             if b.open_since is None:
                 b.open_since = clock.now() if at is None else at
+                b.open_sm = sm
 
     def busy_end(self, pid: int, gpu: int, at: float | None = None) -> None:
         with self._lock:
             b = self._busy.get((pid, gpu))
             if b is None or b.open_since is None:
                 return
-            b.intervals.append((b.open_since, clock.now() if at is None else at))
+            b.intervals.append((b.open_since, clock.now() if at is None else at, b.open_sm))
             b.open_since = None
             # keep the ledger bounded: one hour of intervals is more than any window
             horizon = clock.now() - 3600
             b.intervals = [iv for iv in b.intervals if iv[1] >= horizon][-10000:]
 
+    def _spans(self, gpu: int, since: float, until: float) -> list[Span]:
+        """Every process's busy spans on ``gpu`` that overlap [since, until] (lock held)."""
+        out: list[Span] = []
+        for (p, g), b in self._busy.items():
+            if g != gpu:
+                continue
+            out.extend((s, e, sm, p) for s, e, sm in b.intervals if e > since and s < until)
+            if b.open_since is not None and b.open_since < until:
+                out.append((b.open_since, until, b.open_sm, p))
+        return out
+
     def busy_fraction(self, pid: int | None, gpu: int, since: float, until: float) -> float:
-        """Fraction of [since, until] during which ``pid`` (None: any pid) was busy on ``gpu``."""
+        """Share of [since, until] in which a kernel ran on ``gpu`` (NVML's utilization):
+        any process's (None), or ``pid``'s (its share of the GPU's time)."""
         if until <= since:
             return 0.0
-        spans: list[tuple[float, float]] = []
         with self._lock:
-            if pid is not None:  # one entry: a poll asks this of every kernel
+            if pid is not None:  # a poll asks this of every kernel: most are not busy
                 one = self._busy.get((pid, gpu))
-                entries = [one] if one is not None else []
-            else:
-                entries = [b for (_, g), b in self._busy.items() if g == gpu]
-            for b in entries:
-                spans.extend(b.intervals)
-                if b.open_since is not None:
-                    spans.append((b.open_since, until))
-        return busy_union_fraction(spans, since, until)
+                if one is None or (one.open_since is None and not any(
+                        e > since and s < until for s, e, _ in one.intervals)):
+                    return 0.0
+            spans = self._spans(gpu, since, until)
+        ran, mine, _ = shared_time(spans, since, until, pid)
+        return min(1.0, (ran if pid is None else mine) / (until - since))
+
+    def busy_work(self, pid: int, gpu: int, until: float | None = None) -> tuple[float, float]:
+        """(seconds of full-speed work ``pid`` has done on ``gpu`` since its busy_begin, the
+        speed it runs at now): (0, 1) when it is not busy there."""
+        until = clock.now() if until is None else until
+        with self._lock:
+            b = self._busy.get((pid, gpu))
+            if b is None or b.open_since is None:
+                return 0.0, 1.0
+            since = b.open_since
+            spans = self._spans(gpu, since, until)
+        return work_and_speed(spans, since, until, pid)
 
 
-def busy_union_fraction(spans: list[tuple[float, float]], since: float, until: float) -> float:
-    """Fraction of [since, until] covered by the union of ``spans`` (clipped to it here), so
-    two processes busy at once count once per GPU."""
-    clipped = sorted((max(s, since), min(e, until)) for s, e in spans if e > since and s < until)
-    total, cur_s, cur_e = 0.0, None, None
-    for s, e in clipped:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None and cur_s is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None and cur_s is not None:
-        total += cur_e - cur_s
-    return min(1.0, total / (until - since))
+Span = tuple[float, float, float, int]  # (start, end, sm %, pid)
+
+
+def check_sm(sm: object) -> float:
+    """``sm`` as a share of a GPU's time in %: a number > 0 and <= 100, else ValueError."""
+    if isinstance(sm, bool) or not isinstance(sm, (int, float)) or not 0 < sm <= 100:
+        raise ValueError(f"sm must be a number of % > 0 and <= 100, got {sm!r}")
+    return float(sm)
+
+
+def shared_time(spans: list[Span], since: float, until: float,
+                pid: int | None = None) -> tuple[float, float, float]:
+    """Over [since, until], with ``spans`` the GPU's busy processes and the share each asks:
+    (seconds in which a kernel ran, seconds of it that were ``pid``'s, seconds of full-speed
+    work ``pid`` did). While the shares asked add up to D > 100 %, the GPU runs all the time
+    and each process at speed 100 / D (time-slicing): a process asking d % gets d / D of it."""
+    edges: list[tuple[float, float, float]] = []  # (time, change of D, change of pid's share)
+    for s, e, sm, p in spans:
+        s, e = max(s, since), min(e, until)
+        if e > s:
+            own = sm if p == pid else 0.0
+            edges += [(s, sm, own), (e, -sm, -own)]
+    edges.sort()
+    ran = mine = work = 0.0
+    demand = own = 0.0
+    last = since
+    for t, d_demand, d_own in edges:
+        if t > last and demand > 1e-9:
+            span = t - last
+            speed = min(1.0, FULL / demand)
+            ran += span * min(1.0, demand / FULL)
+            mine += span * own / FULL * speed
+            if own > 1e-9:
+                work += span * speed
+        last = max(last, t)
+        demand += d_demand
+        own += d_own
+    return ran, mine, work
+
+
+def work_and_speed(spans: list[Span], since: float, until: float, pid: int) -> tuple[float, float]:
+    """(seconds of full-speed work ``pid`` did over [since, until], its speed at ``until``)."""
+    _, _, work = shared_time(spans, since, until, pid)
+    demand = sum(sm for s, e, sm, _ in spans if s <= until and e >= until)
+    return work, min(1.0, FULL / demand) if demand > 0 else 1.0

@@ -40,12 +40,16 @@ from pathlib import Path
 
 from .. import clock
 from .node import (
+    FULL,
     NodeLedger,
     SimNode,
     SimOutOfMemoryError,
-    busy_union_fraction,
+    Span,
+    check_sm,
     format_bytes,
     gpu_uuid,
+    shared_time,
+    work_and_speed,
 )
 
 log = logging.getLogger(__name__)
@@ -60,7 +64,8 @@ CREATE TABLE IF NOT EXISTS used (
     gpu INTEGER NOT NULL, pid INTEGER NOT NULL, bytes INTEGER NOT NULL,
     PRIMARY KEY (gpu, pid));
 CREATE TABLE IF NOT EXISTS busy (
-    pid INTEGER NOT NULL, gpu INTEGER NOT NULL, start REAL NOT NULL, stop REAL);
+    pid INTEGER NOT NULL, gpu INTEGER NOT NULL, start REAL NOT NULL, stop REAL,
+    sm REAL NOT NULL DEFAULT 100);
 CREATE INDEX IF NOT EXISTS busy_gpu ON busy (gpu, stop);
 """
 
@@ -123,6 +128,9 @@ class SharedSimNode:
         with self._write() as db:
             for statement in _statements():
                 db.execute(statement)
+            if "sm" not in {row[1] for row in db.execute("PRAGMA table_info(busy)")}:
+                # a ledger made before busy spans said their share of the GPU: all of it
+                db.execute("ALTER TABLE busy ADD COLUMN sm REAL NOT NULL DEFAULT 100")
             rows = dict(db.execute("SELECT key, value FROM meta").fetchall())
             if "node_id" not in rows:
                 sizes = tuple(capacities) if capacities else SimNode().capacities
@@ -269,13 +277,14 @@ class SharedSimNode:
         return dict(out)
 
     # -- busy time ------------------------------------------------------------------------
-    def busy_begin(self, pid: int, gpu: int, at: float | None = None) -> None:
+    def busy_begin(self, pid: int, gpu: int, at: float | None = None, sm: float = FULL) -> None:
         self._check_gpu(gpu)
+        sm = check_sm(sm)
         with self._write() as db:
             if db.execute("SELECT 1 FROM busy WHERE pid = ? AND gpu = ? AND stop IS NULL",
                           (pid, gpu)).fetchone() is None:
-                db.execute("INSERT INTO busy (pid, gpu, start) VALUES (?, ?, ?)",
-                           (pid, gpu, clock.now() if at is None else at))
+                db.execute("INSERT INTO busy (pid, gpu, start, sm) VALUES (?, ?, ?, ?)",
+                           (pid, gpu, clock.now() if at is None else at, sm))
 
     def busy_end(self, pid: int, gpu: int, at: float | None = None) -> None:
         now = clock.now()
@@ -284,16 +293,28 @@ class SharedSimNode:
                        (now if at is None else at, pid, gpu))
             db.execute("DELETE FROM busy WHERE stop IS NOT NULL AND stop < ?", (now - BUSY_HORIZON,))
 
+    def _spans(self, gpu: int, since: float, until: float) -> list[Span]:
+        return [(s, e, sm, p) for s, e, sm, p in self._read(
+            "SELECT start, COALESCE(stop, ?), sm, pid FROM busy WHERE gpu = ? AND start < ? "
+            "AND (stop IS NULL OR stop > ?)", (until, gpu, until, since))]
+
     def busy_fraction(self, pid: int | None, gpu: int, since: float, until: float) -> float:
         if until <= since:
             return 0.0
-        sql = "SELECT start, COALESCE(stop, ?) FROM busy WHERE gpu = ? AND start < ? " \
-              "AND (stop IS NULL OR stop > ?)"
-        args: tuple = (until, gpu, until, since)
-        if pid is not None:
-            sql += " AND pid = ?"
-            args += (pid,)
-        return busy_union_fraction(list(self._read(sql, args)), since, until)
+        spans = self._spans(gpu, since, until)
+        if pid is not None and not any(p == pid for *_, p in spans):
+            return 0.0
+        ran, mine, _ = shared_time(spans, since, until, pid)
+        return min(1.0, (ran if pid is None else mine) / (until - since))
+
+    def busy_work(self, pid: int, gpu: int, until: float | None = None) -> tuple[float, float]:
+        until = clock.now() if until is None else until
+        row = self._read("SELECT start FROM busy WHERE pid = ? AND gpu = ? AND stop IS NULL",
+                         (pid, gpu))
+        if not row:
+            return 0.0, 1.0
+        since = float(row[0][0])
+        return work_and_speed(self._spans(gpu, since, until), since, until, pid)
 
 
 def _statements() -> list[str]:

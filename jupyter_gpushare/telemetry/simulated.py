@@ -5,7 +5,7 @@ drops the pids that no longer run (a kernel shut down or died), whatever their c
 
 The node is also what the kernels' agents allocate on: :meth:`SimulatedTelemetry.agent_handlers`
 gives the agent channel its requests (``alloc``, ``free``, ``busy_begin``, ``busy_end``,
-``sync``), and the other server hooks tell kernels the node's GPUs (hello reply, launch
+``busy_work``, ``sync``), and the other server hooks tell kernels the node's GPUs (hello reply, launch
 environment). The server itself never names this backend.
 """
 
@@ -20,7 +20,7 @@ import psutil
 from .. import clock
 from ..fields import integer, shown
 from ..protocol import SIMULATED_GPUS_ENV
-from ..sim.node import DEVICE_NAME, NodeLedger
+from ..sim.node import DEVICE_NAME, FULL, NodeLedger, check_sm
 from ..sim.shared import SharedSimNode, open_node
 from .base import (
     AgentHandler,
@@ -138,6 +138,7 @@ class AgentRequests:
             "free": self.free,
             "busy_begin": self.busy_begin,
             "busy_end": self.busy_end,
+            "busy_work": self.busy_work,
             "sync": self.sync,
         }
 
@@ -158,10 +159,17 @@ class AgentRequests:
         self.node.release(conn.pid, gpu, nbytes)
 
     def busy_begin(self, conn: Any, msg: dict[str, Any]) -> None:
-        self.node.busy_begin(conn.pid, self._gpu(msg))
+        # sm: the share of the GPU's time its work asks for (%, default all of it)
+        self.node.busy_begin(conn.pid, self._gpu(msg), sm=check_sm(msg.get("sm", FULL)))
 
     def busy_end(self, conn: Any, msg: dict[str, Any]) -> None:
         self.node.busy_end(conn.pid, self._gpu(msg))
+
+    def busy_work(self, conn: Any, msg: dict[str, Any]) -> dict[str, Any]:
+        """Seconds of full-speed work done since busy_begin, and the speed now (the GPU
+        shared by others' work)."""
+        work, speed = self.node.busy_work(conn.pid, self._gpu(msg))
+        return {"work": work, "speed": speed}
 
     def sync(self, conn: Any, msg: dict[str, Any]) -> dict[str, Any]:
         """After a reconnection: what the agent's process holds, exactly, per GPU
