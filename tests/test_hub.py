@@ -248,6 +248,15 @@ async def test_an_admins_group_cap_applies_to_a_new_kernel_of_its_member(servers
         assert me["kernels"][0]["over_cap"] == "holds 96.0 MiB of its 64 MiB cap on GPU 0"
         await until(lambda: hub.metric("gpushare_hub_user_kernels_over_cap", 'user="erin"'),
                     lambda n: n == 1, "the service's metric counts erin's kernel over its cap")
+        # her cap follows her groups, onto the kernel that runs (capped, or not): out of the
+        # group it is lifted, back in it holds again
+        await hub.request("/hub/api/groups/students/users", method="DELETE", body={"users": ["erin"]})
+        await until(lambda: hub.kernel_status("erin", erin.id), lambda s: s["memory_cap"] is None,
+                    "erin's running kernel uncapped once she left the group")
+        await hub.request("/hub/api/groups/students/users", method="POST", body={"users": ["erin"]})
+        await until(lambda: hub.kernel_status("erin", erin.id),
+                    lambda s: s["memory_cap"] == 64 * MiB and s["over_cap"],
+                    "erin's running kernel capped again once she is back in the group")
     finally:
         await shut(erin)
 
