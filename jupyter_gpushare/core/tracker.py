@@ -459,6 +459,10 @@ class Tracker:
             km = self.km.get_kernel(rec.id)
         except KeyError:
             return
+        except Exception as e:  # jupyter_server's manager raises its 404 for a kernel shut since listed
+            if getattr(e, "status_code", None) == 404:
+                return
+            raise
         previous_poll = rec.history[-1][0] if rec.history else None
         was_idle = rec.execution_state == "idle"
         rec.name = getattr(km, "kernel_name", "") or rec.name
