@@ -10,10 +10,12 @@ path with "device" storages that are CPU memory, as tests/test_offload_fast.py d
   then released.
 
 Each line gives the bytes the release copied, its time, and both as a share of the full
-release. For PyTorch also ``fingerprints``: the time to take every storage's device
-fingerprint (what a release reads to trust a kept copy; on a GPU it reads device memory at
-its bandwidth, here CPU memory, so on these stand-ins it costs about what a copy does: GPU
-figures come from the GPU proof, ``benchmarks/gpu/scenes.py`` stage 2). Run: ``python benchmarks/incremental_release.py [--gib 4] [--rate BYTES_PER_S]``;
+release. PyTorch runs the last two under each way of checking a kept copy
+(``JUPYTER_GPUSHARE_KEPT_CHECK``): ``full`` (the default: every byte's fingerprint, on a GPU
+read at device memory bandwidth, here from CPU memory, where it costs a good part of a
+copy; GPU figures come from the GPU proof, ``benchmarks/gpu/scenes.py`` stage 2),
+``sampled`` (one word per 4 KiB) and ``counters`` (version counters only); the ``check (no
+copy)`` lines time the fingerprints alone. Run: ``python benchmarks/incremental_release.py [--gib 4] [--rate BYTES_PER_S]``;
 ``--smoke`` runs tiny sizes in seconds (CI). Needs numpy; the PyTorch part needs torch.
 """
 
@@ -42,7 +44,7 @@ ARRAYS = 40  # 10 % of them is 4
 def line(backend: str, what: str, copied: int, seconds: float, full: tuple[int, float]) -> str:
     share_bytes = copied / full[0] if full[0] else 0.0
     share_time = seconds / full[1] if full[1] else 0.0
-    return (f"{backend:<22} {what:<28} copied {copied / GiB:7.3f} GiB  {seconds * 1000:9.1f} ms"
+    return (f"{backend:<22} {what:<30} copied {copied / GiB:7.3f} GiB  {seconds * 1000:9.1f} ms"
             f"  bytes {share_bytes:6.1%}  time {share_time:6.1%}")
 
 
@@ -88,6 +90,7 @@ def torch_cpu(total: int) -> list[str]:
         return ["pytorch (CPU storages)   skipped: torch is not installed"]
     torch.set_num_threads(1)  # one copy thread: on a shared machine more threads only spin
     os.environ.pop("JUPYTER_GPUSHARE_KEEP_HOST_COPY", None)  # kept: the default
+    from jupyter_gpushare.kernel.offload.base import KEPT_CHECK_ENV, KEPT_CHECKS
     from jupyter_gpushare.kernel.offload.pinned import PinnedPool
     from jupyter_gpushare.kernel.offload.torch_adapter import (
         StreamCopies,
@@ -95,6 +98,7 @@ def torch_cpu(total: int) -> list[str]:
         _read_fingerprints,
         drop_kept,
         fingerprint,
+        sampled_fingerprint,
     )
 
     where: dict[int, str] = {}
@@ -141,26 +145,34 @@ def torch_cpu(total: int) -> list[str]:
         return a, report.copied, time.perf_counter() - start
 
     out = []
+    name = "pytorch (CPU storages)"
+    os.environ.pop(KEPT_CHECK_ENV, None)
     a, *full_numbers = release()
     full = (full_numbers[0], full_numbers[1])
-    out.append(line("pytorch (CPU storages)", "full", *full, full))
+    out.append(line(name, "full", *full, full))
     a.reload()
-    start = time.perf_counter()
-    _read_fingerprints([fingerprint(t.untyped_storage()) for t in ns.values()])
-    out.append(line("pytorch (CPU storages)", "fingerprints (no copy)", 0,
-                    time.perf_counter() - start, full))
-    drop_kept()  # as fresh: no host copy at all
-    adapter().precopy(ns)
-    a, copied, seconds = release()
-    out.append(line("pytorch (CPU storages)", "unchanged after pre-copy", copied, seconds, full))
-    a.reload()
-    with torch.no_grad():
-        for i in range(ARRAYS // 10):
-            ns[f"w{i}"][:1] = -1.0
-    a, copied, seconds = release()
-    out.append(line("pytorch (CPU storages)", "10 % changed", copied, seconds, full))
-    a.reload()
-    assert all(float(ns[f"w{i}"][0]) == (-1.0 if i < ARRAYS // 10 else i) for i in range(ARRAYS))
+    for check, take in (("full", fingerprint), ("sampled", sampled_fingerprint)):
+        start = time.perf_counter()
+        _read_fingerprints([take(t.untyped_storage()) for t in ns.values()])
+        out.append(line(name, f"{check} check (no copy)", 0, time.perf_counter() - start, full))
+    for check in KEPT_CHECKS:  # full: the default
+        os.environ[KEPT_CHECK_ENV] = check
+        drop_kept()  # as fresh: no host copy at all
+        adapter().precopy(ns)
+        a, copied, seconds = release()
+        out.append(line(name, f"unchanged, {check} check", copied, seconds, full))
+        a.reload()
+        with torch.no_grad():
+            for i in range(ARRAYS // 10):
+                ns[f"w{i}"][:1] -= 1.0
+        a, copied, seconds = release()
+        out.append(line(name, f"10 % changed, {check} check", copied, seconds, full))
+        a.reload()
+        assert copied == full[0] // ARRAYS * (ARRAYS // 10)
+    os.environ.pop(KEPT_CHECK_ENV, None)
+    changes = len(KEPT_CHECKS)
+    assert all(float(ns[f"w{i}"][0]) == (i - changes if i < ARRAYS // 10 else i)
+               for i in range(ARRAYS))
     drop_kept()
     ns.clear()
     gc.collect()
