@@ -61,6 +61,7 @@ def kernels_of(view: dict, user: str) -> list[dict]:
 
 
 async def test_a_new_kernel_avoids_the_gpu_another_users_released_kernel_comes_back_to(hub):
+    await no_kernels_left(hub)
     alice = await hub.kernel("alice")
     assert await visible(alice) == "0"  # both GPUs empty: the first
     await alice.run(hold(BIG, chunk=BIG))
