@@ -8,6 +8,7 @@
 import { expect, galata, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
 import { Locator } from '@playwright/test';
 import * as path from 'path';
+import { openLab, patientApplication } from './patience';
 
 const GiB = 1024 ** 3;
 const ARTIFACTS = path.resolve(__dirname, '..', 'artifacts');
@@ -85,7 +86,12 @@ async function allocatingNotebook(
   ).toContainText(`allocated ${GiB}`);
 }
 
-test.use({ autoGoto: true, viewport: { width: 1366, height: 1000 } });
+test.use({
+  autoGoto: false, // openLab: galata's navigation with a patient bound
+  viewport: { width: 1366, height: 1000 },
+  waitForApplication: patientApplication
+});
+test.beforeEach(async ({ page, tmpPath }) => openLab(page, tmpPath));
 
 /** Save the panel (scrolled to its top) as artifacts/NAME.png. */
 async function shot(page: IJupyterLabPageFixture, name: string): Promise<void> {
@@ -428,16 +434,17 @@ test('names, per-GPU utilization and chart labels fit the panel at its default w
   await shot(page, 'panel-names-fit');
 });
 
-test.describe('with a poll once a minute', () => {
-  // Everything the panel shows below within seconds comes from a refresh after the action
-  // or on the server's event, not from the poll.
+test.describe('with a poll once in ten minutes', () => {
+  // Everything the panel shows below within a minute comes from a refresh after the action
+  // or on the server's event, not from the poll. (A minute, not seconds: a simulated release
+  // on a loaded 2-core machine took over 10 s.)
   test.use({
     mockSettings: {
       ...galata.DEFAULT_SETTINGS,
-      'jupyter-gpushare:plugin': { refreshInterval: 60_000 }
+      'jupyter-gpushare:plugin': { refreshInterval: 600_000 }
     }
   });
-  const SOON = { timeout: 10_000 };
+  const SOON = { timeout: 60_000 };
 
   test('the panel follows a release at once, from the panel or from a cell', async ({
     page,

@@ -5,10 +5,16 @@
  */
 import { expect, test } from '@jupyterlab/galata';
 import * as path from 'path';
+import { openLab, patientApplication } from './patience';
 
 const ARTIFACTS = path.resolve(__dirname, '..', 'artifacts');
 
-test.use({ baseURL: process.env.GPUSHARE_UI_NVML_URL ?? 'http://localhost:8896', autoGoto: true });
+test.use({
+  baseURL: process.env.GPUSHARE_UI_NVML_URL ?? 'http://localhost:8896',
+  autoGoto: false, // openLab: galata's navigation with a patient bound
+  waitForApplication: patientApplication
+});
+test.beforeEach(async ({ page, tmpPath }) => openLab(page, tmpPath));
 
 test('without NVML the panel shows the reason and no GPUs', async ({ page, request, baseURL }) => {
   const status = await (await request.get(`${baseURL}/api/gpushare/status`)).json();
