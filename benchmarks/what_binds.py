@@ -20,7 +20,11 @@ cell waits, no SMs shared):
 
 Then gpushare at each GPU count (``--counts``): why it does not serve, the cells that waited
 > 1 s by the kind of release before them, the GPU cells slowed > 1.1 x, out-of-memory cells
-and the releases by reason.
+and the releases by reason; the kernels started where their expected need fit no GPU of
+their machine (the rule then starts them where the most room is), and how many of those
+went to a GPU at >= 90 % SM while another GPU there was below it (each shares SMs with a
+training from its first cell); and per machine, its users, cells that waited > 1 s and GPU
+cells slowed (a machine of fewer GPUs pools memory over fewer users).
 
     python benchmarks/what_binds.py [--counts 5,8,13] [--smoke] [-- SIMULATE OPTIONS]
 
@@ -36,6 +40,7 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from jupyter_gpushare.policy import placement as rule
 from jupyter_gpushare.simulate.capacity import why_not
 from jupyter_gpushare.simulate.cli import parser as simulate_parser
 from jupyter_gpushare.simulate.cli import settings_from
@@ -63,13 +68,14 @@ def workload_of(argv: list[str]) -> tuple[Workload, Settings, str]:
 
 
 def simulation(w: Workload, s: Settings, policy: str, total: int | None,
-               observer: Any = None) -> Simulation:
-    return Simulation(w, POLICIES[policy](s), int(s.gpu_gib * GiB), s.gpus, s.transfer,
-                      nodes=s.nodes, bin_seconds=s.bin_seconds, restore_mode=s.restore_mode,
-                      placement=s.placement, total_gpus=total, ahead_lead=s.ahead_lead,
-                      ahead_share=s.ahead_share, seed=s.seed, servers=s.servers,
-                      load_window=s.load_window, release_copies=s.release_copies,
-                      precopy_after=s.precopy_after, observer=observer).run()
+               observer: Any = None, run: bool = True) -> Simulation:
+    sim = Simulation(w, POLICIES[policy](s), int(s.gpu_gib * GiB), s.gpus, s.transfer,
+                     nodes=s.nodes, bin_seconds=s.bin_seconds, restore_mode=s.restore_mode,
+                     placement=s.placement, total_gpus=total, ahead_lead=s.ahead_lead,
+                     ahead_share=s.ahead_share, seed=s.seed, servers=s.servers,
+                     load_window=s.load_window, release_copies=s.release_copies,
+                     precopy_after=s.precopy_after, observer=observer)
+    return sim.run() if run else sim
 
 
 def bounds(w: Workload, s: Settings) -> list[str]:
@@ -139,8 +145,19 @@ def bounds(w: Workload, s: Settings) -> list[str]:
 
 def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
     released: dict[int, list[tuple[float, str]]] = {}
+    starts: Counter[str] = Counter()  # kernels started, by how their GPU was judged
+    sims: list[Simulation] = []
 
     def seen(t: float, k: Any, what: str, data: dict) -> None:
+        if what == "placed" and k.need is not None:
+            sim = sims[0]
+            views = sim.views(sim.node_gpus(k.gpus[0]), exclude=k)
+            if any(rule.fits(v, k.need) for v in views.values()):
+                return
+            starts["fit nowhere"] += 1
+            if views[k.gpus[0]].expected >= rule.CONTENDED_LOAD and any(
+                    v.expected < rule.CONTENDED_LOAD for v in views.values()):
+                starts["fit nowhere, started on a saturated GPU"] += 1
         if what == "released":
             reason = str(data["reason"])
             kind = ("long idle" if reason.startswith("long idle") else
@@ -149,15 +166,26 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
                     "make-room" if "room" in reason else "idle")
             released.setdefault(k.index, []).append((t, kind))
 
-    sim = simulation(w, s, "gpushare", gpus, seen)
+    sim = simulation(w, s, "gpushare", gpus, seen, run=False)
+    sims.append(sim)
+    sim.run()
     f = figures(sim)
     waited: Counter[str] = Counter()
+    machine = lambda g: f"GPUs {sim.node_gpus(g).start}-{sim.node_gpus(g).stop - 1}"  # noqa: E731
+    per: dict[str, Counter[str]] = {}
     for r in sim.cells:
         if r.delay > 1.0:
             before = [kind for t, kind in released.get(r.kernel, []) if t <= r.arrival]
             waited[(before[-1] if before else "none") + (" (room)" if r.waited_for_room else "")] += 1
-    slowed = sum(1 for r in sim.cells if r.end is not None and r.gpus and r.utilization > 0
-                 and r.duration > 0 and (r.end - r.start) / r.duration > 1.1)
+            per.setdefault(machine(r.ran_on), Counter())["waited"] += 1
+    slowed = 0
+    for r in sim.cells:
+        if (r.end is not None and r.gpus and r.utilization > 0 and r.duration > 0
+                and (r.end - r.start) / r.duration > 1.1):
+            slowed += 1
+            per.setdefault(machine(r.ran_on), Counter())["slowed"] += 1
+    for m in sim.machine_of.values():
+        per.setdefault(machine(m.start), Counter())["users"] += 1
     gpu_cells = sum(1 for r in sim.cells if r.gpus and r.utilization > 0)
     problems = why_not(f, s)
     return [f"{gpus} GPUs: {'serves' if not problems else '; '.join(problems)}",
@@ -165,7 +193,11 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
             f"before: {dict(waited.most_common())}",
             f"  GPU cells slowed > 1.1x: {slowed} of {gpu_cells}; out of memory: "
             f"{f['oom_failures']}; releases {f['releases']} {f['release_reasons']}; moves "
-            f"{f['moves']}; peak used {f['peak_used_pct']:.0f} %"]
+            f"{f['moves']}; peak used {f['peak_used_pct']:.0f} %",
+            f"  kernels started where their expected need fit no GPU of their machine: "
+            f"{starts['fit nowhere']}, of them on a GPU at >= {rule.CONTENDED_LOAD:g} % SM "
+            f"while another was below: {starts['fit nowhere, started on a saturated GPU']}",
+            "  per machine: " + "; ".join(f"{m}: {dict(c)}" for m, c in sorted(per.items()))]
 
 
 def main() -> None:
