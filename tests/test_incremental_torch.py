@@ -296,6 +296,54 @@ def test_a_storage_resized_in_place_is_copied_again(monkeypatch):
     assert torch.equal(ns["w"], torch.arange(16.0)) and ns["w"].untyped_storage().nbytes() == 128
 
 
+class LateFingerprints:
+    """A device whose results land only when its copy stream is waited for (a real GPU's
+    copy stream runs apart from the stream that reads): until then a fingerprint's memory
+    holds what the last fingerprint of that storage left there (the caching allocator hands
+    the same block back)."""
+
+    def __init__(self, copies) -> None:
+        self.copies = copies
+        self.last: dict[int, int] = {}
+        self.pending: list[tuple[object, int, object]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.copies, name)
+
+    def for_background(self):
+        return self
+
+    def fingerprint(self, storage, device, check="full"):
+        value = self.copies.fingerprint(storage, device, check)
+        shown = value.clone()
+        if storage._cdata in self.last:
+            shown.fill_(self.last[storage._cdata])
+        self.pending.append((shown, storage._cdata, value))
+        return shown
+
+    def synchronize(self, devices):
+        self.copies.synchronize(devices)
+        for shown, key, value in self.pending:
+            shown.copy_(value)
+            self.last[key] = int(value)
+        self.pending.clear()
+
+
+def test_a_release_reads_the_fingerprints_only_once_the_copy_stream_ran():
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(64))}
+    late = LateFingerprints(gpus.adapter().copies)
+    first = gpus.adapter()
+    first.copies = late
+    first.precopy(ns)  # the kept copy's fingerprint, as its stream left it
+    unseen_write(ns["w"], "data")
+    adapter = gpus.adapter()
+    adapter.copies = late
+    assert adapter.offload(ns).copied == 256  # not the stale fingerprint, which matched
+    adapter.reload()
+    assert torch.equal(ns["w"], torch.full((64,), 1.5))
+
+
 class IncrementalTorch(RuleBasedStateMachine):
     """The adapter on fake GPUs against a reference namespace of plain tensors."""
 

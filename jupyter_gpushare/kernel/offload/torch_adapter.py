@@ -533,8 +533,13 @@ def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any, check: str) -> 
     if not candidates or check == "counters":
         return {storage._cdata for _, storage in candidates}
     try:
-        now = _read_fingerprints([copies.fingerprint(storage, entry.device, check)
-                                  for entry, storage in candidates])
+        queued = [copies.fingerprint(storage, entry.device, check)
+                  for entry, storage in candidates]
+        # they run on the copy streams, which the stream that reads them does not wait for:
+        # read before they ran, a fingerprint's memory may still hold the last one taken
+        # there (the allocator hands the block back), the kept copy's, and a write is lost
+        copies.synchronize(entry.device for entry, _ in candidates)
+        now = _read_fingerprints(queued)
     except Exception:
         return set()
     return {storage._cdata for (entry, storage), value in zip(candidates, now, strict=True)
