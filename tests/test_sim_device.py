@@ -123,6 +123,42 @@ def test_a_full_cycle_moves_the_bytes_off_the_node_and_back(dev, node):
     assert [x.checksum() for x in xs] == sums
 
 
+def test_an_ask_that_comes_after_the_resume_ended_gets_its_end(dev, node):
+    """The server asks again (``sim_resume``) 0.5 s after its first ask while the copy runs;
+    when the resume ends between the two asks, the second is its end, not a new resume of a
+    running device (which refused the GPU mapping: a move that had landed was reported failed,
+    seen in the twin's multi-GPU run). Once told, the next ask is a new resume."""
+    xs = arrays(4)
+    sums = [x.checksum() for x in xs]
+    dev.lock()
+    dev.checkpoint()
+    stall = dev.stall("restore", gpu=1, after=1)
+    first = dev.resume_step({0: 1, 1: 0}, wait=0)
+    assert first["done"] is False and stall.reached.wait(10)
+    stall.release()
+    assert dev._job is not None and dev._job.done.wait(10)  # ended; nobody told yet
+    end = dev.resume_step({0: 1, 1: 0}, wait=0)
+    assert end["done"] is True and end["from"] == CHECKPOINTED and end["arrays"] == 4
+    assert dev.remap == {0: 1, 1: 0} and [x.checksum() for x in xs] == sums
+    with pytest.raises(SimCheckpointError, match="process is running"):
+        dev.resume_step({0: 1, 1: 0}, wait=10)
+    assert dev.resume_step(wait=10)["from"] == RUNNING  # nothing to do, said so
+
+    # a failure that ends between two asks is the second ask's answer, not a new resume's
+    dev.lock()
+    dev.checkpoint()
+    dev.inject_fault("restore", "copy engine fault", after=1)
+    stall = dev.stall("restore")
+    assert dev.resume_step(wait=0)["done"] is False and stall.reached.wait(10)
+    stall.release()
+    assert dev._job is not None and dev._job.done.wait(10)
+    with pytest.raises(InjectedFault, match="copy engine fault"):
+        dev.resume_step(wait=0)
+    assert dev.state == CHECKPOINTED
+    assert dev.resume_step(wait=10)["from"] == CHECKPOINTED  # told: the next ask restores
+    assert [x.checksum() for x in xs] == sums
+
+
 def test_a_lock_that_times_out_leaves_the_device_running(dev):
     x = simgpu.ones(10)
     release = threading.Event()

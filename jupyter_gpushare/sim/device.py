@@ -73,6 +73,7 @@ PACE_SLICE = 0.02  # s: the finest step in which a paced copy advances its progr
 TRANSFER_LOG = 64  # per-GPU copies remembered by transfer_log()
 MAX_WAIT = 30.0  # s the longest wait_resume() holds its caller
 COMPUTE_CHECK = 0.1  # s between compute()'s looks at a shared GPU's speed
+JOIN_ENDED = 10.0  # s after its end that a resume nobody was told the end of is still joined
 
 
 def _rate_from_env(value: str | None) -> float | None:
@@ -215,6 +216,7 @@ class _ResumeJob:
     result: dict[str, Any] | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
+    told: bool = False  # a wait_resume has answered with its end
 
 
 class _Aborted(Exception):
@@ -973,10 +975,18 @@ class SimDevice:
         """Run :meth:`resume` on a thread of its own, so that its progress can be read while
         it moves (:meth:`wait_resume`). Returns the plan: bytes per node GPU that come back
         (none when the device is not checkpointed), and whether they move in parallel. While
-        an earlier one still runs, returns that one's plan (one resume at a time)."""
+        an earlier one still runs, returns that one's plan (one resume at a time); so does
+        one that ended within ``JOIN_ENDED`` s and whose end no caller was told yet (the
+        caller's next ask came just after the end: a new resume would answer for itself, a
+        move that landed as a failure, a failure as a success), unless it ended well and the
+        device is no longer running."""
         with self._job_lock:
             job = self._job
-            if job is None or job.done.is_set():
+            joins = job is not None and not job.told and (
+                not job.done.is_set()
+                or (time.monotonic() - (job.ended or 0.0) < JOIN_ENDED
+                and (job.error is not None or self.state == RUNNING)))
+            if job is None or not joins:
                 moves = self._check_mapping(gpu_mapping)
                 plan: dict[int, int] = {}
                 with self._cond:
@@ -1021,6 +1031,7 @@ class SimDevice:
             return {"done": False, "bytes": 0, "arrays": 0, "parallel": job.parallel,
                     "plan": {str(g): n for g, n in sorted(job.plan.items())},
                     "progress": self.progress()}
+        job.told = True
         if job.error is not None:
             raise job.error
         return {**(job.result or {}), "done": True, "parallel": job.parallel,
