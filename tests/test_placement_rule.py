@@ -42,6 +42,17 @@ def test_where_nothing_fits_the_most_room_first_and_unknown_last():
     assert [v.gpu for v in rank(views, Need(8 * GiB))] == [2, 1, 0]
 
 
+def test_where_nothing_fits_a_saturated_gpu_loses_to_an_idle_one_with_about_as_much_room():
+    # 40 GiB expected, nowhere room for it: a few GiB more (within an eighth of the need) on
+    # a GPU a training keeps at 95 % do not win; a full step more room does
+    need = Need(40 * GiB)
+    saturated = GpuView(7, room=18 * GiB, load=95.0, kernels=4, busy=1)
+    idle = GpuView(3, room=15 * GiB, load=0.0, kernels=2)
+    assert [v.gpu for v in rank([saturated, idle], need)] == [3, 7]
+    assert rank([saturated, GpuView(3, room=10 * GiB, load=0.0)], need)[0].gpu == 7
+    assert rank([saturated, idle, GpuView(5, room=None)], need)[-1].gpu == 5
+
+
 def test_pending_kernels_count_as_load_so_back_to_back_starts_spread():
     views = {0: GpuView(0, room=16 * GiB), 1: GpuView(1, room=16 * GiB - 1)}
     need = Need(GiB)

@@ -11,8 +11,9 @@ A GPU's memory decides whether a kernel fits there; its SM load decides where it
    steps of :data:`LOAD_STEP` % so that noise does not decide;
 3. then by kernels there, then by room, then by index (a stable answer).
 
-GPUs that do not qualify come after every one that does, most room first (a kernel that
-fits nowhere starts where the most is); GPUs whose room is unknown come last; GPUs where the
+GPUs that do not qualify come after every one that does, most room first in steps of
+:data:`ROOM_STEP` of the need, then by load (a kernel that fits nowhere starts where about
+the most is, the least loaded of those); GPUs whose room is unknown come last; GPUs where the
 person is over their share rank after those where they are within it. Exact bytes never
 outrank load.
 
@@ -29,6 +30,10 @@ from typing import cast
 
 #: % SM: loads closer than this count as equal, and the next keys decide
 LOAD_STEP = 10.0
+#: of a kernel's need: where it fits nowhere, rooms closer than this count as equal and load
+#: decides (a GPU whose SMs are saturated does not win it on a few more bytes that fit no
+#: better: the kernel would share SMs with a training from its first cell)
+ROOM_STEP = 1 / 8
 #: % SM a kernel placed on a GPU but not yet computing there is expected to add
 PENDING_LOAD = 50.0
 #: % SM (windowed mean) at or above which a GPU shared by two or more computing kernels is
@@ -74,9 +79,9 @@ def key(view: GpuView, need: Need | int) -> tuple:
     """The sort key of ``view`` for a kernel of ``need``: smaller is better."""
     ok = fits(view, need)
     room = view.room or 0
-    if not ok:  # nowhere it fits: the most room first, load only to break a tie
-        return (view.room is None, True, not view.within_share, -room, _step(view.expected),
-                view.kernels, _order(view.gpu))
+    if not ok:  # nowhere it fits: the most room first (in steps of the need), then load
+        return (view.room is None, True, not view.within_share, -_room_step(room, need),
+                _step(view.expected), -room, view.kernels, _order(view.gpu))
     return (False, False, not view.within_share, _step(view.expected), view.kernels, -room,
             _order(view.gpu))
 
@@ -314,6 +319,11 @@ def rank_groups(groups: Mapping[str, Sequence[GpuView]], need: Need, count: int 
 
 def _step(load: float) -> int:
     return int(max(0.0, load) // LOAD_STEP)
+
+
+def _room_step(room: int, need: Need | int) -> int:
+    n = need.bytes if isinstance(need, Need) else need
+    return int(max(0, room) // max(1.0, n * ROOM_STEP))
 
 
 def _order(gpu: Hashable) -> tuple:
