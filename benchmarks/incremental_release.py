@@ -13,16 +13,22 @@ Each line gives the bytes the release copied, its time, and both as a share of t
 release. PyTorch runs the last two under each way of checking a kept copy
 (``JUPYTER_GPUSHARE_KEPT_CHECK``): ``full`` (the default: every byte's fingerprint, on a GPU
 read at device memory bandwidth, here from CPU memory, where it costs a good part of a
-copy; GPU figures come from the GPU proof, ``benchmarks/gpu/scenes.py`` stage 2),
+copy; GPU figures come from the GPU proof's stage 2, which runs this with ``--device cuda``),
 ``sampled`` (one word per 4 KiB) and ``counters`` (version counters only); the ``check (no
 copy)`` lines time the fingerprints alone. Run: ``python benchmarks/incremental_release.py [--gib 4] [--rate BYTES_PER_S]``;
 ``--smoke`` runs tiny sizes in seconds (CI). Needs numpy; the PyTorch part needs torch.
+
+``--device cuda`` runs the PyTorch part alone, on GPU 0 with the adapter as a kernel uses it
+(CUDA copy streams, page-locked host buffers): there the full release is timed twice, first
+while it pins its host buffers, then into buffers pinned already (the reference of the
+shares). ``--json`` ends with one line of JSON: every row (the GPU proof reads it).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import sys
 import time
@@ -41,14 +47,23 @@ GiB = 1 << 30
 ARRAYS = 40  # 10 % of them is 4
 
 
-def line(backend: str, what: str, copied: int, seconds: float, full: tuple[int, float]) -> str:
-    share_bytes = copied / full[0] if full[0] else 0.0
-    share_time = seconds / full[1] if full[1] else 0.0
-    return (f"{backend:<22} {what:<30} copied {copied / GiB:7.3f} GiB  {seconds * 1000:9.1f} ms"
-            f"  bytes {share_bytes:6.1%}  time {share_time:6.1%}")
+def line(backend: str, what: str, copied: int, seconds: float, full: tuple[int, float],
+         **extra: Any) -> dict[str, Any]:
+    """One measured release (or check), with its shares of the full release."""
+    return {"backend": backend, "what": what, "copied": copied, "seconds": seconds,
+            "share_bytes": copied / full[0] if full[0] else 0.0,
+            "share_time": seconds / full[1] if full[1] else 0.0, **extra}
 
 
-def simulated(total: int, rate: float | None) -> list[str]:
+def text(row: dict[str, Any]) -> str:
+    if "skipped" in row:
+        return f"{row['backend']:<22} skipped: {row['skipped']}"
+    return (f"{row['backend']:<22} {row['what']:<30} copied {row['copied'] / GiB:7.3f} GiB  "
+            f"{row['seconds'] * 1000:9.1f} ms  bytes {row['share_bytes']:6.1%}  "
+            f"time {row['share_time']:6.1%}")
+
+
+def simulated(total: int, rate: float | None) -> list[dict[str, Any]]:
     node = SimNode((total * 2,))
     dev = SimDevice(LocalBackend(node))
     dev.transfer_rate = rate
@@ -62,7 +77,7 @@ def simulated(total: int, rate: float | None) -> list[str]:
         out = dev.checkpoint()
         return out["copied"], time.perf_counter() - start
 
-    out = []
+    out: list[dict[str, Any]] = []
     full = release()
     out.append(line("simulated GPU", "full", *full, full))
     dev.resume()
@@ -83,19 +98,25 @@ def simulated(total: int, rate: float | None) -> list[str]:
     return out
 
 
-def torch_cpu(total: int) -> list[str]:
+def torch_run(total: int, device: str = "cpu") -> list[dict[str, Any]]:
+    """The PyTorch adapter's releases: on CPU storages standing in for device memory, or
+    (``device`` "cuda") on GPU 0 with its CUDA copy streams and page-locked buffers."""
+    name = "pytorch (CPU storages)" if device == "cpu" else "pytorch (GPU 0)"
     try:
         import torch
     except ImportError:
-        return ["pytorch (CPU storages)   skipped: torch is not installed"]
+        return [{"backend": name, "skipped": "torch is not installed"}]
+    cuda = device == "cuda"
     torch.set_num_threads(1)  # one copy thread: on a shared machine more threads only spin
     os.environ.pop("JUPYTER_GPUSHARE_KEEP_HOST_COPY", None)  # kept: the default
-    from jupyter_gpushare.kernel.offload.base import KEPT_CHECK_ENV, KEPT_CHECKS
+    from jupyter_gpushare.kernel.offload.base import KEEP_HOST_COPY_ENV, KEPT_CHECK_ENV, KEPT_CHECKS
     from jupyter_gpushare.kernel.offload.pinned import PinnedPool
     from jupyter_gpushare.kernel.offload.torch_adapter import (
         StreamCopies,
         TorchAdapter,
+        _pinned_alloc,
         _read_fingerprints,
+        _storage_shared,
         drop_kept,
         fingerprint,
         sampled_fingerprint,
@@ -116,40 +137,59 @@ def torch_cpu(total: int) -> list[str]:
     def copy(dst: Any, src: Any, device: str) -> None:
         dst.copy_(src)
 
-    pool = PinnedPool(alloc_host, limit=0)  # host buffers are the kept copies, not the pool's
+    if cuda:  # the kernel's pool, bounded by this state rather than the default 4 GiB
+        pool = PinnedPool(_pinned_alloc, limit=2 * total, shared=_storage_shared)
+    else:
+        pool = PinnedPool(alloc_host, limit=0)  # host buffers are the kept copies, not the pool's
 
     def adapter() -> TorchAdapter:
+        if cuda:
+            return TorchAdapter(copies=StreamCopies(pool=pool))
         copies = StreamCopies(pool=pool, alloc_device=alloc_device, copy=copy,
                               sync=lambda device: None)
         return TorchAdapter(is_device=lambda t: t.untyped_storage()._cdata in where,
                             device_of=lambda s: where[s._cdata], copies=copies)
 
-    warm = {"w": torch.zeros(16)}  # the first move pays torch's one-time set-up: not timed
-    where[warm["w"].untyped_storage()._cdata] = "gpu0"
-    first = adapter()
-    first.offload(warm)
-    first.reload()
+    def on_device(t: Any) -> Any:
+        if cuda:
+            return t.to("cuda:0")
+        where[t.untyped_storage()._cdata] = "gpu0"
+        return t
+
+    # the first move pays torch's one-time set-up (and the fingerprint's weights): not timed
+    warm = {"w": on_device(torch.zeros(16))}
+    warmup = adapter()
+    warmup.offload(warm)
+    warmup.reload()
     drop_kept()
 
     size = total // ARRAYS // 4
     ns: dict[str, Any] = {}
     for i in range(ARRAYS):
-        t = torch.full((size,), float(i))
-        where[t.untyped_storage()._cdata] = "gpu0"
-        ns[f"w{i}"] = t
+        ns[f"w{i}"] = on_device(torch.full((size,), float(i)))
 
-    def release() -> tuple[TorchAdapter, int, float]:
+    def release() -> tuple[TorchAdapter, int, float, int]:
+        """(adapter, bytes copied, seconds, host buffers it allocated)"""
         a = adapter()
+        allocations = pool.allocations
         start = time.perf_counter()
         report = a.offload(ns)
-        return a, report.copied, time.perf_counter() - start
+        return a, report.copied, time.perf_counter() - start, pool.allocations - allocations
 
-    out = []
-    name = "pytorch (CPU storages)"
+    out: list[dict[str, Any]] = []
     os.environ.pop(KEPT_CHECK_ENV, None)
-    a, *full_numbers = release()
-    full = (full_numbers[0], full_numbers[1])
-    out.append(line(name, "full", *full, full))
+    if cuda:  # no kept copy: the restore gives its buffers to the pool, which the next reuses
+        os.environ[KEEP_HOST_COPY_ENV] = "0"
+        a, copied, seconds, first_allocs = release()
+        first = (copied, seconds)
+        a.reload()
+    a, copied, seconds, allocs = release()
+    full = (copied, seconds)
+    if cuda:
+        out.append(line(name, "full, pinning its buffers", *first, full,
+                        host_allocations=first_allocs))
+        os.environ.pop(KEEP_HOST_COPY_ENV, None)
+    out.append(line(name, "full", *full, full, host_allocations=allocs))
     a.reload()
     for check, take in (("full", fingerprint), ("sampled", sampled_fingerprint)):
         start = time.perf_counter()
@@ -159,14 +199,16 @@ def torch_cpu(total: int) -> list[str]:
         os.environ[KEPT_CHECK_ENV] = check
         drop_kept()  # as fresh: no host copy at all
         adapter().precopy(ns)
-        a, copied, seconds = release()
-        out.append(line(name, f"unchanged, {check} check", copied, seconds, full))
+        a, copied, seconds, allocs = release()
+        out.append(line(name, f"unchanged, {check} check", copied, seconds, full,
+                        host_allocations=allocs))
         a.reload()
         with torch.no_grad():
             for i in range(ARRAYS // 10):
                 ns[f"w{i}"][:1] -= 1.0
-        a, copied, seconds = release()
-        out.append(line(name, f"10 % changed, {check} check", copied, seconds, full))
+        a, copied, seconds, allocs = release()
+        out.append(line(name, f"10 % changed, {check} check", copied, seconds, full,
+                        host_allocations=allocs))
         a.reload()
         assert copied == full[0] // ARRAYS * (ARRAYS // 10)
     os.environ.pop(KEPT_CHECK_ENV, None)
@@ -185,12 +227,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rate", type=float, default=None,
                         help="simulated GPU transfer rate, bytes/s (default: host copy speed)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CI")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu (default): the simulated GPU and PyTorch on CPU storages; "
+                             "cuda: PyTorch alone, on GPU 0")
+    parser.add_argument("--json", action="store_true",
+                        help="end with one line of JSON: the state's size and every row")
     args = parser.parse_args(argv)
     total = (8 << 20) if args.smoke else int(args.gib * GiB)
-    print(f"state: {total / GiB:.3f} GiB in {ARRAYS} arrays; simulated transfer rate: "
-          f"{'host copy speed' if not args.rate else f'{args.rate / 1e9:g} GB/s'}")
-    for text in simulated(total, args.rate) + torch_cpu(total):
-        print(text)
+    if args.device == "cuda":
+        print(f"state: {total / GiB:.3f} GiB in {ARRAYS} arrays on GPU 0", flush=True)
+        rows = torch_run(total, "cuda")
+    else:
+        print(f"state: {total / GiB:.3f} GiB in {ARRAYS} arrays; simulated transfer rate: "
+              f"{'host copy speed' if not args.rate else f'{args.rate / 1e9:g} GB/s'}", flush=True)
+        rows = simulated(total, args.rate) + torch_run(total)
+    for row in rows:
+        print(text(row))
+    if args.json:
+        print(json.dumps({"state_bytes": total, "device": args.device, "rows": rows}))
 
 
 if __name__ == "__main__":
