@@ -3,8 +3,9 @@
 Reads a trace (docs/trace-format.md), starts a real jupyter server with the extension on a
 simulated node of the trace's GPUs, opens one real kernel per session at its time and plays
 its cells over the kernel websocket as JupyterLab sends them: each cell allocates its bytes
-per GPU on its GPUs with the simulated device, keeps its GPUs busy for its duration at its SM
-% (CPU-only cells touch nothing) and frees down to ``bytes_after``; closed-loop, a cell is sent
+per GPU on its GPUs with the simulated device, runs its duration's work at its SM % of each
+(``SimDevice.compute``: slower while a GPU's shares add up to over 100 %, as the simulator's
+cells; CPU-only cells touch nothing) and frees down to ``bytes_after``; closed-loop, a cell is sent
 its gap after the previous one ended. A cell's ``active_before`` (s) posts the lab's activity
 trigger that long before it. Time runs ``--scale`` times faster than the trace (every option
 of time is divided by it) and bytes are ``--byte-scale`` of the trace's (a simulated GPU's
@@ -32,6 +33,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -48,9 +50,10 @@ from jupyter_gpushare.simulate.generator import generate  # noqa: E402
 from jupyter_gpushare.simulate.trace import read_trace  # noqa: E402
 from jupyter_gpushare.simulate.workload import KernelWork, Workload  # noqa: E402
 
-#: the kernel's side of a cell: its arrays per GPU, growth all or nothing, SM % as a duty cycle
+#: the kernel's side of a cell: its arrays per GPU, growth all or nothing, its work at its SM %
+#: of each GPU (the simulated device slows it while a GPU's shares add up to over 100 %)
 HELPER = r'''
-import json as _json, time as _time, contextlib as _ctx
+import json as _json, time as _time
 import numpy as _np
 from jupyter_gpushare.sim import simgpu as _sg
 from jupyter_gpushare.sim.device import get_device as _dev
@@ -84,20 +87,10 @@ class _Twin:
             for a in self.arrays:  # the cell changes what it holds on its GPUs
                 if a.device < on:
                     a[0] = 1
-        end = _time.monotonic() + seconds
-        while on and sm > 0:
-            left = end - _time.monotonic()
-            if left <= 0:
-                break
-            span = min(self.SLICE, left)
-            with _ctx.ExitStack() as busy:
-                for d in range(on):
-                    busy.enter_context(_dev().busy(d))
-                _time.sleep(span * sm / 100.0)
-            _time.sleep(span * (1 - sm / 100.0))
-        left = end - _time.monotonic()
-        if left > 0:
-            _time.sleep(left)
+        if on and sm > 0:  # slower while others' work asks more than the GPU's whole time
+            _dev().compute(seconds, sm, gpus=range(on), check=self.SLICE)
+        else:
+            _time.sleep(seconds)
         if keeps is not None and self.allocated and keeps < self.held:
             self._shrink(keeps)
         print(_json.dumps({{"t0": t0, "gpus": _dev().visible()[:self.gpus]}}))
@@ -247,12 +240,11 @@ def product_run(played: list[Played], events: list[dict[str, Any]], s: twin.Twin
     by_id = {p.kernel_id: p for p in played if p.kernel_id}
     releases: list[tuple[int, float]] = []
     restores: list[tuple[int, float]] = []
+    moved: dict[str, list[float]] = {}  # session -> trace times of its moved events
     for p in played:
         kr = run.kernel(p.work.kernel_id)
         kr.placed = p.placed
         run.cells += p.cells
-        gpus = [c.ran_on for c in p.cells if c.ran_on]
-        kr.moves = sum(a != b for a, b in itertools.pairwise(gpus))
     for e in events:
         seen = by_id.get(e.get("kernel_id", ""))
         if seen is None or "jupyter_gpushare" not in str(e.get("__schema__", "")):
@@ -266,11 +258,15 @@ def product_run(played: list[Played], events: list[dict[str, Any]], s: twin.Twin
         seconds = float(e.get("seconds", 0.0)) * s.scale
         if e.get("action") == "released":
             kr.releases += 1
-            releases.append((per_gpu, seconds))
+            releases.append((copied_per_gpu(e, s, p.work.gpus), seconds))
         elif e.get("action") == "restored":
             trigger = str(e.get("reason", ""))
             kr.restored("cell" if trigger in ("gate", "agent") else trigger)
             restores.append((per_gpu, seconds))
+        elif e.get("action") == "moved":  # a rebalance: moved off a contended GPU
+            moved.setdefault(p.work.kernel_id, []).append(clock.trace(stamp(e)))
+    for p in played:
+        run.kernel(p.work.kernel_id).moves = moves_of(p.cells, moved.get(p.work.kernel_id, []))
     held = restore_holds(run, events, by_id, clock)
     path = sorted(d for c in run.cells if (d := c.delay) is not None and id(c) not in held)
     for c in run.cells:
@@ -287,30 +283,63 @@ def product_run(played: list[Played], events: list[dict[str, Any]], s: twin.Twin
     return run, releases, restores
 
 
+def moves_of(cells: list[twin.CellRun], moved: list[float]) -> int:
+    """A kernel's moves: its rebalances (each a moved event, before, between or after its
+    cells), and its restores onto other GPUs (a restore moved after restore_move_after has
+    no event of its own: the GPUs its cells ran on changed with no rebalance between)."""
+    n = len(moved)
+    ran = [c for c in cells if c.ran_on]
+    for a, b in itertools.pairwise(ran):
+        after = a.end if a.end is not None else a.arrival
+        before = b.start if b.start is not None else b.arrival
+        if a.ran_on != b.ran_on and not any(after <= t <= before for t in moved):
+            n += 1
+    return n
+
+
 def make_room_waits(events: list[dict[str, Any]], by_id: dict[str, Played],
                     s: twin.TwinSettings, clock: Clock) -> list[tuple[int, float]]:
     """A release to make room as the waiting restore sees it: from the restore's wait to the
     start of its bytes' move (the server's steps around the release included), as (bytes per
-    GPU, trace s) points for the fitted release line; the simulator's make-room is the
-    release's time alone."""
+    GPU its copy moved, trace s) points for the fitted release line; the simulator's
+    make-room is the release's time alone. Where the release began more than two polls after
+    the wait, its kernel was not yet idle long enough to be released (the simulator waits for
+    that itself): from the release's start instead."""
     out = []
     waiting: dict[str, float] = {}
-    released: list[tuple[float, int]] = []  # (time, trace bytes per GPU) of make-room releases
+    released: list[tuple[float, int]] = []  # (start, trace bytes per GPU) of make-room releases
     for e in sorted(events, key=stamp):
         p = by_id.get(e.get("kernel_id", ""))
         if p is None:
             continue
         t = clock.trace(stamp(e))
+        seconds = float(e.get("seconds", 0.0)) * s.scale
         if e.get("action") == "restore_waiting":
             waiting.setdefault(p.work.kernel_id, t)
         elif e.get("action") == "released" and str(e.get("reason", "")).startswith("making room"):
-            released.append((t, int(e.get("bytes", 0) / s.byte_scale / max(1, p.work.gpus))))
+            released.append((t - seconds, copied_per_gpu(e, s, p.work.gpus)))
         elif e.get("action") == "restored" and p.work.kernel_id in waiting:
             since = waiting.pop(p.work.kernel_id)
-            moved = [b for at, b in released if since <= at <= t]
+            moved = [(at, b) for at, b in released if since - s.poll_interval <= at <= t]
             if moved:
-                out.append((max(moved), t - since - float(e.get("seconds", 0.0)) * s.scale))
+                first = min(at for at, _ in moved)
+                if first - since > 2 * s.poll_interval:
+                    since = first
+                out.append((max(b for _, b in moved), t - seconds - since))
     return out
+
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+_COPIED = re.compile(r"copied ([0-9.]+) (B|KiB|MiB|GiB) of ")
+
+
+def copied_per_gpu(e: dict[str, Any], s: twin.TwinSettings, gpus: int) -> int:
+    """Trace bytes per GPU a release event's copy moved: the simulated method copies only
+    what changed since the kernel's host copy and says so in the event's detail ("copied
+    12.0 MiB of 64.0 MiB"); without that, everything it released (to a tenth of its unit)."""
+    found = _COPIED.search(str(e.get("detail", "")))
+    nbytes = float(found[1]) * _UNITS[found[2]] if found else float(e.get("bytes", 0))
+    return int(nbytes / s.byte_scale / max(1, gpus))
 
 
 def restore_holds(run: twin.Run, events: list[dict[str, Any]], by_id: dict[str, Played],

@@ -100,6 +100,22 @@ def test_a_transfer_model_is_fitted_to_the_products_moves():
     assert model.incremental  # the simulated method keeps its host copy
 
 
+def test_a_release_is_fitted_by_the_bytes_its_copy_moved():
+    """The simulated method copies only what changed since the kernel's host copy and says so
+    in the release event's detail: the fit reads that, not the bytes freed (a pre-copied
+    state released in 0.3 s is 0.3 s of overhead, not a copy faster than the device's)."""
+    s = twin.TwinSettings(byte_scale=1 / 256)
+    freed = {"action": "released", "bytes": 64 << 20, "seconds": 0.3,
+             "detail": "4 arrays; copied 0 B of 64.0 MiB (the rest had a current host copy)"}
+    part = dict(freed, detail="4 arrays; copied 16.0 MiB of 64.0 MiB (the rest had ...)")
+    whole = dict(freed, detail="4 arrays")
+    assert driver.copied_per_gpu(freed, s, 1) == 0
+    assert driver.copied_per_gpu(part, s, 2) == (16 << 20) * 256 // 2
+    assert driver.copied_per_gpu(whole, s, 1) == (64 << 20) * 256
+    model = twin.fit_transfer([(driver.copied_per_gpu(freed, s, 1), 0.3)], [], s)
+    assert abs(model.release_overhead - 0.3) < 1e-9
+
+
 def test_the_simulator_judges_pressure_over_pressure_idle_timeout_as_the_controller_does():
     """A kernel idle past pressure_idle_timeout on a GPU under memory pressure is released,
     though its last GPU use is within idle_timeout: the controller judges quietness for

@@ -329,12 +329,14 @@ def _cell_run(k: KernelWork, index: int, rec: CellRecord, kernel: Kernel) -> Cel
 # -- the transfer model, fitted to the product's own moves ---------------------------------------------
 def fit_transfer(releases: Iterable[tuple[int, float]], restores: Iterable[tuple[int, float]],
                  s: TwinSettings) -> TransferModel:
-    """The product's releases and restores ((trace bytes per GPU, trace seconds) each, from
-    its events) as overhead + bytes / the device's rate: the copy's speed is the simulated
-    device's (set, known), the overhead is the median of what each took beyond it (the
-    agent's round trips, the server's steps: on a busy machine a few take far longer, and a
-    slope fitted through them would say the copy is slow). A release copies only what
-    changed since its host copy, as the simulated method does."""
+    """The product's releases and restores ((trace bytes per GPU its copy moved, trace
+    seconds) each, from its events) as overhead + bytes / the device's rate: the copy's speed
+    is the simulated device's (set, known), the overhead is the median of what each took
+    beyond it (the agent's round trips, the server's steps: on a busy machine a few take far
+    longer, and a slope fitted through them would say the copy is slow). A release copies
+    only what changed since its host copy, as the simulated method does: its points are the
+    bytes it copied (the event's detail), not the state it freed, and the model is
+    incremental, so the simulator's releases copy what changed too."""
     def overhead(points: list[tuple[int, float]]) -> float:
         extra = sorted(t - b / s.rate for b, t in points)
         return max(0.0, extra[len(extra) // 2]) if extra else 0.0
