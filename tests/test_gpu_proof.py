@@ -93,6 +93,12 @@ def test_every_stage_runs_through_on_the_simulated_backend_and_reports_its_shape
                for c in two["frameworks", "jax_room_wait"]["checks"])
     assert [c["ok"] for c in two["lazy", "cpu_cell_then_gpu_cell"]["checks"]] == [True, True, True]
     assert len(two["bandwidth_large", "sizes"]["figures"]["bandwidth_rows"]) == 2
+    kept = two["bandwidth_large", "kept_copies"]
+    assert [c["intact"] for c in kept["figures"]["unseen_writes"]["cases"]] == [True] * 4
+    assert kept["figures"]["unseen_writes"]["check"] == "full"  # the default, whatever the env
+    assert {r["what"] for r in kept["figures"]["kept_copy_rows"]} >= {
+        f"{what}, {check} check" for what in ("unchanged", "10 % changed")
+        for check in ("full", "sampled", "counters")} | {"full check (no copy)"}
     three = {(r["scene"], r["step"]): r for r in report.steps_of(records_of(tmp_path / "3", "3"))}
     assert "busy on the GPU" in three["busy", "release_while_busy"]["figures"]["busy_release_message"]
     assert all(c["ok"] for c in three["busy", "sm_utilization"]["checks"])
@@ -234,6 +240,33 @@ def test_a_record_without_reasons_or_fields_is_refused():
     assert "torch.start: skipped without a reason" in errs
     assert "torch.x: status 'done'" in errs and "line 4: kind 'other'" in errs
     assert any(e.startswith("torch.x: missing title") for e in errs)
+
+
+@pytest.mark.timeout(120)
+def test_the_kept_copies_step_fails_loudly_when_a_write_is_lost(tmp_path, monkeypatch):
+    """Stage 2's check of writes the version counters do not see (through .data, DLPack) is
+    not vacuous: under "counters", which loses them by design, each case fails and says the
+    write was lost (the rehearsal shows the default check keeping them). The benchmark's run
+    after it is stubbed: the rehearsal runs the real one."""
+    pytest.importorskip("torch")
+    import bandwidth
+
+    from jupyter_gpushare.kernel.offload.base import KEPT_CHECK_ENV
+
+    monkeypatch.setattr(bandwidth, "_child_env", lambda: {**os.environ, KEPT_CHECK_ENV: "counters"})
+    stub = tmp_path / "incremental_stub.py"
+    stub.write_text('print(\'{"state_bytes": 0, "device": "cpu", "rows": []}\')\n')
+    monkeypatch.setattr(bandwidth, "INCREMENTAL", stub)
+    out = tmp_path / "stage2.jsonl"
+    sc = runner.Scene("bandwidth_large", "simulated", out, tmp_path / "state.json", 100,
+                      bandwidth.BANDWIDTH_LARGE_STEPS)
+    assert not asyncio.run(sc.step("kept_copies", bandwidth.kept_copies_step))
+    (rec,) = report.steps_of(report.read(out))
+    assert rec["status"] == "failed"
+    failed = {c["name"]: c["detail"] for c in rec["checks"] if c["ok"] is False}
+    writes = [n for n in failed if n.startswith("a write through")]
+    assert len(writes) == 4 and all("THE WRITE WAS LOST" in failed[n] for n in writes)
+    assert "the default check is 'full'" in failed
 
 
 def _run_cell(ns: dict, code: str) -> object:

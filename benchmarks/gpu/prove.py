@@ -13,7 +13,10 @@ returns; both methods' GB/s at 64 MiB, 1 and 8 GiB against pinned copies, the fi
 
 Stage 2 (about 5 minutes, 7 at most): JAX (75 % preallocated) and CuPy through the driver method; a
 restore without room waits instead of calling the driver; lazy mode; auto's pick per kernel;
-restore onto another GPU (skipped, with the reason, on one GPU); 16 and 40 GiB bandwidth.
+restore onto another GPU (skipped, with the reason, on one GPU); the device fingerprint that
+trusts a kept PyTorch host copy; writes the version counters miss (.data, DLPack) after a kept
+copy or a pre-copy come back; incremental releases per check (benchmarks/incremental_release.py
+on the GPU); 16 and 40 GiB bandwidth.
 
 Stage 3 (5 minutes at most), when device time is left: SM utilization per kernel, a release
 while a GPU kernel runs, ``pytest -m gpu tests/gpu``.

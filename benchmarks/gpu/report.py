@@ -184,6 +184,12 @@ def goals(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         for c in r["checks"]:
             if "within two polls" in c["name"]:
                 out.append({"goal": c["name"], "value": c["detail"], "met": c["ok"]})
+    for r in steps_of(records):  # a release that copies nothing: <= 5 % of a full one
+        for row in r["figures"].get("kept_copy_rows", []):
+            if row["what"].startswith("unchanged"):
+                out.append({"goal": f"{row['backend']}, {row['what']}: release <= 5 % of a "
+                                    f"full one", "value": round(row["share_time"], 3),
+                            "met": row["share_time"] <= 0.05})
     return out
 
 
