@@ -39,8 +39,11 @@ async def computed_on(app: Any, kernel: Any, gpu: int) -> None:
 
 async def trained(app: Any, kernel: Any, gpu: int) -> None:
     """The kernel ran a short training on its device 0 (node GPU ``gpu``), seen by a poll."""
+    rec = app.tracker.kernels[kernel.id]
+    before = rec.computed.get(gpu)  # read before the work: the polls may see all of it first
     await kernel.run("from jupyter_gpushare.sim import simgpu\nsimgpu.burn(0.5)")
-    await computed_on(app, kernel, gpu)
+    await wait_for(lambda: rec.computed.get(gpu) not in (None, before), timeout=120,
+                   what=f"a poll to see kernel {kernel.id[:8]} compute on GPU {gpu}")
 
 
 def training(kernel: Any, device: int = 0) -> str:
