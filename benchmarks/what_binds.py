@@ -192,7 +192,8 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
             f"  cells waited > 1 s: {sum(waited.values())} of {len(sim.cells)}, by the release "
             f"before: {dict(waited.most_common())}",
             f"  GPU cells slowed > 1.1x: {slowed} of {gpu_cells}; out of memory: "
-            f"{f['oom_failures']}; releases {f['releases']} {f['release_reasons']}; moves "
+            f"{f['oom_failures']} ({sim.counters.oom_growth} growing, the rest a kernel's first "
+            f"allocation); releases {f['releases']} {f['release_reasons']}; moves "
             f"{f['moves']}; peak used {f['peak_used_pct']:.0f} %",
             f"  kernels started where their expected need fit no GPU of their machine: "
             f"{starts['fit nowhere']}, of them on a GPU at >= {rule.CONTENDED_LOAD:g} % SM "
