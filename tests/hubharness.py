@@ -183,7 +183,9 @@ class Hub:
         return next(k for k in status["kernels"] if k["id"] == kernel_id)
 
     async def wait_kernel(self, user: str, kernel_id: str, check: Any, what: str,
-                          timeout: float = 60) -> dict[str, Any]:
+                          timeout: float = 120) -> dict[str, Any]:
+        """Until ``check`` holds for the kernel in its server's status; ``timeout``: a bound
+        for a loaded 2-core machine, not a timing."""
         deadline = time.monotonic() + timeout
         while True:
             k = await self.kernel_status(user, kernel_id)
