@@ -14,6 +14,7 @@ min(100 %, the sum); a process's, its share of that (:func:`shared_time`).
 
 from __future__ import annotations
 
+import bisect
 import threading
 import uuid
 from collections import defaultdict
@@ -49,9 +50,22 @@ FULL = 100.0
 
 @dataclass
 class _Busy:
-    intervals: list[tuple[float, float, float]]  # (start, end, sm %)
+    intervals: list[tuple[float, float, float]]  # (start, end, sm %), in order of their ends
     open_since: float | None = None
     open_sm: float = FULL
+
+    def close(self, end: float) -> None:
+        assert self.open_since is not None
+        bisect.insort(self.intervals, (self.open_since, end, self.open_sm), key=_end)
+        self.open_since = None
+
+    def since(self, since: float) -> list[tuple[float, float, float]]:
+        """The closed spans that end after ``since`` (a poll reads only the latest few)."""
+        return self.intervals[bisect.bisect_right(self.intervals, since, key=_end):]
+
+
+def _end(span: tuple[float, float, float]) -> float:
+    return span[1]
 
 
 class NodeLedger(Protocol):
@@ -97,6 +111,10 @@ class SimNode:
         self._lock = threading.Lock()
         self._used: dict[int, dict[int, int]] = defaultdict(dict)  # gpu -> pid -> bytes
         self._busy: dict[tuple[int, int], _Busy] = {}
+        self._changes = 0  # busy spans begun, ended or dropped: the spans cache's key
+        #: gpu -> ((since, until, changes), its shares): a poll reads every kernel over one
+        #: period, so the GPU's spans are swept once per poll, not once per kernel
+        self._cached: dict[int, tuple[tuple[float, float, int], Shares]] = {}
 
     def uuid(self, gpu: int) -> str:
         return gpu_uuid(self.node_id, gpu)
@@ -192,14 +210,15 @@ class SimNode:
         """Close ``pid``'s open busy intervals (its channel dropped: their ends may be lost)."""
         now = clock.now()
         with self._lock:
+            self._changes += 1
             for (p, _), b in self._busy.items():
                 if p == pid and b.open_since is not None:
-                    b.intervals.append((b.open_since, now, b.open_sm))
-                    b.open_since = None
+                    b.close(now)
 
     def drop_pid(self, pid: int) -> None:
         self.take_all(pid)
         with self._lock:
+            self._changes += 1
             for key in [k for k in self._busy if k[0] == pid]:
                 del self._busy[key]
 
@@ -230,6 +249,7 @@ class SimNode:
         sm = check_sm(sm)
         with self._lock:
             b = self._busy.setdefault((pid, gpu), _Busy([]))
+            self._changes += 1
             if b.open_since is None:
                 b.open_since = clock.now() if at is None else at
                 b.open_sm = sm
@@ -239,8 +259,8 @@ class SimNode:
             b = self._busy.get((pid, gpu))
             if b is None or b.open_since is None:
                 return
-            b.intervals.append((b.open_since, clock.now() if at is None else at, b.open_sm))
-            b.open_since = None
+            self._changes += 1
+            b.close(clock.now() if at is None else at)
             # keep the ledger bounded: one hour of intervals is more than any window
             horizon = clock.now() - 3600
             b.intervals = [iv for iv in b.intervals if iv[1] >= horizon][-10000:]
@@ -251,10 +271,19 @@ class SimNode:
         for (p, g), b in self._busy.items():
             if g != gpu:
                 continue
-            out.extend((s, e, sm, p) for s, e, sm in b.intervals if e > since and s < until)
+            out.extend((s, e, sm, p) for s, e, sm in b.since(since) if s < until)
             if b.open_since is not None and b.open_since < until:
                 out.append((b.open_since, until, b.open_sm, p))
         return out
+
+    def _shares(self, gpu: int, since: float, until: float) -> Shares:
+        """:func:`shares` of ``gpu`` over [since, until] (lock held), swept once per period."""
+        key = (since, until, self._changes)
+        hit = self._cached.get(gpu)
+        if hit is None or hit[0] != key:
+            hit = key, shares(self._spans(gpu, since, until), since, until)
+            self._cached[gpu] = hit
+        return hit[1]
 
     def busy_fraction(self, pid: int | None, gpu: int, since: float, until: float) -> float:
         """Share of [since, until] in which a kernel ran on ``gpu`` (NVML's utilization):
@@ -265,11 +294,10 @@ class SimNode:
             if pid is not None:  # a poll asks this of every kernel: most are not busy
                 one = self._busy.get((pid, gpu))
                 if one is None or (one.open_since is None and not any(
-                        e > since and s < until for s, e, _ in one.intervals)):
+                        s < until for s, _, _ in one.since(since))):
                     return 0.0
-            spans = self._spans(gpu, since, until)
-        ran, mine, _ = shared_time(spans, since, until, pid)
-        return min(1.0, (ran if pid is None else mine) / (until - since))
+            ran, mine, _ = self._shares(gpu, since, until)
+        return min(1.0, (ran if pid is None else mine.get(pid, 0.0)) / (until - since))
 
     def busy_work(self, pid: int, gpu: int, until: float | None = None) -> tuple[float, float]:
         """(seconds of full-speed work ``pid`` has done on ``gpu`` since its busy_begin, the
@@ -285,6 +313,7 @@ class SimNode:
 
 
 Span = tuple[float, float, float, int]  # (start, end, sm %, pid)
+Shares = tuple[float, dict[int, float], dict[int, float]]  # what shares() answers
 
 
 def check_sm(sm: object) -> float:
@@ -300,27 +329,43 @@ def shared_time(spans: list[Span], since: float, until: float,
     (seconds in which a kernel ran, seconds of it that were ``pid``'s, seconds of full-speed
     work ``pid`` did). While the shares asked add up to D > 100 %, the GPU runs all the time
     and each process at speed 100 / D (time-slicing): a process asking d % gets d / D of it."""
-    edges: list[tuple[float, float, float]] = []  # (time, change of D, change of pid's share)
+    ran, mine, work = shares(spans, since, until)
+    if pid is None:
+        return ran, 0.0, 0.0
+    return ran, mine.get(pid, 0.0), work.get(pid, 0.0)
+
+
+def shares(spans: list[Span], since: float, until: float
+           ) -> tuple[float, dict[int, float], dict[int, float]]:
+    """:func:`shared_time` for every process at once: (seconds in which a kernel ran,
+    pid -> seconds of it that were its, pid -> seconds of full-speed work it did)."""
+    edges: list[tuple[float, float, int]] = []  # (time, change of the pid's share, pid)
     for s, e, sm, p in spans:
         s, e = max(s, since), min(e, until)
         if e > s:
-            own = sm if p == pid else 0.0
-            edges += [(s, sm, own), (e, -sm, -own)]
+            edges += [(s, sm, p), (e, -sm, p)]
     edges.sort()
-    ran = mine = work = 0.0
-    demand = own = 0.0
+    ran = 0.0
+    mine: dict[int, float] = {}
+    work: dict[int, float] = {}
+    asked: dict[int, float] = {}  # pid -> share it asks now
+    demand = 0.0
     last = since
-    for t, d_demand, d_own in edges:
+    for t, change, p in edges:
         if t > last and demand > 1e-9:
             span = t - last
             speed = min(1.0, FULL / demand)
             ran += span * min(1.0, demand / FULL)
-            mine += span * own / FULL * speed
-            if own > 1e-9:
-                work += span * speed
+            for q, sm in asked.items():
+                mine[q] = mine.get(q, 0.0) + span * sm / FULL * speed
+                work[q] = work.get(q, 0.0) + span * speed
         last = max(last, t)
-        demand += d_demand
-        own += d_own
+        demand += change
+        left = asked.get(p, 0.0) + change
+        if left > 1e-9:
+            asked[p] = left
+        else:
+            asked.pop(p, None)
     return ran, mine, work
 
 
