@@ -193,6 +193,54 @@ def test_a_fingerprint_sees_any_one_word_and_sign_flips_and_swaps():
     assert int(fp(odd.untyped_storage())) != int(fp(z.untyped_storage()))
 
 
+def test_a_changed_storage_is_copied_into_its_kept_buffer():
+    """A storage written since its kept copy is copied into that copy's buffer, by a pre-copy
+    and by a release: no host buffer allocated (pinning can cost as much as the copy)."""
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(300)), "same": gpus.put(torch.ones(50), "gpu1")}
+    adapter = gpus.adapter()
+    adapter.offload(ns)
+    buffer = ns["w"].data_ptr()  # w's host copy, kept after the restore
+    adapter.reload()
+    allocated = gpus.host_allocs
+    for step in range(1, 4):
+        with torch.no_grad():
+            ns["w"][step] = step  # a cell writes w through PyTorch
+        if step == 2:
+            assert gpus.adapter().precopy(ns).copied == 1200
+            continue
+        adapter = gpus.adapter()
+        assert adapter.offload(ns).copied == 1200  # w's storage; 'same' taken as kept
+        assert ns["w"].data_ptr() == buffer  # the very buffer, overwritten in place
+        adapter.reload()
+    assert gpus.host_allocs == allocated
+    assert torch.equal(ns["w"][:4], torch.tensor([0.0, 1, 2, 3])) and gpus.on(ns["w"]) == "gpu0"
+
+
+@pytest.mark.parametrize("failing", ["release", "precopy"])
+def test_a_copy_failing_midway_into_a_kept_buffer_leaves_no_kept_copy(failing):
+    """The kept copy stops being one before the copy into its buffer starts: a copy cut off
+    halfway leaves the GPU state intact and nothing a later release could take, even once
+    a write behind the counters is undone, so that the old fingerprint matches again."""
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(300)), "same": gpus.put(torch.ones(50))}
+    released_and_restored(gpus, ns)
+    unseen_write(ns["w"], "data")  # counters unchanged, fingerprint not: w is copied again
+    gpus.fail_copy_at = gpus.copies + 1  # its copy writes half of w's bytes, then fails
+    with pytest.raises(CopyFailed):
+        adapter = gpus.adapter()
+        adapter.offload(ns) if failing == "release" else adapter.precopy(ns)
+    gpus.fail_copy_at = None
+    assert gpus.on(ns["w"]) == "gpu0" and torch.equal(ns["w"], torch.full((300,), 1.5))
+    assert torch.equal(ns["same"], torch.ones(50))
+    assert kept_copies()["kept"] == 200  # 'same' only: w's half-written copy is gone
+    unseen_write(ns["w"], "data", -1.5)  # the kept copy's bytes again, behind the counters
+    adapter = gpus.adapter()
+    assert adapter.offload(ns).copied == 1200  # copied, not taken from the half-written one
+    adapter.reload()
+    assert torch.equal(bits(ns["w"]), bits(torch.zeros(300)))
+
+
 def test_kept_copies_are_dropped_oldest_first():
     gpus = FakeGPUs()
     ns = {"old": gpus.put(torch.zeros(100))}

@@ -42,7 +42,9 @@ class FakeGPUs:
         self.where: dict[int, str] = {}
         self.log: list[tuple[str, str]] = []
         self.host_allocs = 0
-        self.fail_copy_at: int | None = None  # the n-th copy (from 1) raises
+        #: the n-th copy (from 1) fails midway: it writes the first half of its bytes, then
+        #: raises (what a copy cut off by a bus or driver error leaves in its destination)
+        self.fail_copy_at: int | None = None
         self.fail_alloc_at: int | None = None  # the n-th device allocation raises
         self.copies = 0
         self.device_allocs = 0
@@ -72,7 +74,9 @@ class FakeGPUs:
     def copy(self, dst, src, device: str) -> None:
         self.copies += 1
         if self.fail_copy_at == self.copies:
-            raise CopyFailed(f"simulated: copy {self.copies} failed")
+            half = src.nbytes() // 2
+            _bytes(dst)[:half].copy_(_bytes(src)[:half])
+            raise CopyFailed(f"simulated: copy {self.copies} failed halfway")
         self.log.append(("copy", device))
         dst.copy_(src)
 
@@ -88,6 +92,10 @@ class FakeGPUs:
     def take_log(self) -> list[tuple[str, str]]:
         log, self.log = self.log, []
         return log
+
+
+def _bytes(storage):
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 @pytest.fixture

@@ -23,9 +23,11 @@ tensor offloaded, ready for a retry.
 
 Speed (:class:`StreamCopies`, the default): host copies go into page-locked buffers kept
 from one cycle to the next (:class:`.pinned.PinnedPool`, bounded, see there for how that
-host memory is counted), every copy is issued on one side stream per GPU (which first waits
-for the work already queued on the device), and each move ends with one synchronize per GPU,
-never one per tensor: the GPUs' copies run at the same time, each at its bus's speed.
+host memory is counted), or, for a storage written since its kept copy (incremental releases),
+into that copy's own buffer (:func:`_copy_to_host`, the release's and the pre-copy's one way);
+every copy is issued on one side stream per GPU (which first waits for the work already
+queued on the device), and each move ends with one synchronize per GPU, never one per
+tensor: the GPUs' copies run at the same time, each at its bus's speed.
 
 The copies are parametrised: ``copies`` (an object with :class:`StreamCopies`'s hooks) or,
 the older seam, ``to_host`` / ``to_device`` / ``synchronize`` (fresh buffers each time, one
@@ -309,6 +311,12 @@ class StreamCopies:
             raise
         return host
 
+    def into(self, host: Any, storage: Any, device: Any) -> Any:
+        """Copy ``storage`` into ``host``, a buffer of its size that the caller owns (a kept
+        copy's, no longer trusted): nothing allocated, nothing pinned."""
+        self.copy(host, storage, device)
+        return host
+
     def to_device(self, host: Any, device: Any) -> Any:
         new = self.alloc_device(host.nbytes(), device)
         self.copy(new, host, device)
@@ -398,6 +406,9 @@ class LegacyCopies:
 
     def to_host(self, storage: Any, device: Any) -> Any:
         return self._to_host(storage)
+
+    def into(self, host: Any, storage: Any, device: Any) -> Any:
+        return self._to_host(storage)  # this seam makes a new buffer every time
 
     def to_device(self, host: Any, device: Any) -> Any:
         return self._to_device(host, device)
@@ -546,6 +557,28 @@ def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any, check: str) -> 
             if entry.fingerprint == value}
 
 
+def _copy_to_host(copies: Any, group: _Group, storage: Any) -> Any:
+    """Queue a host copy of ``storage`` (a release's or a pre-copy's) and return its buffer:
+    the buffer of the storage's kept copy when it fits (same size, nothing else uses it), so
+    a changed storage pins no new host memory; else one from the pool.
+
+    The kept copy stops being one before the copy into its buffer starts: a copy that fails
+    halfway leaves nothing a later release could take for current (a write undone behind
+    the counters would make the old fingerprint match half-overwritten bytes). A buffer whose
+    copy failed is let go, never reused: the copy may still be writing it."""
+    with _kept_lock:
+        old = _kept.pop(storage._cdata, None)
+    if old is None:
+        return copies.to_host(storage, group.device)
+    host = old.host
+    del old
+    if host.nbytes() != group.nbytes or _storage_shared(host):
+        copies.recycle(host)  # resized, or a view of it is held: the pool decides
+        del host
+        return copies.to_host(storage, group.device)
+    return copies.into(host, storage, group.device)
+
+
 def kept_copies() -> dict[str, int]:
     """The kept host copies now (see :meth:`TorchAdapter.host_copies`), without a walk;
     "current" by their version counters (the fingerprints are read at release only)."""
@@ -664,15 +697,10 @@ class TorchAdapter(OffloadAdapter):
                     break
                 if storage._cdata in unchanged:
                     continue
-                with _kept_lock:
-                    old = _kept.pop(storage._cdata, None)
-                    versions = _versions(group.tensors)
-                    if old is not None:  # stale: its buffer serves the new copy
-                        copies.recycle(old.host)
-                        del old
+                versions = _versions(group.tensors)
                 print_ = (None if check == "counters"
                           else copies.fingerprint(storage, group.device, check))
-                group.host = copies.to_host(storage, group.device)
+                group.host = _copy_to_host(copies, group, storage)  # a stale copy's buffer
                 queued.append((group, storage, versions, print_))
             copies.synchronize(group.device for group, _, _, _ in queued)
             prints: list[int | None] = [None] * len(queued)
@@ -729,8 +757,8 @@ class TorchAdapter(OffloadAdapter):
                 for group, storage in groups:
                     if storage._cdata in unchanged:
                         group.host, group.kept = _kept[storage._cdata].host, _kept.pop(storage._cdata)
-                    else:
-                        group.host = copies.to_host(storage, group.device)
+                    else:  # into its stale kept copy's buffer when it has one
+                        group.host = _copy_to_host(copies, group, storage)
                         report.copied += group.nbytes
                 copies.synchronize(group.device for group, _ in groups
                                    if group.kept is None and group.host is not None)
