@@ -401,6 +401,8 @@ async def run_product(workload: Workload, s: twin.TwinSettings,
             finally:
                 for t in tasks:
                     t.cancel()
+            # to the trace's end, as the simulator runs: releases after the last cell count too
+            await clock.until(end)
             seen = read_events(events)
             run, releases, restores = product_run(played, seen, s, clock)
             by_id = {p.kernel_id: p for p in played if p.kernel_id}
