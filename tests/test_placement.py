@@ -212,6 +212,17 @@ def test_a_placement_is_forgotten_once_its_kernel_ended_and_kept_while_it_starts
     assert load.placed == {}
 
 
+def test_placed_kernels_expected_bytes_count_against_room_until_they_use_the_gpu():
+    records: dict[str, Any] = {}
+    load = GpuLoad(dict, lambda: records)
+    load.place("a", [0], Need(3 * GiB))
+    views = load.views({0: 8 * GiB, 1: 8 * GiB, 2: None})
+    assert (views[0].room, views[1].room, views[2].room) == (5 * GiB, 8 * GiB, None)
+    assert load.views({0: 8 * GiB}, exclude="a")[0].room == 8 * GiB  # the one being placed
+    records["a"] = KernelRecord("a", name="python3", peak_gpu_bytes={0: GiB})
+    assert load.views({0: 8 * GiB})[0].room == 8 * GiB  # it allocated: free memory counts it
+
+
 class MemSpec(Spec):
     def __init__(self, memory: Any, name: str = "big"):
         super().__init__()

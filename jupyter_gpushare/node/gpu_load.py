@@ -11,8 +11,10 @@ numbers.
 - ``kernels``: kernels this server placed there or that hold memory there now;
 - ``busy``: kernels that computed there (SM above ``idle_utilization``) within the window
   (at least the last :data:`BUSY_FLOOR` seconds) and hold memory there now;
-- ``room`` and ``within_share``: the caller's (free memory less what is promised, narrowed
-  by the hub service's view).
+- ``room``: the caller's (free memory less what is promised, narrowed by the hub service's
+  view) less the expected bytes (``Need.bytes``) of kernels this server placed there that
+  have not used it yet: they allocate them soon (the simulator counts them alike);
+- ``within_share``: the caller's.
 
 Kernels placed by other servers of the node and not yet allocated are not in this server's
 records (the simulated node's ledger and NVML know only allocations): the hub service's view,
@@ -167,7 +169,8 @@ class GpuLoad:
     def views(self, room: Mapping[int, int | None], within: Mapping[int, bool] | None = None,
               exclude: str | None = None, now: float | None = None,
               seen_pending: Mapping[int, float] | None = None) -> dict[int, GpuView]:
-        """A view of each GPU of ``room`` (bytes a new state may take there, None: unknown);
+        """A view of each GPU of ``room`` (bytes a new state may take there, None: unknown;
+        less what placed kernels that have not used the GPU yet are expected to take);
         ``within``: per GPU, whether the person is within their share (default: yes);
         ``exclude``: a kernel left out of every count (the one being restored);
         ``seen_pending``: per GPU, the pending load a node-wide view counts (the hub
@@ -179,6 +182,7 @@ class GpuLoad:
         self.forget(records, now)
         gpus = self.gpus()
         pending: dict[int, float] = {}
+        promised: dict[int, int] = {}  # bytes placed kernels are expected to allocate there
         there: dict[int, set[str]] = {}
         busy: dict[int, int] = {}
         for kid, p in self.placed.items():
@@ -193,6 +197,7 @@ class GpuLoad:
                 # count where NVML cannot see the kernel's processes: used, wherever it is)
                 if not used.get(g) and not used.get(-1) and g not in computed:
                     pending[g] = pending.get(g, 0.0) + p.need.load
+                    promised[g] = promised.get(g, 0) + p.need.bytes
         for kid, rec in records.items():
             if kid == exclude:
                 continue
@@ -207,7 +212,8 @@ class GpuLoad:
             record = gpus.get(g)
             load = record.recent_load(self.window) if record is not None else 0.0
             seen = (seen_pending or {}).get(g, 0.0)
-            out[g] = GpuView(g, r, load=load, pending=max(pending.get(g, 0.0), seen),
+            room_left = None if r is None else r - promised.get(g, 0)
+            out[g] = GpuView(g, room_left, load=load, pending=max(pending.get(g, 0.0), seen),
                              kernels=len(there.get(g, ())), busy=busy.get(g, 0),
                              within_share=(within or {}).get(g, True))
         return out
