@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..node.gpu_load import GpuLoad
+from ..node.gpu_load import GpuLoad, coming_back
 from ..policy.placement import GpuView, Resident, contended, pressure_floor, rebalance
 from ..states import ACTIVE, IDLE
 from . import metrics
@@ -90,12 +90,9 @@ def contention(tracker: Tracker, now: float, window: float = LOAD_WINDOW) -> dic
 
 def room(controller: Controller) -> dict[int, int | None]:
     """Bytes a moved state may take on each GPU: free at the last sample, less restores'
-    reservations and what this server's released kernels will take back."""
-    held: dict[int, int] = {}
-    for st in controller.lifecycles():
-        if st.held is not None:
-            for g, n in st.held.gpus.items():
-                held[g] = held.get(g, 0) + n
+    reservations not landed yet and what this server's released kernels will take back
+    (a restoring kernel's bytes once: :func:`..node.gpu_load.coming_back`)."""
+    held = coming_back(controller.lifecycles())
     free = controller.seen_free()
     return {g: (free[g] - held.get(g, 0)) if g in free else None
             for g in sorted(controller.tracker.gpus)}

@@ -16,6 +16,8 @@ numbers.
   have not used it yet: they allocate them soon (the simulator counts them alike);
 - ``within_share``: the caller's.
 
+The callers' room counts what released kernels will take back once (:func:`coming_back`).
+
 Kernels placed by other servers of the node and not yet allocated are not in this server's
 records (the simulated node's ledger and NVML know only allocations): the hub service's view,
 where there is one, counts them (``seen_pending``); without it their memory and load count
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 
 from .. import clock
 from ..policy.placement import GpuView, Need
+from ..states import RESTORING
 
 #: s: the least window over which kernels count as computing on a GPU (a few polls)
 BUSY_FLOOR = 10.0
@@ -114,6 +117,29 @@ class KernelUse(Protocol):
     def peak_gpu_bytes(self) -> dict[int, int]: ...
     @property
     def computed(self) -> dict[int, float]: ...
+
+
+class HeldState(Protocol):
+    """What a kernel's lifecycle offers (``core.lifecycle.Lifecycle``)."""
+
+    @property
+    def state(self) -> str: ...
+    @property
+    def released_gpus(self) -> dict[int, int]: ...
+
+
+def coming_back(states: Iterable[HeldState]) -> dict[int, int]:
+    """Per GPU, the bytes this server's released kernels will take back there: each held
+    state whole, except while its restore moves (``restoring``): its landed bytes are in the
+    GPU's used memory then and the rest in its reservation, so it would count twice (and at
+    its home GPU, where a restore that moves it will not land)."""
+    out: dict[int, int] = {}
+    for st in states:
+        if st.state == RESTORING:
+            continue
+        for g, n in st.released_gpus.items():
+            out[g] = out.get(g, 0) + n
+    return out
 
 
 @dataclass

@@ -7,7 +7,8 @@ to need; qualifying GPUs rank by SM load, then by kernels there, then by room, t
 
 - room = free memory read now (on the shared node or from NVML, so other servers' kernels
   count) less the bytes this server's released kernels will take back and the bytes its
-  restores have reserved;
+  restores have reserved and not landed yet (a restoring kernel counts once: landed bytes
+  are in the used memory, the rest reserved);
 - the kernel's expected need per GPU: its kernelspec's ``metadata.gpushare.memory``, else the
   most its kernelspec's recent kernels on this server held on one GPU, else ``min_room``;
 - load (:mod:`.gpu_load`): SM busy over ``load_window`` seconds from the tracker's history,
@@ -46,7 +47,7 @@ from ..policy.placement import PENDING_LOAD, choose, expected_need
 from ..policy.room import narrow
 from ..telemetry import GPUInfo
 from ..units import format_bytes
-from .gpu_load import GpuLoad
+from .gpu_load import GpuLoad, coming_back
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SAMPLE_WAIT = 10.0  # s a kernel start waits for a reading of the GPUs before the first poll
@@ -202,18 +203,10 @@ class Placer:
     def from_app(cls, app: Any) -> Placer:
         """The placer of a loaded :class:`~jupyter_gpushare.server.app.GPUShareApp`."""
 
-        def held() -> dict[int, int]:
-            out: dict[int, int] = {}
-            for st in app.controller.lifecycles():
-                if st.held is not None:
-                    for g, n in st.released_gpus.items():
-                        out[g] = out.get(g, 0) + n
-            return out
-
         return cls(
             devices=lambda: [rec.info for rec in list(app.tracker.gpus.values())],
             read_free=app.node_room.read_free,
-            held=held,
+            held=lambda: coming_back(app.controller.lifecycles()),
             reserved=lambda: app.controller.reservations.snapshot(),
             kernel_ids=lambda: list(app.server.kernel_manager.list_kernel_ids()),
             default_gpus=app.placement_gpus,
