@@ -305,10 +305,11 @@ def _row(method: str, n: int, rel: list[float], rst: list[float], base: dict[str
             "release_first_s": rel[0], "restore_first_s": rst[0], "repeat": len(rel),
             "d2h_pinned_s": base["d2h_pinned"], "h2d_pinned_s": base["h2d_pinned"],
             "d2h_pageable_s": base.get("d2h_pageable"), "h2d_pageable_s": base.get("h2d_pageable"),
-            "release_GBps": n / r / 1e9, "restore_GBps": n / s / 1e9,
+            "release_GBps": n / max(r, 1e-9) / 1e9, "restore_GBps": n / max(s, 1e-9) / 1e9,
             "pinned_d2h_GBps": n / base["d2h_pinned"] / 1e9,
             "pinned_h2d_GBps": n / base["h2d_pinned"] / 1e9,
-            "release_frac": base["d2h_pinned"] / r, "restore_frac": base["h2d_pinned"] / s,
+            "release_frac": base["d2h_pinned"] / max(r, 1e-9),
+            "restore_frac": base["h2d_pinned"] / max(s, 1e-9),
             "intact": intact}
 
 
@@ -373,7 +374,10 @@ for _ in range(repeat):
     rel.append(off.seconds)
     rst.append(back.seconds)
     out.append(ck() == before)
-print(json.dumps({"release": rel, "restore": rst, "intact": all(out), "bytes": off.bytes}))
+    if not off.bytes:  # nothing moved: say why instead of timing nothing
+        break
+print(json.dumps({"release": rel, "restore": rst, "intact": all(out), "bytes": off.bytes,
+                  "skipped": off.skipped, "copied": off.copied}))
 """
 
 DRIVER_CHILD = """
@@ -438,6 +442,10 @@ def _measure_real(st: Step, sizes: list[int], rows: list[dict[str, Any]]) -> Non
                         st.check(f"framework {fmt_bytes(n)}", False, out.stderr[-400:])
                         continue
                     fr = json.loads(out.stdout.strip().splitlines()[-1])
+                    if fr["bytes"] != n:  # the adapter left (part of) the tensor on the GPU
+                        st.check(f"framework {fmt_bytes(n)}: the whole tensor moves", False,
+                                 f"moved {fr['bytes']} of {n} bytes; skipped: {fr['skipped']}")
+                        continue
                     rel, rst, intact = fr["release"], fr["restore"], fr["intact"]
                 rows.append(_row(method, n, rel, rst, base, intact))
                 per_byte[method] = max(time.monotonic() - t0 - 5, 1) / (repeat * n)

@@ -49,7 +49,7 @@ def checksum():
 _ck0 = checksum()
 torch.cuda.empty_cache()  # the checksum's temporaries are no part of the state
 print(json.dumps({{"checksum": _ck0, "bytes": sum(t.numel() * t.element_size() for t in tensors()),
-                  "t_alloc": _t_alloc,
+                  "t_alloc": _t_alloc, "reserved": torch.cuda.memory_reserved(),
                   "info": {{"torch": torch.__version__, "torch_cuda": torch.version.cuda,
                            "device": torch.cuda.get_device_name(0)}}}}))
 """

@@ -348,12 +348,18 @@ async def torch_attribution(st: Step) -> None:
              f"{'never' if seen is None else f'{seen:.2f} s'} after the state was on the GPU "
              f"(poll {poll} s)")
     got = (v.get("gpu_memory_bytes") or 0) - base
+    # the process holds its tensors, the caching allocator's reserve around them (PyTorch's
+    # memory_reserved) and the kernels' code its context loads lazily as cells run (cuBLAS,
+    # Adam's kernels: not in the context measured at start): at least the state, at most the
+    # reserve plus 1.5 GiB of code and workspaces
+    held = max(out.get("reserved") or out["bytes"], out["bytes"])
     st.check("attributed to this kernel: its state, its pids", out["bytes"] * 0.99 <= got
-             <= out["bytes"] + (GiB if st.real else MiB) and bool(v.get("pids")),
-             f"{fmt_bytes(got)} above the context for a state of {fmt_bytes(out['bytes'])}; "
-             f"pids {v.get('pids')}, GPUs {v.get('gpus')}")
+             <= held + (GiB * 3 // 2 if st.real else MiB) and bool(v.get("pids")),
+             f"{fmt_bytes(got)} above the context for a state of {fmt_bytes(out['bytes'])} "
+             f"(allocator reserve {fmt_bytes(held)}); pids {v.get('pids')}, GPUs {v.get('gpus')}")
     st.figure("attribution", {"state_bytes": out["bytes"], "status_bytes": v.get("gpu_memory_bytes"),
-                              "context_bytes": base, "seconds_to_show": seen, "poll_s": poll})
+                              "reserved_bytes": out.get("reserved"), "context_bytes": base,
+                              "seconds_to_show": seen, "poll_s": poll})
     sc.shared.update(ck=out["checksum"], state_bytes=out["bytes"])
 
 
