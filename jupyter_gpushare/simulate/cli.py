@@ -179,10 +179,12 @@ def parser() -> argparse.ArgumentParser:
                     help="s between two polls of each user's server (default 2)")
     tm = ap.add_argument_group("release / restore time: overhead + bytes / bandwidth")
     tm.add_argument("--restore-model", choices=sorted(PRESETS), default="driver",
-                    help="driver: the line through cuda-checkpoint's two published H100 points "
-                         "(~5.4 GB/s restore, ~3.1 GB/s release, ~0.17 s); pinned: the framework "
-                         "method's best case, copies at the pinned PCIe Gen5 limit; h100: the "
-                         "former default; sim: this project's simulated benchmark (default driver)")
+                    help="driver: the driver method measured on an H200 (~3.7 GB/s restore, "
+                         "~1.8 GB/s release, ~0.2-0.4 s); driver-published: the line through "
+                         "cuda-checkpoint's two published H100 points (~5.4 / ~3.1 GB/s); "
+                         "pinned: the framework method's best case, copies at the pinned PCIe "
+                         "Gen5 limit; h100: an older default; sim: this project's simulated "
+                         "benchmark (default driver)")
     tm.add_argument("--restore-overhead", type=float, help="s (overrides the model's)")
     tm.add_argument("--restore-bandwidth", type=float, help="GB/s (overrides the model's)")
     tm.add_argument("--release-overhead", type=float, help="s (overrides the model's)")

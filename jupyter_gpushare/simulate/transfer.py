@@ -5,11 +5,20 @@
 its own link at once, so it takes the time of one share. Each preset is named after the
 release method it models and is a line fitted to published pairs of points:
 
-``driver`` (the default; the ``driver`` release method, cuda-checkpoint)
+``driver`` (the default; the ``driver`` release method, CUDA's checkpoint API)
+    Measured on an NVIDIA H200 (driver 580.159.04, CUDA 13.0) by this project's GPU proof
+    (``benchmarks/gpu/``, bandwidth scenes): one process holding one tensor, released and
+    restored by the product's driver method through the in-process API. Released in 0.98 s
+    (1 GiB), 5.0 s (8 GiB), 8.9 s (16 GiB), 24.7 s (40 GiB); restored in 0.52, 2.2, 3.2 and
+    11.7 s; a JAX pool of 74.6 GiB released in 48.6 s. The line through the 1 and 40 GiB
+    points: release 0.37 s + bytes / 1.8 GB/s, restore 0.23 s + bytes / 3.7 GB/s (slower
+    than at 8-16 GiB: cautious for mid sizes). A 39 GB restore takes 10.7 s. Pinned copies on
+    the same machine ran at 54 GB/s: the driver's copy, not the bus, sets it.
+``driver-published``
     The line through an H100 tool's two published cuda-checkpoint points: a 0.5B-parameter
     model (1.4 GB) thawed in 427 ms and frozen in 609 ms, a 1.5B one (3.6 GB) thawed in
     832 ms and frozen in 1,319 ms. Restore: 0.17 s + bytes / 5.4 GB/s; release: 0.16 s +
-    bytes / 3.1 GB/s. A 39 GB restore takes 7.3 s. The driver's copy, not the bus, sets it.
+    bytes / 3.1 GB/s: faster than what the driver method measured here (the former default).
 ``pinned`` (the ``framework`` release method at its best)
     Copies at the pinned host<->device limit of PCIe Gen5 x16 (about 57 GB/s measured on an
     H100 with the copy engines), with no fixed cost: what moving tensors to pinned host
@@ -71,14 +80,19 @@ def _line(size_a: int, secs_a: float, size_b: int, secs_b: float) -> tuple[float
 
 _PCIE_GEN5_PINNED = 57 * GB
 _ANCHOR_BYTES = 1.4 * GB
-_driver_release = _line(int(1.4 * GB), 0.609, int(3.6 * GB), 1.319)
-_driver_restore = _line(int(1.4 * GB), 0.427, int(3.6 * GB), 0.832)
+_driver_release = _line(1 * GiB, 0.977, 40 * GiB, 24.706)  # measured: H200, driver 580
+_driver_restore = _line(1 * GiB, 0.517, 40 * GiB, 11.746)
+_published_release = _line(int(1.4 * GB), 0.609, int(3.6 * GB), 1.319)
+_published_restore = _line(int(1.4 * GB), 0.427, int(3.6 * GB), 0.832)
 _sim_release = _line(1 * GiB, 0.36, 12 * GiB, 3.32)
 _sim_restore = _line(1 * GiB, 0.18, 12 * GiB, 3.02)
 
 PRESETS: dict[str, TransferModel] = {
     "driver": TransferModel("driver", _driver_release[0], _driver_release[1], _driver_restore[0],
                             _driver_restore[1]),
+    "driver-published": TransferModel("driver-published", _published_release[0],
+                                      _published_release[1], _published_restore[0],
+                                      _published_restore[1]),
     "pinned": TransferModel("pinned", 0.0, _PCIE_GEN5_PINNED, 0.0, _PCIE_GEN5_PINNED,
                             incremental=True),
     "h100": TransferModel(
