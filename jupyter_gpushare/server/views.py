@@ -12,6 +12,7 @@ from ..core import ahead
 from ..core.controller import Controller
 from ..core.lifecycle import Lifecycle
 from ..core.tracker import KernelRecord, Tracker
+from ..node.gpu_load import coming_back
 from ..node.placement import placed_gpus
 from ..policy import caps
 
@@ -85,6 +86,21 @@ def node_name() -> str:
     return (os.environ.get(NODE_ENV) or socket.gethostname() or "")[:100]
 
 
+def returning_bytes(controller: Controller) -> dict[int, int]:
+    """Per GPU, the bytes this server's kernels will still bring there, each kernel once (the
+    room the hub service ranks GPUs and nodes by is free memory less this): a held state where
+    it was released from, or what a restore waiting for memory needs there when that is more;
+    and what restores in flight reserved there and has not landed yet (the bytes that landed
+    are in the GPU's used memory, so a restoring kernel's held state is not counted again)."""
+    out = coming_back(controller.lifecycles())
+    for st in controller.lifecycles():
+        for g, n in controller.restore_need(st.kernel_id).items():
+            out[g] = out.get(g, 0) + max(0, n - st.released_gpus.get(g, 0))
+    for g, n in controller.reservations.snapshot().items():
+        out[g] = out.get(g, 0) + n
+    return out
+
+
 def status_view(controller: Controller, backend: str, method: str, available: bool, reason: str,
                 hub: dict[str, Any] | None = None) -> dict[str, Any]:
     tracker = controller.tracker
@@ -93,6 +109,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
         if st.held is not None:
             for g, n in st.released_gpus.items():
                 released_per_gpu[g] = released_per_gpu.get(g, 0) + n
+    returning = returning_bytes(controller)
     gpus = [
         {
             "index": g.info.index,
@@ -102,6 +119,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
             "memory_used": g.info.memory_used,
             "utilization": g.info.utilization,
             "released_bytes": released_per_gpu.get(g.info.index, 0),
+            "returning_bytes": returning.get(g.info.index, 0),
             "mig": g.info.mig,
             # SM demand against 100 % over the window, and who shares the GPU
             "load": controller.rebalancer.contention(g.info.index).load,

@@ -143,6 +143,14 @@ export interface IGPU {
   utilization: number | null;
   /** Bytes this server's released kernels hold in host memory for this GPU. */
   released_bytes: number;
+  /**
+   * Bytes this server's kernels will still bring onto this GPU, each kernel counted once: a
+   * released kernel's held state (a restore waiting for memory: what it needs here, when more), and
+   * what restores in flight reserved here and has not landed yet (landed bytes are in memory_used).
+   * Free memory less this is the GPU's room as the hub service ranks it. Absent from servers before
+   * it was added.
+   */
+  returning_bytes?: number;
   /** This entry is a MIG instance. */
   mig: boolean;
   /**
