@@ -513,19 +513,16 @@ class Coordinator:
 
     def gpu_views(self, user: str) -> dict[int, rule.GpuView]:
         """Every GPU as the placement rule sees it for a new kernel of ``user``: room (free
-        memory less what every server's released kernels take back and what waiting restores
-        need), load over the window, kernels placed there by any server and not yet computing
+        memory less what every server's kernels will still bring there, each kernel once: a
+        released kernel's held state, or a waiting restore's need; a restoring kernel's bytes
+        not landed yet), load over the window, kernels placed there by any server and not yet computing
         (their expected load), kernels there, kernels computing, and the user's share."""
         ledger = self.view.ledger(self.settings.shares, self.groups)
         ledger.shares[user] = shares_of(user, self.groups.get(user, []), self.settings.shares)
-        needed: dict[int, int] = {}
-        for p in self.view.waiting():
-            for gid, n in p.need.items():
-                needed[gid] = needed.get(gid, 0) + n
         out = {}
         for gid, gpu in self.view.gpus.items():
             free = gpu.free
-            room = None if free is None else free - gpu.released_bytes - needed.get(gid, 0)
+            room = None if free is None else free - gpu.returning
             out[gid] = rule.GpuView(gid, room, self.load(gpu.uuid), gpu.pending * rule.PENDING_LOAD,
                                     gpu.kernels, gpu.busy, not ledger.over(user, gid))
         return out
@@ -561,11 +558,11 @@ class Coordinator:
     async def rooms(self, user: str, uuids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """Room for a new kernel of ``user`` on each GPU of ``uuids`` the service knows, as it
         sees the node: free memory (its own reading where it measures) less what every
-        server's released kernels will take back there and what waiting restores need; and
+        server's kernels will still bring there, each kernel once (:meth:`gpu_views`); and
         whether ``user`` is within their share there. Numbers only: nothing names anyone.
 
-        Released bytes are the servers' claims; a false one can only steer placement away
-        from a GPU (never release or refuse anything), and placement reads free memory too."""
+        Those bytes are the servers' claims; a false one can only steer placement away from a
+        GPU (never release or refuse anything), and placement reads free memory too."""
         await self._measure()
         self._rebuild()
         views = self.gpu_views(user)

@@ -81,6 +81,9 @@ class GPUState:
     used: int | None = None
     utilization: float | None = None
     released_bytes: int = 0  # held in host memory by released kernels, all servers
+    #: bytes every server's kernels will still bring onto it, each kernel once (room = free
+    #: less this): a restoring kernel's landed bytes are in used, not counted again
+    returning: int = 0
     at: float = 0.0  # time of the snapshot the numbers come from
     by_user: dict[str, int] = field(default_factory=dict)  # resident bytes per person
     measured: bool = False  # the numbers are the service's own reading
@@ -130,6 +133,9 @@ class NodeView:
                 gpu = self.gpus.setdefault(gid, GPUState(gid, g.uuid, g.name, "", {}))
                 gpu.index[ref.key] = g.index
                 gpu.released_bytes += g.released_bytes
+                # a server before returning_bytes: its released bytes (restoring kernels'
+                # whole held state among them) and, below, its waiting restores' needs
+                gpu.returning += g.released_bytes if g.returning_bytes is None else g.returning_bytes
                 readings.setdefault(gid, []).append((g.total, g.used))
                 if snap.at >= gpu.at:  # the freshest utilization (shown, never acted on)
                     gpu.utilization, gpu.at = g.utilization, snap.at
@@ -137,10 +143,14 @@ class NodeView:
             for gid in gids[1:]:
                 parent[root(gid)] = root(gids[0])
             names.setdefault(gids[0] if gids else -1, []).append(snap.node)
+            older = {local[g.index] for g in snap.gpus if g.uuid and g.returning_bytes is None}
             for k in snap.kernels:
                 on = {local[i]: n for i, n in k.gpu_bytes.items() if i in local and n}
                 need = {local[i]: n for i, n in k.restore_need.items() if i in local and n}
                 self.placed.append(Placed(ref, k, on, need, max(0.0, now - snap.at)))
+                for gid, n in need.items() if k.waiting else ():
+                    if gid in older:
+                        self.gpus[gid].returning += n
                 if k.state in RESIDENT or k.state == "untracked":
                     for gid, n in on.items():
                         by_user = self.gpus[gid].by_user
