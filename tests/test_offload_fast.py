@@ -26,7 +26,7 @@ from jupyter_gpushare.kernel.offload.torch_adapter import (  # noqa: E402
     _storage_shared,
 )
 
-from .test_offload_torch import Lockable  # noqa: E402  (a tensor that refuses set_)
+from .test_offload_torch import Lockable  # noqa: E402  (a tensor that refuses to be re-pointed)
 
 pytestmark = pytest.mark.torch
 
@@ -255,7 +255,7 @@ def test_a_tensor_refusing_the_reload_puts_every_tensor_back(gpus, monkeypatch):
     adapter.offload(ns)
     host_ptrs = {k: v.data_ptr() for k, v in ns.items()}
     monkeypatch.setattr(Lockable, "locked", True)
-    with pytest.raises(RuntimeError, match="refuse set_"):
+    with pytest.raises(RuntimeError, match="refuse to be re-pointed"):
         adapter.reload()
     assert {k: v.data_ptr() for k, v in ns.items()} == host_ptrs
     assert adapter.offloaded and gpus.pool.kept_bytes == 0  # nothing recycled: still in use

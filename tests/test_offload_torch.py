@@ -12,6 +12,7 @@ import functools
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 
@@ -320,14 +321,65 @@ def test_inference_tensors_move_too(dev):
     assert dev.is_device(out)
 
 
+def test_a_release_inside_inference_mode_changes_no_tensor_kind(dev):
+    """The re-point takes the dispatch keys of a tensor made for it: an ambient inference
+    mode must not make a tracked tensor an inference one (nor the reverse)."""
+    p = dev.put(torch.randn(3, requires_grad=True))
+    with torch.inference_mode():
+        frozen = dev.put(torch.ones(2))
+        round_trip(dev.adapter(), {"p": p, "frozen": frozen})
+    assert not p.is_inference() and p.requires_grad and p.is_leaf and p._version == 0
+    assert frozen.is_inference() and dev.is_device(p) and dev.is_device(frozen)
+    (p * 2).sum().backward()
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+
+
+def test_lazy_conjugate_and_negative_views_keep_their_bits(dev):
+    """A conjugate view and a negative view are lazy: a bit in the dispatch keys, not in
+    the bytes. The re-point must carry it, or the values flip sign."""
+    z = dev.put(torch.tensor([1 + 2j, 3 - 4j, -5 + 0.5j]))
+    c = z.conj()
+    n = torch._neg_view(z)  # what the imaginary part of a conjugate view is made of
+    expected = {"c": c.resolve_conj(), "n": n.resolve_neg()}
+
+    def check():
+        assert not dev.is_device(c) and c.is_conj() and n.is_neg()
+        assert torch.equal(c, expected["c"]) and torch.equal(n, expected["n"])
+
+    off, _ = round_trip(dev.adapter(), {"c": c, "n": n}, check)
+    assert off.count == 3 and off.skipped == []  # c, n and their base z: one storage
+    assert dev.is_device(c) and c.is_conj() and n.is_neg()
+    assert torch.equal(c, expected["c"]) and torch.equal(n, expected["n"])
+
+
+def test_a_quantized_tensor_stays_and_says_why(dev):
+    """A quantized tensor's scale and zero point live in its quantizer, which a plain
+    tensor's re-point would lose: it is left on the device, intact."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized tensors are deprecated in recent PyTorch
+        q = dev.put(torch.quantize_per_tensor(torch.arange(4.0), 0.5, 2, torch.qint8))
+    x = dev.put(torch.ones(2))
+    off, _ = round_trip(dev.adapter(), {"q": q, "x": x})
+    assert off.count == 1 and off.skipped == [
+        "q: cannot be re-pointed (TypeError: a quantized tensor is not moved); left on the device"]
+    assert dev.is_device(q) and (q.q_scale(), q.q_zero_point()) == (0.5, 2)
+    assert torch.equal(q.dequantize(), torch.arange(4.0))
+
+
+def _repoints(func) -> bool:
+    """Whether ``func`` (as ``__torch_function__`` sees it) re-points a tensor at another
+    storage: ``tensor.data = ...`` (what the adapter does) or ``tensor.set_(...)``."""
+    return func == torch.Tensor.data.__set__ or func == torch.Tensor.set_
+
+
 class Frozen(torch.Tensor):
-    """A subclass whose dispatch refuses to be re-pointed (as some tensor subclasses do)."""
+    """A subclass that refuses to be re-pointed (as some tensor subclasses do)."""
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func.overloadpacket is torch.ops.aten.set_:
-            raise RuntimeError("frozen tensors refuse set_")
-        return func(*args, **(kwargs or {}))
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if _repoints(func):
+            raise RuntimeError("frozen tensors refuse to be re-pointed")
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def test_a_refusing_tensor_stays_and_the_rest_moves(dev):
@@ -353,11 +405,10 @@ class Lockable(torch.Tensor):
     locked = False
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func.overloadpacket is torch.ops.aten.set_ and cls.locked:
-            raise RuntimeError("locked tensors refuse set_")
-        with torch._C._DisableTorchDispatch():  # run the op itself, not this handler again
-            return func(*args, **(kwargs or {}))
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.locked and _repoints(func):
+            raise RuntimeError("locked tensors refuse to be re-pointed")
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def test_a_tensor_refusing_the_reload_leaves_every_tensor_offloaded(dev, monkeypatch):
@@ -368,7 +419,7 @@ def test_a_tensor_refusing_the_reload_leaves_every_tensor_offloaded(dev, monkeyp
     moved = adapter.offload({"a": a, "b": b, "c": c}).count
     host_ptrs = [t.data_ptr() for t in (a, b, c)]
     monkeypatch.setattr(Lockable, "locked", True)
-    with pytest.raises(RuntimeError, match="refuse set_"):
+    with pytest.raises(RuntimeError, match="refuse to be re-pointed"):
         adapter.reload()  # a was re-pointed at its device storage before b refused
     assert adapter.offloaded
     assert [t.data_ptr() for t in (a, b, c)] == host_ptrs

@@ -1,12 +1,15 @@
 """PyTorch: move every device tensor reachable from the namespace to host memory, in place.
 
 How: tensors are grouped by the storage they share. Each storage is copied once to (pinned)
-host memory, then every tensor of the group is re-pointed at the host copy with
-``tensor.set_(storage, offset, size, stride)``. Reload does the reverse with a fresh device
-storage. The Python objects never change, so ``id()``, ``requires_grad``, ``.grad``,
-Parameter identity inside optimizers, tied weights and views (all aliases of one storage
-follow together) survive. ``set_`` bumps the autograd version counter; the old values are
-put back, so a graph built before the release can still run ``backward`` after the reload.
+host memory, then every tensor of the group is re-pointed at the host copy with its own
+offset, sizes and strides, through ``tensor.data = ...`` (:func:`_set`; ``set_`` refuses a
+storage of another device). Reload does the reverse with a fresh device storage. The Python
+objects never change, so ``id()``, ``requires_grad``, ``.grad``, Parameter identity inside
+optimizers, tied weights and views (all aliases of one storage follow together) survive.
+The autograd version counters are kept as they were, so a graph built before the release
+can still run ``backward`` after the reload. While released a tensor really is a host
+tensor (``tensor.device`` is the CPU): the reload finds the tensors through the groups it
+kept, never by their device.
 
 Safety rule: a storage is moved only if every tensor using it was found. The storage's use
 count (tensors plus one Python wrapper) proves it; when something outside the namespace also
@@ -979,7 +982,25 @@ def _swap(moves: list[tuple[_Group, Any]]) -> None:
 
 
 def _set(torch: Any, tensor: Any, storage: Any) -> None:
-    # in-place updates of inference tensors are allowed only in inference mode
-    mode = torch.inference_mode() if tensor.is_inference() else torch.no_grad()
-    with mode:
-        tensor.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+    """Point ``tensor`` at ``storage`` with its own view geometry, across devices.
+
+    ``tensor.set_(storage, ...)`` refuses a storage of another device ("the devices must
+    match"), so a tensor of the same dtype and geometry is made on ``storage`` (``set_``
+    on its own device) and assigned through ``.data``: the shallow copy that
+    ``nn.Module.cuda()`` / ``.cpu()`` make, which takes the storage, geometry, device and
+    dispatch keys and keeps the tensor's own autograd state (``requires_grad``, ``.grad``,
+    view base, version counter). As there, a change of device lets autograd make a new
+    gradient accumulator for a leaf at its next use (graphs built before keep theirs)."""
+    if tensor.is_quantized:  # its quantizer (scales, zero points) is not a plain tensor's
+        raise TypeError("a quantized tensor is not moved")
+    inference = tensor.is_inference()
+    # the new tensor must be an inference tensor exactly when ``tensor`` is one: its
+    # dispatch keys are the ones ``tensor`` gets (an ambient inference mode is overridden)
+    with torch.inference_mode(inference), torch.no_grad():
+        new = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+        new.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+        if tensor.is_conj():  # the lazy conjugate and negative bits are dispatch keys too
+            torch._C._set_conj(new, True)
+        if tensor.is_neg():
+            torch._C._set_neg(new, True)
+    tensor.data = new
