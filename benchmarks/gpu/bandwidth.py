@@ -237,7 +237,9 @@ async def kept_copies_step(st: Step) -> None:
                      + f"the release copied {fmt_bytes(c['copied'])} of "
                      f"{fmt_bytes(2 * r['storage_bytes'])}; kept copies current by the counters "
                      f"{fmt_bytes(c['kept_bytes'])}"
-                     + ("; the counters moved: not a write they miss" if c["counters_moved"] else ""))
+                     + ("; the counters moved: not a write they miss" if c["counters_moved"] else "")
+                     + ("; no kept copy was current before the write, so the case tests nothing"
+                        if not c["kept_bytes"] else ""))
     # the figures: the same benchmark as on CPU storages, on the GPU (rehearsal: its smoke size)
     cmd = [sys.executable, str(INCREMENTAL), "--json"]
     cmd += ["--device", "cuda", "--gib", str(KEPT_GIB)] if st.real else ["--device", "cpu", "--smoke"]

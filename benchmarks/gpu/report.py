@@ -163,6 +163,13 @@ def fits(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float | No
     return out
 
 
+def overhead_measured(rows: list[dict[str, Any]], method: str) -> bool:
+    """Whether the fit's intercept is a fixed overhead: only with a size of 1 GiB or less
+    among its points (from 16 and 40 GiB alone it is an extrapolation, negative on an H200)."""
+    sizes = [r["bytes"] for r in rows if method == "pinned copy" or r["method"] == method]
+    return bool(sizes) and min(sizes) <= GiB
+
+
 def goals(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The issue's goals, where the records have the figures."""
     out: list[dict[str, Any]] = []
@@ -173,7 +180,7 @@ def goals(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 out.append({"goal": f"{r['method']} {d} {fmt_bytes(r['bytes'])} >= 70 % of pinned",
                             "value": round(r[f"{d}_frac"], 3), "met": r[f"{d}_frac"] >= 0.7})
     for method, f in fits(rows).items():
-        if method == "pinned copy":
+        if method == "pinned copy" or not overhead_measured(rows, method):
             continue
         for d in ("release", "restore"):
             o = f[d]["overhead_s"]
@@ -314,7 +321,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
                 o, g = f[d]["overhead_s"], f[d]["GBps"]
                 parts.append(f"{d} {'n/a' if o is None else f'{o * 1e3:.0f} ms'} + "
                              f"{'n/a' if g is None else f'{g:.1f} GB/s'}")
-            lines.append(f"- {method}: " + "; ".join(parts))
+            lines.append(f"- {method}: " + "; ".join(parts) + (
+                "" if overhead_measured(rows, method) else
+                " (no size of 1 GiB or less: the intercept is extrapolated, not a fixed overhead)"))
         cold = [r["figures"]["fresh_process_cuInit_s"] for r in steps_of(records)
                 if r["figures"].get("fresh_process_cuInit_s") is not None]
         if cold:

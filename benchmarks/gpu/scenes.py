@@ -115,10 +115,12 @@ def installed(mod: str) -> bool:
         return False
 
 
-def pick_reason(srv: Server, kid: str) -> str:
-    """Why release_method "auto" picked its method for the kernel (the server's log line)."""
-    lines = [ln for ln in srv.log_tail(400).splitlines() if kid in ln and "release method" in ln]
-    return lines[-1].split("release method", 1)[1].strip() if lines else "(no log line)"
+def pick_reason(srv: Server, kid: str, last: int = 1) -> str:
+    """Why release_method "auto" picked its method for the kernel: the server's last ``last``
+    log lines on it, oldest first (its pick follows each poll's reading, so it can change)."""
+    lines = [ln.split("release method", 1)[1].strip() for ln in srv.log_tail(400).splitlines()
+             if kid in ln and "release method" in ln]
+    return " | then ".join(lines[-last:]) if lines else "(no log line)"
 
 
 async def wait_pick(st: Step, srv: Server, kid: str, want: str) -> bool:
@@ -129,8 +131,11 @@ async def wait_pick(st: Step, srv: Server, kid: str, want: str) -> bool:
                                   timeout=8 * srv.gpushare["poll_interval"] + 2)
     except TimeoutError:
         v = await view(srv, kid)
-    return bool(st.check(f"auto picks the {want} method", v.get("method") == want,
-                         f"method {v.get('method')}: {pick_reason(srv, kid)}"))
+    ok = v.get("method") == want
+    # a wrong pick shows the picks that led to it: one line hides a pick that flips
+    return bool(st.check(f"auto picks the {want} method", ok,
+                         f"method {v.get('method')}" + (f": {pick_reason(srv, kid)}" if ok else
+                         f" (status); the server's last picks: {pick_reason(srv, kid, 4)}")))
 
 
 async def make_state(st: Step, srv: Server, k: Kernel, kind: str, n: int) -> dict[str, Any]:
@@ -165,11 +170,14 @@ async def round_trip(st: Step, srv: Server, k: Kernel, label: str, ck: str,
     after = await view(srv, k.id)
     freed = (free(0) or 0) - free0 if free and free0 is not None else None
     need = (state_bytes if state_bytes is not None else held) * 0.9
-    st.check(f"{label}: memory free" + (" (NVML)" if free else ""),
-             (freed is None and (after.get("gpu_memory_bytes") or 0) == 0)
-             or (freed is not None and freed >= need),
+    freed_ok = ((freed is None and (after.get("gpu_memory_bytes") or 0) == 0)
+                or (freed is not None and freed >= need))
+    st.check(f"{label}: memory free" + (" (NVML)" if free else ""), freed_ok,
              f"kernel shows {fmt_bytes(after.get('gpu_memory_bytes'))}; held {fmt_bytes(held)}"
-             + (f"; GPU 0 free +{fmt_bytes(freed)} (needs >= {fmt_bytes(need)})" if free else ""))
+             + (f"; GPU 0 free +{fmt_bytes(freed)} (needs >= {fmt_bytes(need)})" if free else "")
+             # what the release says it moved and left behind: the reader's reason why not
+             + ("" if freed_ok else f"; the release moved {fmt_bytes(v.get('released_bytes'))}"
+                f" ({after.get('state')}): {after.get('release_detail') or 'no detail'}"))
     t0 = time.monotonic()
     ck2 = await k.value(CHECKSUM, timeout=240)
     cell_s = time.monotonic() - t0
@@ -177,7 +185,9 @@ async def round_trip(st: Step, srv: Server, k: Kernel, label: str, ck: str,
     st.check(f"{label}: the next cell restores through the gate, checksum equal",
              ck2 == ck and back.get("state") == "active",
              f"{back.get('state')}, restore {back.get('last_restore_seconds')} s, cell {cell_s:.2f} s"
-             + ("" if ck2 == ck else "; CHECKSUM DIFFERS"))
+             + (f", error {back.get('error')!r}" if back.get("error") else "")
+             + ("" if ck2 == ck else f"; CHECKSUM DIFFERS: {str(ck2)[:300]!r} where "
+                f"{str(ck)[:300]!r} was expected"))
     row = {"kernel": label, "method": v.get("method"), "held_bytes": held, "freed_bytes": freed,
            "release_s": v.get("last_release_seconds"), "restore_s": back.get("last_restore_seconds"),
            "cell_s": round(cell_s, 3), "checksum_equal": ck2 == ck}
@@ -200,6 +210,23 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _torch_build_cuda() -> str | None:
+    """The CUDA PyTorch was built for, from torch/version.py read as text (importing torch
+    takes seconds; a wheel's metadata version, "2.11.0", may lack the "+cu130" tag)."""
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^cuda\b[^=]*=\s*['\"]([\d.]+)['\"]", text, re.M)
+    return m.group(1) if m else None
+
+
 async def env_scene(sc: Scene) -> None:
     await sc.step("versions", env_versions)
 
@@ -208,7 +235,7 @@ async def env_versions(st: Step) -> None:
     versions = {d: _version(d) for d in VERSIONS}
     torch_v = versions.get("torch") or ""
     m = re.search(r"\+cu(\d+)(\d)$", torch_v)
-    torch_cuda = f"{m.group(1)}.{m.group(2)}" if m else None
+    torch_cuda = f"{m.group(1)}.{m.group(2)}" if m else _torch_build_cuda()
     needed = ("jupyter_server", "ipykernel", "jupyter_client", "tornado", "psutil")
     missing = [mod for mod in needed if not installed(mod)]
     st.check("Jupyter packages importable", not missing,
@@ -406,13 +433,21 @@ async def torch_framework(st: Step) -> None:
              f"method {v.get('method')}")
     await wait_polls(srv)
     freed = (free(0) or 0) - free0
-    st.check("the state's bytes freed as NVML sees them", freed >= sc.shared["state_bytes"] * 0.9,
-             f"GPU 0 free +{fmt_bytes(freed)} of {fmt_bytes(held)} held; the kernel still shows "
-             f"{fmt_bytes((await view(srv, k.id)).get('gpu_memory_bytes'))} (its CUDA context)")
+    need = sc.shared["state_bytes"] * 0.9
+    after = await view(srv, k.id)
+    st.check("the state's bytes freed as NVML sees them", freed >= need,
+             f"GPU 0 free +{fmt_bytes(freed)} of {fmt_bytes(held)} held (needs >= "
+             f"{fmt_bytes(need)}); the kernel still shows "
+             f"{fmt_bytes(after.get('gpu_memory_bytes'))} (its CUDA context)"
+             + ("" if freed >= need else f"; the release moved {fmt_bytes(v.get('released_bytes'))}"
+                f": {after.get('release_detail') or 'no detail'}"))
     res = await k.value(TORCH_AFTER_ROUND_TRIP.format(), timeout=240)
     back = await view(srv, k.id)
     st.check("bitwise equal after the round trip", res["checksum"] == ck,
-             f"restore {back.get('last_restore_seconds')} s, state {back.get('state')}")
+             f"restore {back.get('last_restore_seconds')} s, state {back.get('state')}"
+             + (f", error {back.get('error')!r}" if back.get("error") else "")
+             + ("" if res["checksum"] == ck else
+                f"; checksum {res['checksum'][:300]!r} where {ck[:300]!r} was expected"))
     st.check("id()s kept (model, optimizer, data, parameters)", res["ids_kept"], "")
     st.check("an optimizer step after the round trip equals one without",
              res["step_equal"] and res["on_cuda"], f"parameters on CUDA: {res['on_cuda']}")
@@ -513,16 +548,57 @@ async def cupy_round_trip(st: Step) -> None:
                      method="driver" if st.real else "simulated")
 
 
-def _pid_state(pids: list[int]) -> str | None:
-    """The driver's checkpoint state of the first pid, read with cuda-core (None: unreadable)."""
+def _pid_state(pid: int | None) -> tuple[str | None, str]:
+    """The driver's checkpoint state of ``pid``, read with cuda-core as the server reads it:
+    (state, "") or (None, why it could not be read)."""
+    if pid is None:
+        return None, "no pid for the kernel"
     try:
         from cuda.bindings import driver as cu
         from cuda.core.checkpoint import Process
 
         cu.cuInit(0)
-        return str(Process(pids[0]).state) if pids else None
-    except Exception:
-        return None
+        return str(Process(pid).state), ""
+    except Exception as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _process(pid: int | None) -> dict[str, Any]:
+    """A kernel process as the host sees it: alive or not, its resident memory; and the host's
+    available memory (a driver checkpoint lives in the checkpointed process's own memory)."""
+    import psutil
+
+    out: dict[str, Any] = {"pid": pid, "host_available": psutil.virtual_memory().available}
+    if pid is None:
+        return {**out, "status": "no pid"}
+    try:
+        p = psutil.Process(pid)
+        out.update(status=p.status(), rss=p.memory_info().rss)
+    except psutil.NoSuchProcess:
+        out["status"] = "gone"
+    except psutil.Error as e:
+        out["status"] = f"unreadable ({type(e).__name__})"
+    return out
+
+
+def _said(p: dict[str, Any]) -> str:
+    return (f"process {p['pid']} {p['status']}"
+            + (f", RSS {fmt_bytes(p['rss'])}" if p.get("rss") is not None else "")
+            + f"; host memory available {fmt_bytes(p['host_available'])}")
+
+
+def _kernel_log(pid: int | None) -> list[str]:
+    """The host kernel's lines on an out-of-memory kill, a signal or a GPU fault (Xid) of
+    ``pid`` or of any process (dmesg; root on the GPU machine), the last 12."""
+    try:
+        r = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"dmesg: {e}"]
+    if r.returncode != 0:
+        return [f"dmesg: exit {r.returncode}: {r.stderr.strip()[:200]}"]
+    keys = ("out of memory", "oom", "killed process", "xid", "nvrm", "segfault", "traps:")
+    return [ln for ln in r.stdout.splitlines()
+            if any(k in ln.lower() for k in keys) or (pid is not None and f" {pid}" in ln)][-12:]
 
 
 async def jax_room_wait(st: Step) -> None:
@@ -533,7 +609,11 @@ async def jax_room_wait(st: Step) -> None:
     free = sc.shared["free"]
     kind, n, fkind = ("jax", GiB, "cupy") if st.real else ("sim", 64 * MiB, "sim")
     out = await make_state(st, srv, k, kind, n)
-    held = (await view(srv, k.id)).get("gpu_memory_bytes") or 0
+    v0 = await view(srv, k.id)
+    held = v0.get("gpu_memory_bytes") or 0
+    pid = (v0.get("pids") or [None])[0]  # the kernel's process (its tree's root)
+    host: dict[str, Any] = {"before release": _process(pid)}
+    st.figure("kernel_process", host)  # filled in as the step goes
     if st.real:
         total = (await srv.api("GET", "/api/gpushare/status"))["gpus"][0]["memory_total"]
         share = float(sc.shared["jax_env"].get("XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75))
@@ -541,9 +621,12 @@ async def jax_room_wait(st: Step) -> None:
                  f"the kernel holds {fmt_bytes(held)} of {fmt_bytes(total)} (share {share})")
     free0 = free(0) if free else None
     code, v = await post(srv, f"kernels/{k.id}/release")
+    host["after release"] = _process(pid)
     st.check(f"{kind}: release over REST", code == 200 and v.get("state") == "released",
-             f"HTTP {code}, method {v.get('method')}, {fmt_bytes(v.get('released_bytes'))} in "
-             f"{v.get('last_release_seconds')} s; {v.get('error') or v.get('message') or ''}")
+             f"HTTP {code}, {v.get('state')}, method {v.get('method')}, "
+             f"{fmt_bytes(v.get('released_bytes'))} in {v.get('last_release_seconds')} s; "
+             f"{_said(host['after release'])}"
+             + (f"; {v.get('error') or v.get('message')}" if v.get("error") or v.get("message") else ""))
     if code != 200:
         return
     await wait_polls(srv)
@@ -560,7 +643,9 @@ async def jax_room_wait(st: Step) -> None:
         st.check("a restore without room waits", None, f"no room to fill ({fmt_bytes(room)} free)")
         return
     await filler.run(cell(fkind, "ALLOC", n=fill), timeout=240)
+    st.figure("fill_bytes", fill)
     await wait_polls(srv)
+    host["after the fill"] = _process(pid)
     t0 = time.monotonic()
     pending = asyncio.ensure_future(k.value(CHECKSUM, timeout=240))
     try:
@@ -570,22 +655,41 @@ async def jax_room_wait(st: Step) -> None:
         waiting = None
     await asyncio.sleep(2 if st.real else 0.5)  # and still waiting a while later
     mid = await view(srv, k.id)
-    driver_state = _pid_state(mid.get("pids") or []) if st.real else None
-    still_held = driver_state is None or driver_state.lower().endswith("checkpointed")
+    host["while waiting"] = _process(pid)
+    if st.real:  # the state the driver holds must be read, and still be checkpointed
+        driver_state, unread = _pid_state(pid)
+        still_held = driver_state is not None and driver_state.lower().endswith("checkpointed")
+    else:
+        driver_state, unread, still_held = None, "not read: simulated", True
     st.check("a restore without room waits instead of calling the driver",
              bool(waiting) and mid.get("restores") == 0 and not pending.done() and still_held,
              f"waiting: {waiting!r}; state {mid.get('state')}; restores {mid.get('restores')}; "
-             f"driver state {driver_state or 'not read'}")
+             f"the cell {'answered' if pending.done() else 'held'}; "
+             f"driver state of pid {pid}: {driver_state or unread}; {_said(host['while waiting'])}")
     await filler.run(cell(fkind, "FREE"), timeout=120)
     try:
-        ck2 = await asyncio.wait_for(pending, 150)
+        ck2: Any = await asyncio.wait_for(pending, 150)
     except Exception as e:
-        ck2 = f"no answer: {e}"
-    st.figure("room_wait_s", round(time.monotonic() - t0, 2))
+        ck2 = f"no answer: {type(e).__name__}: {e}"
+    waited = time.monotonic() - t0
+    st.figure("room_wait_s", round(waited, 2))
     back = await view(srv, k.id)
-    st.check(f"{kind}: restored once room was made, checksum equal",
-             ck2 == out["checksum"] and back.get("state") == "active",
-             f"after {time.monotonic() - t0:.1f} s; restore {back.get('last_restore_seconds')} s")
+    host["after"] = _process(pid)
+    equal = ck2 == out["checksum"]
+    ok = equal and back.get("state") == "active"
+    gone = host["after"]["status"] in ("gone", "zombie")
+    dmesg = _kernel_log(pid) if st.real and not ok else []
+    if dmesg:
+        st.figure("kernel_log", dmesg)
+    st.check(f"{kind}: restored once room was made, checksum equal", ok,
+             f"after {waited:.1f} s; state {back.get('state')}, restores {back.get('restores')}, "
+             f"restore {back.get('last_restore_seconds')} s"
+             + (f", error {back.get('error')!r}" if back.get("error") else "")
+             + ("; checksum equal" if equal else
+                f"; the cell gave {str(ck2)[:400]!r} where {out['checksum']!r} was expected")
+             + f"; {_said(host['after'])}"
+             + (f" (after the release: {_said(host['after release'])})" if gone else "")
+             + (f"; host kernel log: {' | '.join(dmesg)}" if dmesg else ""))
 
 
 # -- stage 2: memory caps hold through the frameworks --------------------------------------
