@@ -174,7 +174,11 @@ def torch_run(total: int, device: str = "cpu") -> list[dict[str, Any]]:
         allocations = pool.allocations
         start = time.perf_counter()
         report = a.offload(ns)
-        return a, report.copied, time.perf_counter() - start, pool.allocations - allocations
+        seconds = time.perf_counter() - start
+        if report.skipped or report.count != len(ns):  # a release that moved nothing
+            raise SystemExit(f"{name}: the release moved {report.count} of {len(ns)} tensors; "
+                             f"left on the device: {report.skipped}")
+        return a, report.copied, seconds, pool.allocations - allocations
 
     out: list[dict[str, Any]] = []
     os.environ.pop(KEPT_CHECK_ENV, None)
@@ -210,7 +214,8 @@ def torch_run(total: int, device: str = "cpu") -> list[dict[str, Any]]:
         out.append(line(name, f"10 % changed, {check} check", copied, seconds, full,
                         host_allocations=allocs))
         a.reload()
-        assert copied == full[0] // ARRAYS * (ARRAYS // 10)
+        expected = full[0] // ARRAYS * (ARRAYS // 10)
+        assert copied == expected, f"{check}: 10 % changed copied {copied} bytes, not {expected}"
     os.environ.pop(KEPT_CHECK_ENV, None)
     changes = len(KEPT_CHECKS)
     assert all(float(ns[f"w{i}"][0]) == (i - changes if i < ARRAYS // 10 else i)
