@@ -995,12 +995,23 @@ def _set(torch: Any, tensor: Any, storage: Any) -> None:
         raise TypeError("a quantized tensor is not moved")
     inference = tensor.is_inference()
     # the new tensor must be an inference tensor exactly when ``tensor`` is one: its
-    # dispatch keys are the ones ``tensor`` gets (an ambient inference mode is overridden)
-    with torch.inference_mode(inference), torch.no_grad():
-        new = torch.empty(0, dtype=tensor.dtype, device=storage.device)
-        new.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
-        if tensor.is_conj():  # the lazy conjugate and negative bits are dispatch keys too
-            torch._C._set_conj(new, True)
-        if tensor.is_neg():
-            torch._C._set_neg(new, True)
+    # dispatch keys are the ones ``tensor`` gets (an ambient inference mode is overridden;
+    # entered only when needed: a context per tensor would double the cost of a move)
+    if inference != torch.is_inference_mode_enabled():
+        with torch.inference_mode(inference):
+            new = _tensor_on(torch, tensor, storage)
+    else:
+        new = _tensor_on(torch, tensor, storage)
     tensor.data = new
+
+
+def _tensor_on(torch: Any, tensor: Any, storage: Any) -> Any:
+    """A new tensor on ``storage`` with ``tensor``'s dtype, geometry and lazy bits (no
+    autograd: it does not require grad, and ``set_`` on its own device records nothing)."""
+    new = torch.empty(0, dtype=tensor.dtype, device=storage.device)
+    new.set_(storage, tensor.storage_offset(), tensor.size(), tensor.stride())
+    if tensor.is_conj():  # the lazy conjugate and negative bits are dispatch keys too
+        torch._C._set_conj(new, True)
+    if tensor.is_neg():
+        torch._C._set_neg(new, True)
+    return new
