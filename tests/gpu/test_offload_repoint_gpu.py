@@ -50,6 +50,7 @@ def test_every_tensor_goes_to_host_and_back_in_place(kept_by_default):
     from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter, tensor_children
     from jupyter_gpushare.kernel.walk import names_reaching
 
+    torch.cuda.empty_cache()  # the state in segments of its own, none shared with earlier tests
     torch.manual_seed(0)
     model = torch.nn.Linear(2048, 2048).cuda()  # 16 MiB each: segments of their own
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
