@@ -563,12 +563,42 @@ def _pid_state(pid: int | None) -> tuple[str | None, str]:
         return None, f"{type(e).__name__}: {e}"
 
 
-def _process(pid: int | None) -> dict[str, Any]:
-    """A kernel process as the host sees it: alive or not, its resident memory; and the host's
-    available memory (a driver checkpoint lives in the checkpointed process's own memory)."""
+def _oom_kills(cgroup: str | None) -> dict[str, int | str | None]:
+    """Out-of-memory kills so far: the host's (/proc/vmstat) and, with cgroup v2, in the
+    kernel's cgroup, with that cgroup's memory limit (None: unreadable)."""
+    out: dict[str, int | str | None] = {"host": None}
+    with contextlib.suppress(OSError, ValueError):
+        for ln in Path("/proc/vmstat").read_text().splitlines():
+            if ln.startswith("oom_kill "):
+                out["host"] = int(ln.split()[1])
+    if cgroup is not None:
+        base = Path("/sys/fs/cgroup") / cgroup.lstrip("/")
+        with contextlib.suppress(OSError, ValueError):
+            out["cgroup_max"] = (base / "memory.max").read_text().strip()
+        with contextlib.suppress(OSError, ValueError):
+            for ln in (base / "memory.events").read_text().splitlines():
+                if ln.startswith("oom_kill "):
+                    out["cgroup"] = int(ln.split()[1])
+    return out
+
+
+def _cgroup(pid: int | None) -> str | None:
+    """The process's cgroup v2 path (None: none, or unreadable)."""
+    with contextlib.suppress(OSError):
+        for ln in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+            if ln.startswith("0::"):
+                return ln[3:]
+    return None
+
+
+def _process(pid: int | None, cgroup: str | None = None) -> dict[str, Any]:
+    """A kernel process as the host sees it: alive or not, its resident memory; the host's
+    available memory (a driver checkpoint lives in the checkpointed process's own memory) and
+    the out-of-memory kills so far (``cgroup``: the process's, read while it lived)."""
     import psutil
 
-    out: dict[str, Any] = {"pid": pid, "host_available": psutil.virtual_memory().available}
+    out: dict[str, Any] = {"pid": pid, "host_available": psutil.virtual_memory().available,
+                           "oom_kills": _oom_kills(cgroup)}
     if pid is None:
         return {**out, "status": "no pid"}
     try:
@@ -582,9 +612,13 @@ def _process(pid: int | None) -> dict[str, Any]:
 
 
 def _said(p: dict[str, Any]) -> str:
+    oom = p.get("oom_kills") or {}
     return (f"process {p['pid']} {p['status']}"
             + (f", RSS {fmt_bytes(p['rss'])}" if p.get("rss") is not None else "")
-            + f"; host memory available {fmt_bytes(p['host_available'])}")
+            + f"; host memory available {fmt_bytes(p['host_available'])}"
+            + (f"; OOM kills so far: host {oom['host']}" if oom.get("host") is not None else "")
+            + (f", cgroup {oom['cgroup']} (memory.max {oom.get('cgroup_max')})"
+               if oom.get("cgroup") is not None else ""))
 
 
 def _kernel_log(pid: int | None) -> list[str]:
@@ -612,7 +646,14 @@ async def jax_room_wait(st: Step) -> None:
     v0 = await view(srv, k.id)
     held = v0.get("gpu_memory_bytes") or 0
     pid = (v0.get("pids") or [None])[0]  # the kernel's process (its tree's root)
-    host: dict[str, Any] = {"before release": _process(pid)}
+    cg = _cgroup(pid)
+
+    def at(moment: str) -> dict[str, Any]:
+        host[moment] = _process(pid, cg)
+        return host[moment]
+
+    host: dict[str, Any] = {"cgroup": cg}
+    at("before release")
     st.figure("kernel_process", host)  # filled in as the step goes
     if st.real:
         total = (await srv.api("GET", "/api/gpushare/status"))["gpus"][0]["memory_total"]
@@ -621,7 +662,7 @@ async def jax_room_wait(st: Step) -> None:
                  f"the kernel holds {fmt_bytes(held)} of {fmt_bytes(total)} (share {share})")
     free0 = free(0) if free else None
     code, v = await post(srv, f"kernels/{k.id}/release")
-    host["after release"] = _process(pid)
+    at("after release")
     st.check(f"{kind}: release over REST", code == 200 and v.get("state") == "released",
              f"HTTP {code}, {v.get('state')}, method {v.get('method')}, "
              f"{fmt_bytes(v.get('released_bytes'))} in {v.get('last_release_seconds')} s; "
@@ -645,7 +686,7 @@ async def jax_room_wait(st: Step) -> None:
     await filler.run(cell(fkind, "ALLOC", n=fill), timeout=240)
     st.figure("fill_bytes", fill)
     await wait_polls(srv)
-    host["after the fill"] = _process(pid)
+    at("after the fill")
     t0 = time.monotonic()
     pending = asyncio.ensure_future(k.value(CHECKSUM, timeout=240))
     try:
@@ -655,7 +696,7 @@ async def jax_room_wait(st: Step) -> None:
         waiting = None
     await asyncio.sleep(2 if st.real else 0.5)  # and still waiting a while later
     mid = await view(srv, k.id)
-    host["while waiting"] = _process(pid)
+    at("while waiting")
     if st.real:  # the state the driver holds must be read, and still be checkpointed
         driver_state, unread = _pid_state(pid)
         still_held = driver_state is not None and driver_state.lower().endswith("checkpointed")
@@ -665,7 +706,8 @@ async def jax_room_wait(st: Step) -> None:
              bool(waiting) and mid.get("restores") == 0 and not pending.done() and still_held,
              f"waiting: {waiting!r}; state {mid.get('state')}; restores {mid.get('restores')}; "
              f"the cell {'answered' if pending.done() else 'held'}; "
-             f"driver state of pid {pid}: {driver_state or unread}; {_said(host['while waiting'])}")
+             f"driver state of pid {pid}: {driver_state or unread}; {_said(host['while waiting'])}; "
+             f"the kernel's host room per status {fmt_bytes(mid.get('host_room_bytes'))}")
     await filler.run(cell(fkind, "FREE"), timeout=120)
     try:
         ck2: Any = await asyncio.wait_for(pending, 150)
@@ -674,7 +716,7 @@ async def jax_room_wait(st: Step) -> None:
     waited = time.monotonic() - t0
     st.figure("room_wait_s", round(waited, 2))
     back = await view(srv, k.id)
-    host["after"] = _process(pid)
+    at("after")
     equal = ck2 == out["checksum"]
     ok = equal and back.get("state") == "active"
     gone = host["after"]["status"] in ("gone", "zombie")
