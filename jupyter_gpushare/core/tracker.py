@@ -355,6 +355,10 @@ class Tracker:
             km = self.km.get_kernel(kernel_id)
         except KeyError:
             return None
+        except Exception as e:  # jupyter_server's manager answers its 404 for a kernel shut down
+            if getattr(e, "status_code", None) == 404:
+                return None
+            raise
         provisioner = getattr(km, "provisioner", None)
         pid = getattr(provisioner, "pid", None) if provisioner is not None else None
         if pid is None and provisioner is not None:
