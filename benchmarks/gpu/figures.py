@@ -29,6 +29,10 @@ def _rate(n: float, s: float | None, moved: bool) -> str:
     return f"{n / s / 1e9:.2f} GB/s" if s else "-"
 
 
+def _signed(n: int | None) -> str:
+    return "?" if n is None else ("-" if n < 0 else "+") + fmt_bytes(abs(n))
+
+
 def _fit(d: str, fit: dict[str, float | None]) -> str | None:
     o, g = fit["overhead_s"], fit["GBps"]
     return None if o is None or g is None else f"{d} {o * 1e3:.0f} ms + {g:.2f} GB/s"
@@ -88,7 +92,7 @@ def figures(records: list[dict[str, Any]]) -> list[str]:
         if t:
             moved = t["freed_bytes"] is None or t["freed_bytes"] >= 0.9 * t["held_bytes"]
             out.append(f"- {scene}.{step} ({t.get('method')}): held {fmt_bytes(t['held_bytes'])}, "
-                       f"GPU free afterwards +{fmt_bytes(t['freed_bytes'])}; release "
+                       f"GPU free afterwards {_signed(t['freed_bytes'])}; release "
                        f"{t['release_s']} s ({_rate(t['held_bytes'], t['release_s'], moved)}), restore "
                        f"{t['restore_s']} s ({_rate(t['held_bytes'], t['restore_s'], moved)}), next cell "
                        f"{t['cell_s']} s; checksum equal: {t['checksum_equal']}")

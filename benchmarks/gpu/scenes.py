@@ -76,6 +76,11 @@ def cell(kind: str, what: str, **kw: Any) -> str:
     return KINDS[kind][what].format(**kw)
 
 
+def signed(n: int | None) -> str:
+    """A change in bytes with its sign: +6.81 GiB, -72 MiB."""
+    return "?" if n is None else ("-" if n < 0 else "+") + fmt_bytes(abs(n))
+
+
 async def view(srv: Server, kid: str) -> dict[str, Any]:
     return await srv.kernel_status(kid)
 
@@ -174,7 +179,7 @@ async def round_trip(st: Step, srv: Server, k: Kernel, label: str, ck: str,
                 or (freed is not None and freed >= need))
     st.check(f"{label}: memory free" + (" (NVML)" if free else ""), freed_ok,
              f"kernel shows {fmt_bytes(after.get('gpu_memory_bytes'))}; held {fmt_bytes(held)}"
-             + (f"; GPU 0 free +{fmt_bytes(freed)} (needs >= {fmt_bytes(need)})" if free else "")
+             + (f"; GPU 0 free {signed(freed)} (needs >= {fmt_bytes(need)})" if free else "")
              # what the release says it moved and left behind: the reader's reason why not
              + ("" if freed_ok else f"; the release moved {fmt_bytes(v.get('released_bytes'))}"
                 f" ({after.get('state')}): {after.get('release_detail') or 'no detail'}"))
@@ -436,7 +441,7 @@ async def torch_framework(st: Step) -> None:
     need = sc.shared["state_bytes"] * 0.9
     after = await view(srv, k.id)
     st.check("the state's bytes freed as NVML sees them", freed >= need,
-             f"GPU 0 free +{fmt_bytes(freed)} of {fmt_bytes(held)} held (needs >= "
+             f"GPU 0 free {signed(freed)} of {fmt_bytes(held)} held (needs >= "
              f"{fmt_bytes(need)}); the kernel still shows "
              f"{fmt_bytes(after.get('gpu_memory_bytes'))} (its CUDA context)"
              + ("" if freed >= need else f"; the release moved {fmt_bytes(v.get('released_bytes'))}"
@@ -674,7 +679,7 @@ async def jax_room_wait(st: Step) -> None:
     if free is not None and free0 is not None:
         freed = (free(0) or 0) - free0
         st.check(f"{kind}: memory free (NVML)", freed >= held * 0.9,
-                 f"GPU 0 free +{fmt_bytes(freed)} of {fmt_bytes(held)} held")
+                 f"GPU 0 free {signed(freed)} of {fmt_bytes(held)} held")
         room = free(0) or 0
     else:
         g0 = (await srv.api("GET", "/api/gpushare/status"))["gpus"][0]
