@@ -358,9 +358,11 @@ class Agent:
         adapters = present_adapters()
         if not adapters:
             raise RuntimeError("no supported framework (PyTorch, CuPy, JAX) is imported in this kernel")
+        before = _device_bytes(adapters)
         for adapter in adapters:
             self._offloaded.append(adapter)  # before: a failure half-way is reloaded too
             reports.append(adapter.offload(self.shell.user_ns))
+        after = _device_bytes(adapters)
         # one bounded list for every adapter, with the true count of what was left alone
         entries = [e for r in reports for e in (r.skipped[:-1] if r.left_out else r.skipped)]
         total = len(entries) + sum(r.left_out for r in reports)
@@ -373,6 +375,10 @@ class Agent:
             "freed": sum(r.freed_bytes for r in reports),
             "skipped": shown,
             "skipped_count": total,
+            # the frameworks' own count of their GPU memory around the move: what it freed
+            # (the server fails a release that freed too little of it)
+            **({"device_before": before, "device_after": after}
+               if before is not None and after is not None else {}),
         }
 
     def _reload(self, msg: dict[str, Any]) -> dict[str, Any]:
@@ -386,7 +392,10 @@ class Agent:
         try:
             from .offload import present_adapters
 
-            out["framework_bytes"] = sum(a.device_bytes() for a in present_adapters())
+            adapters = present_adapters()
+            out["framework_bytes"] = sum(a.device_bytes() for a in adapters)
+            # what no offload frees (an allocator's pool): auto leaves such kernels to the driver
+            out["framework_pool_bytes"] = sum(a.pool_bytes() for a in adapters)
         except Exception as e:  # a framework in a bad state must not break reporting
             out["error"] = str(e)
         # read without touching the module's names directly: this runs on the channel's
@@ -492,6 +501,15 @@ def _sim_device_in_use() -> Any:
     cell's thread is still importing the module (its names are not all there yet)."""
     module = sys.modules.get("jupyter_gpushare.sim.device")
     return getattr(module, "_device", None) if module is not None else None
+
+
+def _device_bytes(adapters: list[Any]) -> int | None:
+    """What the frameworks hold on the GPUs by their own count (None: one could not say)."""
+    try:
+        return sum(int(a.device_bytes()) for a in adapters)
+    except Exception as e:  # a count is a check of the release, never the reason it fails
+        log.warning("gpushare: could not count the frameworks' GPU memory: %s", e)
+        return None
 
 
 def _gpu_mapping(value: Any) -> dict[int, int] | None:

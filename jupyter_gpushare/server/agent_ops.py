@@ -43,7 +43,7 @@ def check_report(report: Mapping[str, Any]) -> dict[str, Any]:
     simulated = optional_integer(report, "simulated_bytes")
     if simulated is not None:
         clean["simulated_bytes"] = simulated
-    for name in ("host_copy_bytes", "to_copy_bytes", "host_copy_kept_bytes"):
+    for name in ("host_copy_bytes", "to_copy_bytes", "host_copy_kept_bytes", "framework_pool_bytes"):
         value = optional_integer(report, name)
         if value is not None:
             clean[name] = value
@@ -66,7 +66,8 @@ def _moved(reply: Mapping[str, Any]) -> None:
 REPLY_CHECKS: dict[str, Callable[[Mapping[str, Any]], Any]] = {
     "sim_checkpoint": _moved,
     "sim_resume": _moved,
-    "offload": lambda r: (integer(r, "bytes"), optional_integer(r, "freed"), strings(r, "skipped", 1000)),
+    "offload": lambda r: (integer(r, "bytes"), optional_integer(r, "freed"), strings(r, "skipped", 1000),
+                          optional_integer(r, "device_before"), optional_integer(r, "device_after")),
     "reload": lambda r: integer(r, "bytes"),
     "trim": lambda r: integer(r, "freed"),
     "drop_host_copies": lambda r: integer(r, "freed"),

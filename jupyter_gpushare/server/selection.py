@@ -381,12 +381,18 @@ COVER_SLACK = 256 << 20
 
 
 def framework_covers(framework_bytes: int | None, process_bytes: int | None, context_bytes: int,
-                     tolerance: float = COVER_TOLERANCE, slack: int = COVER_SLACK) -> tuple[bool, str]:
+                     tolerance: float = COVER_TOLERANCE, slack: int = COVER_SLACK,
+                     pool_bytes: int = 0) -> tuple[bool, str]:
     """Whether the kernel's GPU memory is the frameworks' state, so that moving their tensors
     frees it: (yes, why). ``framework_bytes``: what PyTorch, CuPy and JAX hold on the GPUs by
     the kernel agent's count (allocated plus cached); ``process_bytes``: what telemetry sees
     the kernel's processes hold; ``context_bytes``: a CUDA context's share of that, which no
-    offload frees. Unknown figures never pick the framework method."""
+    offload frees; ``pool_bytes``: the part of ``framework_bytes`` an allocator keeps reserved
+    whatever is moved (JAX's pool), which the framework method cannot free either. Unknown
+    figures never pick the framework method. A count above telemetry's figure covers it (the
+    frameworks count their reserve as soon as they take it; telemetry and the context's
+    share are estimates)."""
+    mib = 1 << 20
     if framework_bytes is None:
         return False, "the kernel agent gave no count of its frameworks' GPU memory"
     if process_bytes is None:
@@ -394,26 +400,42 @@ def framework_covers(framework_bytes: int | None, process_bytes: int | None, con
     if framework_bytes <= 0:
         return False, "no PyTorch, CuPy or JAX memory on the GPU"
     own = max(0, process_bytes - context_bytes)
-    foreign = own - framework_bytes
+    pool = min(max(0, pool_bytes), framework_bytes)
+    freeable = framework_bytes - pool
+    foreign = own - freeable
     allowed = max(slack, int(own * tolerance))
-    mib = 1 << 20
+    if pool and foreign > allowed:
+        return False, (f"{pool // mib} MiB of the kernel's {own // mib} MiB (CUDA context "
+                       "excluded) is JAX's memory pool, which stays reserved when its arrays "
+                       "move to host memory (only XLA_PYTHON_CLIENT_ALLOCATOR=platform gives "
+                       "memory back): only the driver frees it")
     if foreign > allowed:
         return False, (f"{foreign // mib} MiB of the kernel's {own // mib} MiB (CUDA context "
                        f"excluded) is not PyTorch, CuPy or JAX memory: only the driver moves it")
-    return True, (f"PyTorch, CuPy or JAX hold {framework_bytes // mib} MiB of the kernel's "
+    if freeable >= own:
+        return True, (f"PyTorch, CuPy or JAX hold {freeable // mib} MiB, all of the kernel's "
+                      f"{own // mib} MiB (CUDA context excluded)")
+    return True, (f"PyTorch, CuPy or JAX hold {freeable // mib} MiB of the kernel's "
                   f"{own // mib} MiB (CUDA context excluded)")
 
 
+def _count(report: Mapping[str, Any] | None, key: str) -> int | None:
+    value = report.get(key) if report else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def method_for_kernel(default: str, usable: Mapping[str, ReclaimMethod], report: Mapping[str, Any] | None,
-                      process_bytes: int | None, context_bytes: int) -> tuple[str, str]:
+                      process_bytes: int | None, context_bytes: int,
+                      failed: str | None = None) -> tuple[str, str]:
     """The method "auto" uses for one kernel: (name, why). The framework method when it is
-    usable and the frameworks hold the kernel's memory (:func:`framework_covers`; its
-    copies run at the bus's speed, the driver checkpoint's at a few GB/s), else ``default``
-    (the node's choice, :func:`choose_method`)."""
+    usable and the frameworks hold the kernel's memory in a form it can free
+    (:func:`framework_covers`; its copies run at the bus's speed, the driver checkpoint's at
+    a few GB/s), else ``default`` (the node's choice, :func:`choose_method`). ``failed``: why
+    a framework release of this kernel could not free its memory: ``default`` from then on."""
     if FRAMEWORK not in usable or default == FRAMEWORK:
         return default, "the node's choice"
-    counted = report.get("framework_bytes") if report else None
-    if isinstance(counted, bool) or not isinstance(counted, int):
-        counted = None
-    ok, why = framework_covers(counted, process_bytes, context_bytes)
+    if failed:
+        return default, f"the framework method could not free this kernel's memory ({failed})"
+    ok, why = framework_covers(_count(report, "framework_bytes"), process_bytes, context_bytes,
+                               pool_bytes=_count(report, "framework_pool_bytes") or 0)
     return (FRAMEWORK, why) if ok else (default, why)

@@ -40,7 +40,8 @@ def kernel_view(controller: Controller, kernel_id: str) -> dict[str, Any]:
         "release_in_seconds": _round(controller.release_in(kernel_id)),
         "release_policy": controller.config.release_policy,
         "idle_timeout": controller.idle_timeout(st),
-        "method": st.method or controller.method_for(kernel_id),
+        # what holds the state, else what the next release would use (auto's pick changes)
+        "method": st.held.method if st.held is not None else controller.method_for(kernel_id),
         "releases": st.releases,
         "restores": st.restores,
         "last_restore_seconds": _round(st.last_restore_seconds, 3),

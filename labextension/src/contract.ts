@@ -216,7 +216,10 @@ export interface IKernel {
   release_policy?: 'needs' | 'proactive';
   /** This kernel's effective idle timeout (override, else the server's). */
   idle_timeout: number;
-  /** Method of the last release, else the one that would be used; null = none. */
+  /**
+   * The method that holds the kernel's state (released, restoring, failed); else the one its next
+   * release would use (with release_method auto, this kernel's pick); null = none.
+   */
   method: Method | null;
   /** Successful releases since the server started. */
   releases: number;

@@ -72,6 +72,11 @@ class OffloadAdapter(abc.ABC):
     def reload(self) -> OffloadReport:
         """Move what ``offload`` moved back to the devices it came from, in place."""
 
+    def pool_bytes(self) -> int:
+        """The part of :meth:`device_bytes` the allocator keeps reserved whatever is moved
+        (a pool that never gives memory back to the driver): no offload frees it."""
+        return 0
+
     @abc.abstractmethod
     def trim(self) -> int:
         """Empty allocator caches (before a driver checkpoint); return bytes freed."""

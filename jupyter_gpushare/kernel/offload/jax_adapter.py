@@ -33,6 +33,7 @@ ids, values and devices) and raises.
 from __future__ import annotations
 
 import gc
+import os
 import re
 import sys
 import threading
@@ -45,6 +46,26 @@ from typing import Any
 from ..walk import Ref, namespace_roots, walk, walk_namespace
 from .base import KEEP_HOST_COPY_ENV, OffloadAdapter, OffloadReport, keep_host_copies
 from .txn import Change, apply_all
+
+
+def _setting(environ: Any, name: str) -> str:
+    return str(environ.get(name, "")).strip().lower()
+
+
+def pooled_bytes(environ: Any, stats: list[dict[str, Any]]) -> int:
+    """GPU bytes XLA's allocator keeps reserved whatever becomes of the arrays: every byte it
+    holds (reserved or pooled) unless ``XLA_PYTHON_CLIENT_ALLOCATOR=platform`` (JAX's docs:
+    the only allocator that gives memory back); with preallocation off, only where JAX's
+    stats report a pool. ``stats``: each GPU's ``memory_stats()``."""
+    if _setting(environ, "XLA_PYTHON_CLIENT_ALLOCATOR") == "platform":
+        return 0
+    preallocated = _setting(environ, "XLA_PYTHON_CLIENT_PREALLOCATE") not in ("false", "0")
+    total = 0
+    for one in stats:
+        pool = int(one.get("pool_bytes") or 0)
+        if preallocated or pool:
+            total += max(int(one.get("bytes_reserved") or 0), pool, int(one.get("bytes_in_use") or 0))
+    return total
 
 
 def _jax() -> Any:
@@ -213,6 +234,11 @@ class JaxAdapter(OffloadAdapter):
                 stats.get("bytes_in_use", 0),
             )
         return total
+
+    def pool_bytes(self) -> int:
+        stats = [device.memory_stats() or {} for device in _jax().local_devices()
+                 if device.platform != "cpu"]
+        return pooled_bytes(os.environ, stats)
 
     def trim(self) -> int:
         """JAX offers no way to return its allocator's cache; with
