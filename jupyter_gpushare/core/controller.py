@@ -577,6 +577,8 @@ class Controller:
         try:
             result = await to_the_end(method.release(target, self._progress_log(kid)))
         except ReclaimError as e:
+            if e.unfit and e.resident:  # undone: another method may free what this one cannot
+                self.kernels.method_failed(kid, method_name, e.unfit)
             return await self._release_failed(st, held, method_name, str(e), e.resident,
                                               e.retryable, started)
         except Exception as e:  # a timeout, a lost channel, a bug: the undo is not confirmed

@@ -46,5 +46,9 @@ class KernelFacts(Protocol):
     def method_for(self, kernel_id: str) -> str | None:
         """The release method that can act on the kernel now (None: none can)."""
 
+    def method_failed(self, kernel_id: str, method: str, why: str) -> None:
+        """A release by ``method`` could not free the kernel's memory and was undone (``why``,
+        in a few words): pick another method for this kernel from now on where one can act."""
+
     def agent(self, kernel_id: str) -> Any:
         """The kernel's agent connection (None: no agent is connected)."""

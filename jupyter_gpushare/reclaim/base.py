@@ -41,12 +41,17 @@ class ReclaimError(Exception):
     ``resident``: the method confirmed that the kernel runs with all of its GPU state on the
     GPU (only a failed release can say so). ``retryable``: a later restore may succeed
     (False when the state is known to be lost or wedged, e.g. the driver's failed state).
+    ``unfit``: why this method cannot free this kernel's memory (its release would leave it
+    on the GPU), in a few words; the server then picks another method for the kernel where
+    it can ("" = the method may work next time).
     """
 
-    def __init__(self, message: str, *, resident: bool = False, retryable: bool = True):
+    def __init__(self, message: str, *, resident: bool = False, retryable: bool = True,
+                 unfit: str = ""):
         super().__init__(message)
         self.resident = resident
         self.retryable = retryable
+        self.unfit = unfit
 
 
 class AgentLink(Protocol):

@@ -9,7 +9,9 @@ is), so it is both the restore and the undo of a failed or half-done offload.
 from __future__ import annotations
 
 import time
+from typing import Any
 
+from ..units import format_bytes
 from .base import (
     AGENT_ERRORS,
     KernelTarget,
@@ -24,6 +26,50 @@ from .base import (
     require_agent,
 )
 from .simulated import copied_note
+
+#: the share of what the frameworks held on the GPU before a release (their own count:
+#: allocated plus cached, JAX's pool) that it must free to count as released; one that frees
+#: less is undone and fails, and ``auto`` picks the driver for that kernel from then on
+MIN_FREED_SHARE = 0.5
+SHOWN_LEFT = 5  # what was left on the GPU, named in the error (the rest counted)
+
+
+def _int(reply: dict[str, Any], key: str) -> int | None:
+    value = reply.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def freed_too_little(reply: dict[str, Any], moved: int, left: int) -> tuple[str, str] | None:
+    """(in a few words, the error) when an offload left most of the frameworks' GPU memory
+    where it was, by the agent's count before and after it (``device_before``,
+    ``device_after``); from an agent that does not count: when it moved nothing and left
+    objects alone. None: it freed enough."""
+    before, after = _int(reply, "device_before"), _int(reply, "device_after")
+    if before is not None and after is not None:
+        if not before:
+            return ("PyTorch, CuPy and JAX held nothing on the GPU",
+                    "not released: PyTorch, CuPy and JAX hold nothing on the GPU, so the "
+                    "framework method has nothing to free")
+        freed = max(0, before - after)
+        if freed >= before * MIN_FREED_SHARE:
+            return None
+        short = f"its release freed {format_bytes(freed)} of {format_bytes(before)}"
+        figures = (f"{format_bytes(freed)} of the {format_bytes(before)} PyTorch, CuPy and JAX "
+                   f"held on the GPU (a release must free at least {MIN_FREED_SHARE:.0%})")
+    elif moved == 0 and left:
+        short = "its release left every object on the GPU"
+        figures = "nothing"
+    else:
+        return None
+    named = [e for e in reply.get("skipped") or []
+             if isinstance(e, str) and not e.startswith("... and ")][:SHOWN_LEFT]
+    if named:
+        more = left - len(named)
+        stayed = "left on the GPU: " + "; ".join(named) + (f"; and {more} more" if more > 0 else "")
+    else:
+        stayed = (f"{format_bytes(moved)} moved to host memory, but the allocator kept its "
+                  "memory reserved (JAX's pool does unless XLA_PYTHON_CLIENT_ALLOCATOR=platform)")
+    return short, f"not released: the framework method freed {figures}; {stayed}"
 
 
 class FrameworkMethod(ReclaimMethod):
@@ -62,6 +108,16 @@ class FrameworkMethod(ReclaimMethod):
         left = reply.get("skipped_count")
         if not isinstance(left, int) or isinstance(left, bool):
             left = len(reply["skipped"]) if isinstance(reply.get("skipped"), list) else 0
+        too_little = freed_too_little(reply, moved, left)
+        if too_little is not None:  # never "released" when the memory stayed: undo, say why
+            unfit, why = too_little
+            try:
+                await agent.request("reload", timeout=self.op_timeout)
+            except AGENT_ERRORS as undo:
+                raise ReclaimError(f"{why}; moving back not confirmed ({agent_failure(undo)}): "
+                                   "the state stays held until a restore brings it back") from None
+            raise ReclaimError(f"{why}; moved back: the kernel runs as before", resident=True,
+                               unfit=unfit) from None
         note = copied_note(reply, moved).removeprefix("; ")
         detail = "; ".join(part for part in (f"{left} objects left on the GPU" if left else "",
                                              note) if part)

@@ -18,7 +18,7 @@ from ..policy import caps
 from ..policy.caps import CapError
 from ..reclaim import ReclaimMethod
 from ..telemetry import Telemetry
-from .selection import method_for_kernel
+from .selection import FRAMEWORK, method_for_kernel
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,9 @@ class ServerKernels:
         self.connections = connections
         self.auto = auto
         self.picks: dict[str, str] = {}  # kernel id -> "method: why", as auto last picked
+        #: kernel id -> (the kernel's agent pid, why): the framework method could not free
+        #: that process's memory, so auto uses the node's choice for it (a restart forgets)
+        self.framework_failed: dict[str, tuple[int | None, str]] = {}
 
     def live_state(self, kernel_id: str) -> str:
         try:
@@ -155,14 +158,27 @@ class ServerKernels:
             return None
         if self.auto is None or kernel_id not in connections:
             return self.method.name
-        report = getattr(connections[kernel_id], "report", None)
+        conn = connections[kernel_id]
+        report = getattr(conn, "report", None)
+        failed = self.framework_failed.get(kernel_id)
+        if failed is not None and failed[0] != getattr(conn, "pid", None):
+            del self.framework_failed[kernel_id]  # the kernel restarted: another process now
+            failed = None
         name, why = method_for_kernel(self.method.name, self.auto.methods, report,
-                                      self.auto.gpu_bytes(kernel_id), self.auto.context_bytes)
+                                      self.auto.gpu_bytes(kernel_id), self.auto.context_bytes,
+                                      failed=failed[1] if failed else None)
         pick = f"{name}: {why}"
         if self.picks.get(kernel_id) != pick:
             log.info("gpushare: kernel %s: release method %s", kernel_id, pick)
             self.picks[kernel_id] = pick
         return name
+
+    def method_failed(self, kernel_id: str, method: str, why: str) -> None:
+        """A release by ``method`` left the kernel's memory on the GPU (the method undid it):
+        with ``auto``, the framework method is not picked for this kernel's process again."""
+        if method == FRAMEWORK and self.auto is not None:
+            conn = self.connections().get(kernel_id)
+            self.framework_failed[kernel_id] = (getattr(conn, "pid", None), why)
 
     def agent(self, kernel_id: str) -> Any:
         return self.connections().get(kernel_id)
