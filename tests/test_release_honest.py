@@ -101,6 +101,8 @@ async def test_a_framework_release_that_frees_nothing_is_undone_and_auto_turns_t
     assert status["state"] in ("active", "idle") and status["released_bytes"] == 0
     assert status["error"].startswith("release failed: not released:")
     assert fake_driver.steps() == []
+    # the next release uses the driver: the policy need not wait to retry a failed release
+    assert gpushare_app.controller.states[k.id].release_failed_at is None
     shown = await k.run("print(w.values, v.values, w.on_device, v.on_device, fw.DEVICE.reserved)")
     assert shown.stdout.strip() == f"[1, 2, 3] [4, 5] True True {GiB + 64 * MiB}"
 
@@ -130,6 +132,7 @@ async def test_a_pool_that_keeps_its_memory_fails_the_release(fake_nvml, jp_fetc
             "allocator kept its memory reserved") in body["message"]
     status = await kernel_status(jp_fetch, k.id)
     assert status["state"] in ("active", "idle") and status["method"] == "framework"
+    assert gpushare_app.controller.states[k.id].release_failed_at is not None  # no other method
     ex = await k.run("print(a.values, b.values, a.on_device, b.on_device)")
     assert ex.stdout.strip() == "[0] [1] True True"
 

@@ -579,8 +579,11 @@ class Controller:
         except ReclaimError as e:
             if e.unfit and e.resident:  # undone: another method may free what this one cannot
                 self.kernels.method_failed(kid, method_name, e.unfit)
-            return await self._release_failed(st, held, method_name, str(e), e.resident,
-                                              e.retryable, started)
+            outcome = await self._release_failed(st, held, method_name, str(e), e.resident,
+                                                 e.retryable, started)
+            if e.unfit and e.resident and self.kernels.method_for(kid) not in (None, method_name):
+                st.release_failed_at = None  # the next release uses another method: no wait
+            return outcome
         except Exception as e:  # a timeout, a lost channel, a bug: the undo is not confirmed
             return await self._release_failed(st, held, method_name, str(e) or type(e).__name__,
                                               False, True, started)
