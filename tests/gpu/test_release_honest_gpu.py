@@ -32,7 +32,7 @@ print(int(small.sum().item()))
 JAX_POOL = """
 import os
 os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
-os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ".10"
+os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = ".05"
 import jax.numpy as jnp
 x = jnp.arange(64 << 20, dtype=jnp.float32)
 print(float(x.sum()))
