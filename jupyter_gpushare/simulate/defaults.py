@@ -23,6 +23,8 @@ def _default(cls: type, name: str, fallback: Any) -> Any:
 RELEASE_POLICY: str = _default(ReleaseOptions, "release_policy", "needs")
 #: s: under "needs", an idle kernel is released anyway after this long
 LONG_IDLE: float = _default(ReleaseOptions, "long_idle", 7200.0)
+#: SM % at or below which a kernel counts as idle, and as not computing on a GPU
+IDLE_UTILIZATION: float = _default(ReleaseOptions, "idle_utilization", 5.0)
 #: s a restore waits for its own GPUs before it goes onto others (0: never)
 MOVE_AFTER: float = _default(RestoreOptions, "restore_move_after", 30.0)
 #: s a kernel restored ahead of a cell waits for it

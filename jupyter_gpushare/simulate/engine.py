@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..node.gpu_load import coming_back
 from ..policy import placement as rule
 from .defaults import LOAD_WINDOW, MIN_ROOM, PRECOPY_AFTER
 from .meter import Meter
@@ -70,6 +71,7 @@ RESTORE_MODES = ("eager", "lazy")
 PLACEMENTS = ("room", "round-robin")  # the product's, then the baseline
 SERVERS = ("rule", "round-robin")  # where a user's server runs: the cluster rule, the baseline
 RELEASE_COPIES = ("changed", "all")  # what a release copies: the product's, the baseline
+HELD = (RELEASING, RELEASED, RESTORING)  # its state is off the GPU, or on its way
 
 
 def reason_kind(reason: str) -> str:
@@ -136,6 +138,21 @@ class Kernel:
     @property
     def total_bytes(self) -> int:
         return self.held * len(self.gpus)
+
+    @property
+    def released_gpus(self) -> dict[int, int]:
+        """Bytes per GPU of its state while it is held off the GPU or on its way (releasing,
+        released, restoring), as the product's lifecycle says them (``held.gpus``): the
+        product's count of what comes back (:func:`~jupyter_gpushare.node.gpu_load.coming_back`)
+        reads it, and the states' names are the product's."""
+        if self.state in HELD:
+            return {g: self.held for g in self.gpus}
+        return {}
+
+    def holds(self, gpu: int) -> bool:
+        """Whether it holds memory on ``gpu`` now (what the product's tracker measures)."""
+        on = self.state in (RELEASING, RESTORING) or (self.state == RESIDENT and self.allocated)
+        return on and self.held > 0 and gpu in self.gpus
 
     @property
     def alive(self) -> bool:
@@ -416,7 +433,8 @@ class Simulation:
             self.schedule(end, lambda: self._end_cell(k, rec, end))
             return
         left = [len(on)]  # a cell of several GPUs ends when its slowest GPU's share ends
-        computing = cell.utilization > 0
+        # computing there, as the product's tracker counts it: SM above idle_utilization
+        computing = cell.utilization > self.policy.idle_utilization
         if computing:
             for g in on:
                 self.computed[g][k.index] = float("inf")
@@ -667,33 +685,62 @@ class Simulation:
         recent = list(self.peaks.get(k.user_index, {}).values())
         return rule.expected_need(None, None, recent, MIN_ROOM)
 
-    def busy(self, gpu: int, window: float | None = None) -> int:
+    def busy(self, gpu: int, window: float | None = None, holding: bool = False,
+             exclude: Kernel | None = None) -> int:
         """Kernels that computed on ``gpu`` within ``window`` s (the load window where None),
-        or compute there now."""
+        or compute there now; ``holding``: only those that hold memory there now (the
+        product's views count those: a kernel moved or released off the GPU no longer
+        shares it); ``exclude``: a kernel left out."""
         last = self.computed[gpu]
         since = self.now - (self.load_window if window is None else window)
         n = 0
         old = []
         for i, t in last.items():
             if t >= since:
-                n += 1
+                o = self.kernels[i]
+                if o is not exclude and (not holding or o.holds(gpu)):
+                    n += 1
             elif t < self.now - self._keep:
                 old.append(i)
         for i in old:  # out of every window: forgotten
             del last[i]
         return n
 
+    def coming_back(self, exclude: Kernel | None = None) -> dict[int, int]:
+        """Per GPU, the bytes released kernels will take back, counted by the product's own
+        rule (:func:`jupyter_gpushare.node.gpu_load.coming_back`, what the placer and the
+        rebalancer subtract): each held state whole, while it is released and while its
+        release runs (its bytes are on the GPU until the release ends: the product counts
+        them twice then), and not while its restore runs (its bytes are allocated here)."""
+        return coming_back(o for o in self.kernels if o.state in HELD and o is not exclude)
+
+    def releases_in_flight(self) -> dict[int, int]:
+        """Per GPU, the bytes of releases under way: what a restore's room leaves out there
+        (the product's ``RestoreRoom.releases_may_take_back``: an undo would put them back)."""
+        return coming_back(o for o in self.kernels if o.state == RELEASING)
+
+    def restore_room(self, k: Kernel) -> dict[int, int | None]:
+        """Room a restore of ``k`` has on each of its GPUs, as the product's restore check
+        counts it: free memory less the releases in flight there."""
+        flight = self.releases_in_flight()
+        return {g: self.node.free(g) - flight.get(g, 0) for g in k.gpus}
+
     def views(self, gpus: Iterable[int], exclude: Kernel | None = None,
-              window: float | None = None) -> dict[int, rule.GpuView]:
-        """The placement rule's view of ``gpus``, built as the product builds it: room = free
-        memory less what released kernels placed there will take back and what placed kernels
-        are expected to allocate; load = SM % over the load window; pending = the expected SM
-        load of kernels placed there that have not allocated yet; kernels placed or resident
-        there; kernels that computed there within the window. ``exclude``: a kernel whose own
-        bytes are not counted as promised (the one being placed or restored). ``window``: s
-        (the load window where None; rebalance judges over its own)."""
+              window: float | None = None,
+              taken_back: dict[int, int] | None = None) -> dict[int, rule.GpuView]:
+        """The placement rule's view of ``gpus``, built as the product builds it
+        (:class:`jupyter_gpushare.node.gpu_load.GpuLoad`): room = free memory less
+        ``taken_back`` (default :meth:`coming_back`: the placer's and the rebalancer's; a
+        restore's targets pass :meth:`releases_in_flight`) and what placed kernels that have
+        not allocated yet are expected to allocate; load = SM % over the load window;
+        pending = the expected SM load of those placed kernels; kernels placed there (in any
+        state, released too) or resident; kernels that computed there within the window and
+        hold memory there now. ``exclude``: a kernel left out of every count (the one being
+        placed or restored). ``window``: s (the load window where None; rebalance judges over
+        its own)."""
         gpus = list(gpus)
-        promised = dict.fromkeys(gpus, 0)
+        back = self.coming_back(exclude) if taken_back is None else taken_back
+        promised = {g: back.get(g, 0) for g in gpus}
         pending = dict.fromkeys(gpus, 0.0)
         count = dict.fromkeys(gpus, 0)
         for g in gpus:
@@ -708,13 +755,10 @@ class Simulation:
                 continue
             for g in o.gpus:
                 if g in count:
-                    if o.state == RELEASED:
-                        promised[g] += o.held
-                    else:
-                        count[g] += 1
+                    count[g] += 1
         return {g: rule.GpuView(g, self.node.free(g) - promised[g],
                                 self.node.load(g, self.now, window), pending[g], count[g],
-                                self.busy(g, window))
+                                self.busy(g, window, holding=True, exclude=exclude))
                 for g in gpus}
 
     def node_gpus(self, gpu: int) -> range:

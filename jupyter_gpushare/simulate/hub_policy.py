@@ -61,8 +61,11 @@ class GPUShareHub(GPUShare):
         if k.index in self.making_room or k.state != RELEASED or k not in self.waiting.get(k.gpu, ()):
             return
         plan = self._across_users(sim, k)  # it waits: its server pushes, the service decides
-        if not plan.enough:
-            return  # it waits; its server re-checks at every poll, and so does this
+        if not plan.enough or not plan.victims:
+            # nothing to release for it (too little across users, or the free memory it
+            # lacks is a release's in flight): it waits; its server re-checks at every
+            # poll, and so does this
+            return
         self._stop_waiting(k)
         by_id = {o.id: o for o in sim.kernels}
         self.making_room.add(k.index)

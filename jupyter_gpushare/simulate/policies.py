@@ -51,6 +51,7 @@ from ..policy import placement as rule
 from ..policy.room import lacking
 from .defaults import (
     AHEAD_GRACE,
+    IDLE_UTILIZATION,
     LONG_IDLE,
     MOVE_AFTER,
     REBALANCE,
@@ -72,6 +73,12 @@ class Policy:
 
     def setup(self, sim: Simulation) -> None:
         pass
+
+    @property
+    def idle_utilization(self) -> float:
+        """SM % at or below which a cell does not count as computing on its GPUs (the
+        product's ``idle_utilization``: its tracker's threshold)."""
+        return IDLE_UTILIZATION
 
     def home(self, sim: Simulation, user_index: int) -> int:
         """Round-robin: users take GPUs in turn, each as many as their widest kernel needs
@@ -206,8 +213,6 @@ class Cull(Policy):
 
 
 RELEASE_POLICIES = ("needs", "proactive")  # the product's default first
-REBALANCE_TICK = 30.0  # s between two rebalance passes over a machine (the product: each
-# poll; its windows are 120 s idle and 600 s of load, so 30 s late changes little)
 
 
 class GPUShare(Policy):
@@ -239,6 +244,10 @@ class GPUShare(Policy):
         self.rebalance_idle = rebalance_idle
         self.rebalance_per_hour = rebalance_per_hour
 
+    @property
+    def idle_utilization(self) -> float:
+        return self.config.idle_utilization
+
     def setup(self, sim: Simulation) -> None:
         # servers poll on their own clocks, not in step: a phase per user
         self.phase = [random.Random(f"{self.seed}:poll:{u}").uniform(0, self.poll_interval)
@@ -249,6 +258,8 @@ class GPUShare(Policy):
         self.making_room: set[int] = set()  # kernels whose restore waits for make-room releases
         self.short_since: dict[int, float] = {}  # kernel -> when its restore first lacked room
         self.rebalancing: set[int] = set()  # machines (first GPU) whose passes are scheduled
+        #: s over which rebalance judges load and who computes (the product rebalancer's)
+        self.rebalance_window = window_of(self.rebalance_idle, sim.load_window)
 
     # -- the server's view ----------------------------------------------------------------------
     def server_kernels(self, sim: Simulation, k: Kernel) -> list[Kernel]:
@@ -429,7 +440,10 @@ class GPUShare(Policy):
         if ahead and self._cells_wait(sim, k):
             self._wait(sim, k, ahead)
             return
-        if sim.fits_now(k):  # on every one of its GPUs: a cell of several runs on all or none
+        want = {g: k.nbytes for g in k.gpus}
+        # on every one of its GPUs (a cell of several runs on all or none), as the product's
+        # restore checks: free memory less the releases in flight there
+        if not lacking(want, sim.restore_room(k)):
             # home, unless its SMs are contended and a quieter GPU has room (the rule's)
             if not (self.move_after > 0 and self._move(sim, k, ahead, lacks=False)):
                 self._stop_waiting(k)
@@ -469,9 +483,11 @@ class GPUShare(Policy):
         all of them or none; False: it stays where it is (and, lacking room, waits). A restore
         ahead leaves alone the GPUs where a cell's restore waits for room."""
         want = {g: k.nbytes for g in k.gpus}
-        views = sim.views(sim.node_gpus(k.gpu), exclude=k)
-        free = {g: sim.node.free(g) for g in want}
-        for g in want:  # its own GPUs: what is free now is what its restore may take
+        # the product's restore room: free memory less the releases in flight (released
+        # kernels' states are not held back there), less what placed kernels will allocate
+        views = sim.views(sim.node_gpus(k.gpu), exclude=k, taken_back=sim.releases_in_flight())
+        free = sim.restore_room(k)
+        for g in want:  # its own GPUs: the restore check's room (lacking says which lack it)
             views[g] = replace(views[g], room=free[g])
         if ahead:
             for g in views:
@@ -546,28 +562,40 @@ class GPUShare(Policy):
         machine = sim.node_gpus(gpus[0])
         if machine.start not in self.rebalancing:
             self.rebalancing.add(machine.start)
-            at = math.ceil(sim.now / REBALANCE_TICK + 1e-9) * REBALANCE_TICK
+            tick = self.poll_interval
+            at = math.ceil(sim.now / tick + 1e-9) * tick
             sim.schedule(at, partial(self._rebalance_tick, sim, machine))
 
     def _rebalance_tick(self, sim: Simulation, machine: range) -> None:
-        self._rebalance(sim, machine)
-        if (any(sim.busy(g, window_of(self.rebalance_idle, sim.load_window)) for g in machine)
-                and sim.now + REBALANCE_TICK <= sim.duration):
-            sim.schedule(sim.now + REBALANCE_TICK, partial(self._rebalance_tick, sim, machine))
+        """A pass at each poll, as the product's rebalancer runs (a pass every 30 s missed
+        moves: a GPU turns contended while the quiet GPUs a kernel would go to fill up, and
+        the moment both hold may last less than 30 s), except the polls before one GPU of
+        the machine can be contended while another is quiet: they could move nothing."""
+        tick = self.poll_interval
+        calm = self._rebalance(sim, machine)
+        at = sim.now + tick * max(1, math.floor(calm / tick))  # on the poll's grid
+        if at <= sim.duration and any(sim.busy(g, self.rebalance_window) for g in machine):
+            sim.schedule(at, partial(self._rebalance_tick, sim, machine))
         else:
             self.rebalancing.discard(machine.start)
 
-    def _rebalance(self, sim: Simulation, machine: range) -> None:
+    def _rebalance(self, sim: Simulation, machine: range) -> float:
         """One pass of the product's rebalance over ``machine``
         (:func:`jupyter_gpushare.policy.placement.rebalance` unchanged), judged over the
         product rebalancer's window: a kernel may move when its person is away (no cell
         running or waiting, idle ``rebalance_idle`` s) and it has moved fewer than
-        ``rebalance_per_hour`` times in the last hour."""
-        w = window_of(self.rebalance_idle, sim.load_window)
-        if not any(sim.busy(g, w) >= 2 and sim.node.load(g, sim.now, w) >= rule.CONTENDED_LOAD
-                   for g in machine):
-            return  # no GPU can be contended (the rule's test, on the two inputs it reads)
-        views = sim.views(machine, window=w)
+        ``rebalance_per_hour`` times in the last hour. Returns the s before a pass could
+        move anything (0: at the next poll)."""
+        w = self.rebalance_window
+        loads = {g: sim.node.load(g, sim.now, w) for g in machine}
+        # a move needs a contended GPU (the rule's test, on the two inputs it reads) and a
+        # quiet one; a mean over w s of SM % (0-100) moves at most 100 / w % per s
+        hot = {g for g, v in loads.items() if v >= rule.CONTENDED_LOAD and sim.busy(g, w) >= 2}
+        quiet = min(loads.values()) <= rule.QUIET_LOAD
+        if not (hot and quiet):
+            to_hot = max(0.0, rule.CONTENDED_LOAD - max(loads.values()))
+            to_quiet = max(0.0, min(loads.values()) - rule.QUIET_LOAD)
+            return max(to_hot, to_quiet) * w / 100.0
         residents = []
         for o in sim.kernels:
             if o.state != RESIDENT or not o.allocated or o.gpu not in machine:
@@ -578,12 +606,16 @@ class GPUShare(Policy):
                        and moves < self.rebalance_per_hour)
             residents.append(rule.Resident(str(o.index), {g: o.held for g in o.gpus}, movable,
                                            idle))
+        if not any(r.movable and hot.intersection(r.gpus) for r in residents):
+            return 0.0  # nobody on a GPU that may be contended may move now
+        views = sim.views(machine, window=w)
         for kernel, plan in rule.rebalance(residents, views, keep=self.floor(sim, views)):
             o = sim.kernels[int(kernel)]
             was = ", ".join(str(g) for g in plan)
             if sim.relocate(o, [plan.get(g, g) for g in o.gpus],
                             f"rebalance: GPU {was} contended"):
                 o.moved_at.append(sim.now)
+        return 0.0
 
     def describe(self) -> str:
         c = self.config
