@@ -29,7 +29,7 @@ def kernel(name: str, user: str, gib: float, start: float, *cells):
     return KernelWork(name, user, int(gib * GiB), (Session(start, tuple(cells)),))
 
 
-def simulation(w, policy) -> Simulation:
+def simulation(w, policy):
     """Two GPUs of 10 GiB, each user on their round-robin turn (user i on GPU i mod 2)."""
     return Simulation(w, policy, 10 * GiB, 2, TINY_TRANSFER, placement="round-robin")
 
@@ -88,7 +88,7 @@ def test_a_restores_targets_do_not_hold_room_for_other_released_kernels():
 
 
 def contended_for_a_moment(sm: tuple[float, float] = (60.0, 60.0),
-                           u_starts: float | None = 405.0) -> Workload:
+                           u_starts: float | None = 405.0):
     """K (user 0, GPU 0) computes 0-10 and comes back at 1000; T1 and T2 (GPU 0) compute
     from 5 on at ``sm`` %; U (GPU 1) computes at 100 % from ``u_starts`` (None: never).
     Over the rebalancer's 600 s window GPU 0 reads 90 % from about 545 s, and GPU 1 stays
