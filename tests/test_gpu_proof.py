@@ -358,3 +358,109 @@ def test_what_a_reader_of_a_failed_run_is_told():
     assert gone["status"] == "gone" and gone["host_available"] > 0
     assert scenes._said(gone).startswith(f"process {p.pid} gone; host memory available ")
     assert scenes._process(os.getpid())["rss"] > 0
+
+
+GPU_TESTS = """
+import os, pathlib, time
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def test_ok():
+    pass
+
+
+def test_bad():
+    assert 2 == 3, "two is not three"
+
+
+def test_skips():
+    pytest.skip("no GPU here")
+
+
+@pytest.fixture
+def broken():
+    raise RuntimeError("setup broke")
+
+
+def test_setup_error(broken):
+    pass
+
+
+@pytest.mark.timeout(1)
+def test_hangs_past_its_timeout():
+    time.sleep(60)
+
+
+def test_sleeps_until_the_step_is_stopped():
+    pathlib.Path(os.environ["GPUSHARE_TEST_REACHED"]).touch()
+    time.sleep(60)
+
+
+def test_never_reached():
+    pass
+"""
+
+
+@pytest.mark.timeout(120)
+def test_the_gpu_tests_step_records_each_test_and_where_it_was_stopped(tmp_path, monkeypatch):
+    """The pytest scene's step through a real pytest run of a stand-in tests folder (the
+    plugin benchmarks/gpu/plugin/gpushare_record.py, pytest-timeout): each test's outcome is a
+    check the moment it ends, a failure's last lines reach stageN.md, and a run stopped by the
+    step's time says which test it was in and which it never reached."""
+    import gpu_tests
+
+    folder = tmp_path / "tests"
+    folder.mkdir()
+    (folder / "test_stand_in.py").write_text(GPU_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # this rootdir: not the project's conftest
+    reached = tmp_path / "reached"
+    monkeypatch.setenv("GPUSHARE_TEST_REACHED", str(reached))
+    out = tmp_path / "stage1.jsonl"
+    report.append(out, {"kind": "run", "schema": report.SCHEMA, "stage": "1", "mode": "gpu",
+                        "started": "t", "why": "test", "deadline_s": 280, "host": "h"})
+    sc = runner.Scene("pytest", "gpu", out, tmp_path / "state.json", 110, gpu_tests.PYTEST_STEPS)
+
+    async def step(st: runner.Step) -> None:
+        async def stop_once_reached() -> None:  # the step's time runs out in that test
+            deadline = time.monotonic() + 90
+            while not reached.exists():
+                assert time.monotonic() < deadline, "the sleeping test was never reached"
+                await asyncio.sleep(0.1)
+            st.deadline = time.monotonic()
+
+        stopper = asyncio.ensure_future(stop_once_reached())
+        try:
+            await gpu_tests.run_tests(st, folder=folder)
+        finally:
+            stopper.cancel()
+
+    asyncio.run(sc.step("gpu_tests", step))
+    (rec,) = report.steps_of(report.read(out))
+    assert rec["status"] == "timeout" and rec["reason"].startswith("the step's time ran out after 5")
+    checks = {c["name"].split("::")[-1]: c for c in rec["checks"]}
+    assert [(n, c["ok"]) for n, c in checks.items()] == [
+        ("test_ok", True), ("test_bad", False), ("test_skips", None), ("test_setup_error", False),
+        ("test_hangs_past_its_timeout", False), ("test_sleeps_until_the_step_is_stopped", False),
+        ("test_never_reached", None)]
+    assert "two is not three" in checks["test_bad"]["detail"]
+    assert checks["test_skips"]["detail"].endswith("no GPU here")
+    assert checks["test_setup_error"]["detail"].startswith("error")
+    assert "Timeout" in checks["test_hangs_past_its_timeout"]["detail"]
+    assert checks["test_sleeps_until_the_step_is_stopped"]["detail"].startswith("stopped")
+    assert checks["test_never_reached"]["detail"].startswith("not reached")
+    assert rec["figures"]["files"] == ["test_stand_in.py"]
+    md = out.with_suffix(".md").read_text()
+    assert "### pytest.gpu_tests: timeout" in md
+    assert "test_stand_in.py::test_bad`: failed" in md and "AssertionError: two is not three" in md
+    assert report.validate(report.read(out)) == []
+
+
+def test_the_gpu_tests_run_in_the_order_of_what_a_cut_off_costs():
+    import gpu_tests
+
+    files = [Path(f).name for f in gpu_tests.test_files()]
+    assert files[:2] == ["test_offload_repoint_gpu.py", "test_offload_cuda.py"]
+    assert sorted(files) == sorted(p.name for p in (REPO / "tests" / "gpu").glob("test_*.py"))
+    assert prove.STAGES["1"][-1] == "pytest"  # last: it gets what the other scenes leave

@@ -3,13 +3,15 @@
     bash benchmarks/gpu/prove.sh --stage 1|2|3 [--out DIR] [--scenes A,B] [--simulated] [--jobs N]
     python benchmarks/gpu/prove.py --summary DIR1/stage1.jsonl DIR2/stage2.jsonl --out DIR
 
-Stage 1 (about 3 minutes; it stops itself at 280 s, so 5 minutes with the wheelhouse's
-install): what matters most. A real server (backend=nvml) and a PyTorch kernel holding a
-model with Adam state (4 GiB): NVML attributes it within two polls;
+Stage 1 (it stops itself at 280 s, so 5 minutes with the wheelhouse's install): what matters
+most. A real server (backend=nvml) and a PyTorch kernel holding a model with Adam state
+(4 GiB): NVML attributes it within two polls;
 the driver method releases it (NVML shows it freed) and the next cell restores it through the
 gate, checksums equal; the framework method on the same kernel: bitwise equal, id()s kept, an
 optimizer step after the round trip equals one without; a DELETE of the restored kernel
-returns; both methods' GB/s at 64 MiB, 1 and 8 GiB against pinned copies, the fixed overhead.
+returns; both methods' GB/s at 64 MiB, 1 and 8 GiB against pinned copies, the fixed overhead;
+then, with what is left of the 280 s, ``pytest -m gpu tests/gpu`` (gpu_tests.py: one check a
+test, the framework method's tests first).
 
 Stage 2 (about 5 minutes, 7 at most): JAX (75 % preallocated) and CuPy through the driver method; a
 restore without room waits instead of calling the driver; lazy mode; auto's pick per kernel;
@@ -19,7 +21,7 @@ copy or a pre-copy come back; incremental releases per check (benchmarks/increme
 on the GPU); 16 and 40 GiB bandwidth.
 
 Stage 3 (5 minutes at most), when device time is left: SM utilization per kernel, a release
-while a GPU kernel runs, ``pytest -m gpu tests/gpu``.
+while a GPU kernel runs, ``pytest -m gpu tests/gpu`` with its whole timeout.
 
 Each scene runs in its own process, time-boxed; each step in it has its own timeout and the
 scene goes on after a failure. Every step's result is a JSON line in ``stageN.jsonl`` under
@@ -57,9 +59,10 @@ import report  # noqa: E402  (the standard library only)
 
 #: scenes of each stage, in order: what matters most first
 STAGES = {
-    "1": ["env", "torch", "bandwidth"],
+    # the gpu-marked tests last: a cut-off costs the tests the other scenes already prove
+    "1": ["env", "torch", "bandwidth", "pytest"],
     "2": ["env", "frameworks", "caps", "lazy", "auto", "migrate", "bandwidth_large"],
-    "3": ["env", "busy", "pytest"],  # when device time is left
+    "3": ["env", "busy", "pytest"],  # when device time is left (pytest with its whole timeout)
 }
 #: seconds a stage may take on a GPU (the device command's timeout_s leaves the wheelhouse's
 #: install and a margin on top: README.md)
@@ -74,6 +77,7 @@ SIM_SCALE = 3.0
 def scene_table() -> dict[str, tuple[dict[str, tuple[str, float]], Callable[[Any], Coroutine[Any, Any, Any]]]]:
     """Scene name -> (its steps: name -> (title, timeout_s), its body)."""
     import bandwidth
+    import gpu_tests
     import scenes
 
     return {
@@ -87,7 +91,7 @@ def scene_table() -> dict[str, tuple[dict[str, tuple[str, float]], Callable[[Any
         "migrate": (scenes.MIGRATE_STEPS, scenes.migrate_scene),
         "bandwidth_large": (bandwidth.BANDWIDTH_LARGE_STEPS, bandwidth.bandwidth_large_scene),
         "busy": (scenes.BUSY_STEPS, scenes.busy_scene),
-        "pytest": (scenes.PYTEST_STEPS, scenes.pytest_scene),
+        "pytest": (gpu_tests.PYTEST_STEPS, gpu_tests.pytest_scene),
     }
 
 

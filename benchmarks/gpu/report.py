@@ -35,7 +35,8 @@ KINDS = ("run", "plan", "step", "end")
 SECTIONS = ("Machine", "Steps", "Goals", "Bandwidth", "Failures", "Not run", "Doctor")
 #: the versions the summary names (distribution names)
 VERSIONS = ("python", "torch", "jax", "jaxlib", "cupy-cuda13x", "cuda-core", "cuda-bindings",
-            "nvidia-ml-py", "nvidia-cuda-runtime", "jupyter_server", "ipykernel", "jupyter-gpushare")
+            "nvidia-ml-py", "nvidia-cuda-runtime", "jupyter_server", "ipykernel", "jupyter-gpushare",
+            "pytest", "pytest-timeout", "pytest-jupyter")
 STEP_FIELDS = ("scene", "step", "title", "status", "reason", "seconds", "timeout_s", "at",
                "checks", "figures")
 MiB, GiB = 1 << 20, 1 << 30
@@ -345,6 +346,9 @@ def markdown(records: list[dict[str, Any]]) -> str:
         for key in ("traceback", "server_log"):
             if r["figures"].get(key):
                 lines += ["", "```", str(r["figures"][key]).strip()[-2000:], "```"]
+        for t in r["figures"].get("test_failures") or []:  # the pytest scene: each test's end
+            lines += ["", f"`{t.get('test')}`: {t.get('outcome')}", "", "```",
+                      str(t.get("tail") or "(no report)").strip()[-2000:], "```"]
         lines.append("")
     if not bad:
         lines.append("None.")

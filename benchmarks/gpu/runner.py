@@ -133,8 +133,8 @@ class Scene:
                 await asyncio.wait_for(fn(st), limit)
             except Skip as e:
                 status, reason = "skipped", str(e)
-            except asyncio.TimeoutError:
-                status, reason = "timeout", f"did not end within {limit:.0f} s"
+            except asyncio.TimeoutError as e:  # the step's own stop says what it stopped
+                status, reason = "timeout", str(e) or f"did not end within {limit:.0f} s"
                 st.figure("traceback", traceback.format_exc()[-2000:])
             except Exception as e:
                 status, reason = "failed", f"{e.__class__.__name__}: {e}"[:1000]

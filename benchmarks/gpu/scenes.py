@@ -989,42 +989,6 @@ def _migrate_check() -> tuple[bool | None, str]:
         tel.close()
 
 
-# -- stage 3 (when device time is left): the gpu-marked tests ---------------------------------
-PYTEST_STEPS = {
-    "gpu_tests": ("pytest -m gpu tests/gpu: NVML, the driver method on a child, CUDA offload, "
-                  "a real server with backend=nvml", 240.0),
-}
-
-
-async def pytest_scene(sc: Scene) -> None:
-    await sc.step("gpu_tests", gpu_tests)
-
-
-async def gpu_tests(st: Step) -> None:
-    if not st.real:
-        raise Skip("the gpu-marked tests need a real GPU (NVML, CUDA)")
-    if not installed("pytest_jupyter"):
-        raise Skip("pytest-jupyter is not installed (the wheelhouse carries it)")
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-p", "no:cacheprovider",
-           "-o", "addopts=", "-q", "-rs", "--timeout", "120"]
-    try:
-        r = await asyncio.to_thread(subprocess.run, cmd, cwd=REPO, capture_output=True, text=True,
-                                    timeout=max(st.left() - 5, 10))
-        text, code = r.stdout + r.stderr, r.returncode
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout or b""
-        text, code = (out.decode(errors="replace") if isinstance(out, bytes) else out), -1
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    summary = next((ln for ln in reversed(lines) if " in " in ln and any(
-        w in ln for w in ("passed", "failed", "skipped", "error"))), lines[-1] if lines else "")
-    st.figure("summary", summary.strip("= "))
-    st.figure("failures", [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:40])
-    st.figure("skips", [ln for ln in lines if ln.startswith("SKIPPED")][:40])
-    st.figure("log_tail", "\n".join(lines[-60:]))
-    st.check("pytest -m gpu tests/gpu", code == 0 if code != 5 else None,
-             f"exit {code}: {summary.strip('= ')}" if code != -1 else "timed out")
-
-
 # -- stage 3: SM utilization per kernel, a release while a GPU kernel runs --------------------
 BUSY_STEPS = {
     "start": ("a server (release_method=driver) and two PyTorch kernels, 1 GiB each", 60.0),
