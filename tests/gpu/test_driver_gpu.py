@@ -18,7 +18,8 @@ from jupyter_gpushare.reclaim.driver import DriverMethod, driver_support
 
 from .helpers import readline
 
-pytestmark = pytest.mark.gpu
+# each test's own timeout (seconds), so that a hang costs one test, not the GPU proof's stage
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
 GiB = 1 << 30
 

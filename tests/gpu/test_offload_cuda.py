@@ -11,7 +11,8 @@ import importlib.util
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# each test's own timeout (seconds), so that a hang costs one test, not the GPU proof's stage
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
 MiB = 1 << 20
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+# each test's own timeout (seconds), so that a hang costs one test, not the GPU proof's stage
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
 MiB = 1 << 20
 

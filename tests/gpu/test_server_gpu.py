@@ -16,7 +16,8 @@ from jupyter_gpushare.reclaim.driver import driver_support
 
 from ..helpers import kernel_status, rest, wait_for
 
-pytestmark = pytest.mark.gpu
+# each test's own timeout (seconds), so that a hang costs one test, not the GPU proof's stage
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(90)]
 
 GiB = 1 << 30
 
