@@ -61,7 +61,7 @@ def outcome_of(reports: list[Any]) -> dict[str, Any]:
             text = (getattr(r, "longreprtext", "") or str(r.longrepr or "")).rstrip()
             lines = [ln for ln in text.splitlines() if ln.strip()]
             said = [ln.removeprefix("E").strip() for ln in lines if ln.startswith("E ")]
-            reason = " | ".join(said[:4]) if said else (lines[-1] if lines else "")
+            reason = " | ".join(said[:2]) if said else (lines[-1] if lines else "")
             return {"outcome": "failed" if r.when == "call" else "error", "seconds": seconds,
                     "when": r.when, "reason": reason[:500],
                     "tail": "\n".join(lines[-TAIL_LINES:])}
