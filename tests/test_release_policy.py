@@ -1,6 +1,7 @@
 """The release policy (``release_policy``): "proactive" releases an idle kernel at its idle
 timeout; "needs" (the server's default) only when its GPU needs the memory (pressure, a restore
-waiting for room) or after ``long_idle``. The rules alone, then through a real server with real
+waiting for room) or after ``long_idle`` where its GPU is short of free memory
+(``long_idle_free_fraction``). The rules alone, then through a real server with real
 kernels on the simulated node, time moved by the replaceable clock."""
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from jupyter_gpushare.kernel.magics import status_rows
 from jupyter_gpushare.policy import (
     RELEASE_POLICIES,
     Candidate,
+    Decision,
     Policy,
     PolicyConfig,
     decide,
     idle_release,
+    long_idle_releases,
     make_room,
     seconds_until_release,
 )
@@ -35,6 +38,7 @@ PROACTIVE = PolicyConfig(idle_timeout=600, idle_utilization=5, min_release_bytes
 NEEDS = replace(PROACTIVE, release_policy="needs", long_idle=7200)
 ROOMY = ({0: 60 * GiB}, {0: 80 * GiB})  # free, total: 75 % free, no pressure
 TIGHT = ({0: 4 * GiB}, {0: 80 * GiB})  # 5 % free: below pressure_free_fraction
+FILLING = ({0: 12 * GiB}, {0: 80 * GiB})  # 15 % free: no pressure, below long_idle_free_fraction
 
 
 def cand(kid: str, idle: float = 0, gib: float = 1, gpu: int = 0, **kw) -> Candidate:
@@ -74,8 +78,8 @@ def test_needs_releases_when_its_gpu_is_below_the_pressure_fraction():
 
 
 def test_needs_releases_after_long_idle_with_its_own_reason():
-    assert decide([cand("a", idle=7199)], *ROOMY, NEEDS) == []
-    (d,) = decide([cand("a", idle=7201)], *ROOMY, NEEDS)
+    assert decide([cand("a", idle=7199)], *FILLING, NEEDS) == []
+    (d,) = decide([cand("a", idle=7201)], *FILLING, NEEDS)
     # starts with "idle" as every idle release does (the lab's toasts, the simulator's kinds)
     assert (d.kernel_id, d.reason) == ("a", "idle for 7201 s, long_idle 7200 s")
     # 0 = never by long idle: only the GPU's need releases it
@@ -84,11 +88,48 @@ def test_needs_releases_after_long_idle_with_its_own_reason():
     assert ids(decide([cand("a", idle=10 ** 6)], *TIGHT, never)) == ["a"]
 
 
+def test_long_idle_keeps_a_kernel_whose_gpu_has_room():
+    # idle for days on a GPU 75 % free: nobody wants its memory, and releasing it would make
+    # its person's next cell wait for the restore
+    assert PolicyConfig().long_idle_free_fraction == 0.25  # the server's default too
+    assert decide([cand("a", idle=10 ** 6)], *ROOMY, NEEDS) == []
+    # once the GPU fills (below the share, above the pressure threshold) it goes
+    assert ids(decide([cand("a", idle=10 ** 6)], *FILLING, NEEDS)) == ["a"]
+    # 1: released at long_idle whatever the room (the rule before the share)
+    always = replace(NEEDS, long_idle_free_fraction=1.0)
+    assert ids(decide([cand("a", idle=7201)], *ROOMY, always)) == ["a"]
+    # 0: never for being idle long; the GPU's need still takes it
+    never = replace(NEEDS, long_idle_free_fraction=0.0)
+    assert decide([cand("a", idle=10 ** 6)], *FILLING, never) == []
+    assert ids(decide([cand("a", idle=10 ** 6)], *TIGHT, never)) == ["a"]
+
+
+def test_long_idle_releases_the_longest_idle_until_the_share_is_free():
+    # GPU 0 15 % free, share 25 %: 8 GiB more is needed; 4 GiB kernels, longest idle first
+    cands = [cand("older", idle=9000, gib=4), cand("oldest", idle=9900, gib=4),
+             cand("old", idle=8000, gib=4), cand("young", idle=7000, gib=4),
+             cand("roomy-gpu", idle=9999, gib=4, gpu=1)]
+    free, total = {0: 12 * GiB, 1: 60 * GiB}, {0: 80 * GiB, 1: 80 * GiB}
+    assert ids(decide(cands, free, total, NEEDS)) == ["oldest", "older"]
+    # over its cap first, as every release for room
+    capped = [*cands[:3], cand("over-cap", idle=7300, gib=4, over_cap=True)]
+    assert ids(decide(capped, free, total, NEEDS)) == ["over-cap", "oldest"]
+    # the rule alone: of the releases due, the ones the GPU's room calls for
+    due = [(c, Decision(c.kernel_id, "due")) for c in cands]
+    assert ids(long_idle_releases(due, free, total, NEEDS)) == ["oldest", "older"]
+
+
+def test_a_kernels_own_idle_timeout_is_not_held_back_by_the_share():
+    (d,) = decide([cand("a", idle=700, idle_timeout=600)], *ROOMY, NEEDS)
+    assert d.reason == "idle for 700 s, idle_timeout 600 s"
+
+
 def test_needs_still_judges_quietness_and_the_other_conditions():
     keep = [cand("busy", idle=8000, busy=True), cand("pinned", idle=8000, pinned=True),
             cand("gpu-busy", idle=8000, max_utilization=30), cand("small", idle=8000, gib=0.1),
             cand("released", idle=8000, resident=False), cand("no-method", idle=8000, releasable=False)]
     assert decide(keep, *ROOMY, NEEDS) == []
+    assert decide(keep, *FILLING, NEEDS) == []
 
 
 def test_a_kernels_own_idle_timeout_is_honoured_under_needs_and_0_is_never():
@@ -126,7 +167,8 @@ def test_make_room_is_the_same_under_both_policies():
 def test_the_server_defaults_to_needs_with_two_hours_of_long_idle():
     app = GPUShareApp()
     assert (app.release_policy, app.long_idle, app.idle_timeout) == ("needs", 7200.0, 600.0)
-    for name in ("release_policy", "long_idle"):
+    assert app.long_idle_free_fraction == PolicyConfig().long_idle_free_fraction == 0.25
+    for name in ("release_policy", "long_idle", "long_idle_free_fraction"):
         assert len(GPUShareApp.class_traits()[name].help) > 60
     section = GPUShareApp.class_config_section()
     assert "GPUShareApp.release_policy" in section and "GPUShareApp.long_idle" in section
@@ -138,6 +180,9 @@ def test_the_server_defaults_to_needs_with_two_hours_of_long_idle():
     ("long_idle", -1),
     ("long_idle", float("nan")),
     ("long_idle", float("inf")),
+    ("long_idle_free_fraction", -0.1),
+    ("long_idle_free_fraction", 1.5),
+    ("long_idle_free_fraction", float("nan")),
 ])
 def test_a_bad_value_names_the_trait(name, value):
     with pytest.raises(TraitError, match=name):
@@ -214,10 +259,13 @@ async def test_needs_keeps_an_idle_kernel_until_another_puts_its_gpu_under_press
     assert (await a.run(intact("a"), timeout=60)).stdout == "intact\n"  # room again: restored
 
 
-@pytest.mark.parametrize("gpushare_config", [NEEDS_SERVER])
-async def test_needs_releases_after_long_idle_when_no_one_needs_the_memory(
+@pytest.mark.parametrize("gpushare_config", [{**NEEDS_SERVER, "long_idle_free_fraction": 0.5}])
+async def test_needs_releases_after_long_idle_once_its_gpu_is_short_of_room(
     jp_fetch, kernels, gpushare_app, events
 ):
+    """a idles past long_idle on a GPU 75 % free: it stays (its person's next cell need not
+    wait for a restore); b's memory leaves 37.5 % free, below long_idle_free_fraction but
+    above the pressure threshold: a goes for its long idle, b (just used) stays."""
     a = await kernels.start()
     await a.run(hold(256, name="a"))
     await gpushare_app.poll_once()
@@ -227,10 +275,19 @@ async def test_needs_releases_after_long_idle_when_no_one_needs_the_memory(
     assert 0 < await _release_in(jp_fetch, a.id) <= 12
     clock.advance(15)
     await gpushare_app.poll_once()
+    st = gpushare_app.controller.states[a.id]
+    assert (st.state, st.op, st.releases) == ("idle", None, 0)  # long idle, but room to spare
+
+    b = await kernels.start()
+    await b.run(hold(384, name="b", chunk=128))
+    await gpushare_app.poll_once()
     await wait_for(lambda: gpushare_app.controller.states[a.id].state == "released",
                    what="the long-idle release")
     (rel,) = [e for e in events if e["action"] == "released"]
+    assert rel["kernel_id"] == a.id
     assert re.fullmatch(r"idle for 6[0-4]\d s, long_idle 600 s", rel["reason"]), rel
+    assert gpushare_app.controller.states[b.id].state in ("active", "idle")
+    assert (await a.run(intact("a"), timeout=60)).stdout == "intact\n"
 
 
 @pytest.mark.parametrize("gpushare_config", [{**NEEDS_SERVER, "simulated_gpus": [2048 * MiB] * 2,

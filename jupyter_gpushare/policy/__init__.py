@@ -19,7 +19,8 @@ from . import caps
 
 #: when an idle kernel is released (``c.GPUShareApp.release_policy``): ``proactive``, once it
 #: has idled ``idle_timeout``; ``needs``, only when its GPU needs the memory (free below
-#: ``pressure_free_fraction``, a restore waiting for room) or after ``long_idle``
+#: ``pressure_free_fraction``, a restore waiting for room) or after ``long_idle`` where its GPU
+#: has less than ``long_idle_free_fraction`` free
 RELEASE_POLICIES = ("proactive", "needs")
 
 
@@ -41,6 +42,8 @@ class ReleaseSettings(Protocol):
     def release_policy(self) -> str: ...
     @property
     def long_idle(self) -> float: ...
+    @property
+    def long_idle_free_fraction(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class PolicyConfig:
     pressure_idle_timeout: float = 120.0  # s
     release_policy: str = "proactive"  # one of RELEASE_POLICIES
     long_idle: float = 7200.0  # s; "needs": released anyway after this long idle; 0 = never
+    #: "needs": a long-idle release only where its GPU has less than this share free; 1 = always
+    long_idle_free_fraction: float = 0.25
 
 
 @dataclass(frozen=True)
@@ -176,9 +181,10 @@ def release_timeout(c: Candidate, cfg: ReleaseSettings) -> tuple[float, str]:
 
 def idle_release(c: Candidate, cfg: ReleaseSettings) -> Decision | None:
     """The release an idle kernel is due with no other reason: after its idle timeout
-    (``proactive``) or after ``long_idle`` (``needs``; :func:`release_timeout`). Memory
-    pressure (:func:`pressure_releases`) and room for a restore (:func:`make_room`) are their
-    own rules, the same under both release policies."""
+    (``proactive``) or after ``long_idle`` (``needs``; :func:`release_timeout`), the latter
+    only where its GPU lacks free memory (:func:`long_idle_releases`, which :func:`decide`
+    applies). Memory pressure (:func:`pressure_releases`) and room for a restore
+    (:func:`make_room`) are their own rules, the same under both release policies."""
     timeout, setting = release_timeout(c, cfg)
     automatic_release_on = timeout > 0
     idle_long_enough = c.idle_seconds >= timeout
@@ -203,7 +209,11 @@ def seconds_until_release(c: Candidate, cfg: ReleaseSettings) -> float | None:
 def _longest_idle_first(cands: list[Candidate]) -> list[Candidate]:
     """Kernels over their memory cap first (they hold what they were not to hold), then
     the longest idle."""
-    return sorted(cands, key=lambda c: (not c.over_cap, -c.idle_seconds, -c.bytes, c.kernel_id))
+    return sorted(cands, key=_release_order)
+
+
+def _release_order(c: Candidate) -> tuple[bool, float, int, str]:
+    return (not c.over_cap, -c.idle_seconds, -c.bytes, c.kernel_id)
 
 
 def pressure_releases(
@@ -235,12 +245,41 @@ def pressure_releases(
     return decisions
 
 
+def long_idle_releases(
+    due: list[tuple[Candidate, Decision]], free: dict[int, int], total: dict[int, int],
+    cfg: ReleaseSettings,
+) -> list[Decision]:
+    """Of the releases due at ``long_idle`` (``needs``), those on a GPU with less than
+    ``long_idle_free_fraction`` of its memory free, longest idle first, until that share is
+    free again. A kernel left idle for hours on a GPU with room costs no one anything, while
+    its release makes its person's next cell wait for the restore (no activity is seen ahead
+    of a cell). A GPU filling up with forgotten kernels still sheds them before its pressure
+    threshold, so that new kernels' first allocations find room."""
+    share = cfg.long_idle_free_fraction
+    if share >= 1:
+        return [d for _, d in due]
+    free_now = dict(free)
+    out: list[Decision] = []
+    for c, d in sorted(due, key=lambda cd: _release_order(cd[0])):
+        short = [g for g in c.gpu_bytes
+                 if total.get(g) and free_now.get(g, 0) / total[g] < share]
+        if short:
+            out.append(d)
+            for g, b in c.gpu_bytes.items():
+                free_now[g] = free_now.get(g, 0) + b
+    return out
+
+
 def decide(
     candidates: list[Candidate], free: dict[int, int], total: dict[int, int], cfg: ReleaseSettings
 ) -> list[Decision]:
     """Everything to release now: idle releases first (:func:`idle_release`: at the idle
-    timeout, or under ``needs`` at ``long_idle``), then memory pressure."""
-    out = [d for c in candidates if (d := idle_release(c, cfg)) is not None]
+    timeout, or under ``needs`` at ``long_idle`` where the GPU lacks free memory,
+    :func:`long_idle_releases`), then memory pressure."""
+    due = [(c, d) for c in candidates if (d := idle_release(c, cfg)) is not None]
+    on_long_idle = [(c, d) for c, d in due if release_timeout(c, cfg)[1] == "long_idle"]
+    out = [d for c, d in due if release_timeout(c, cfg)[1] != "long_idle"]
+    out += long_idle_releases(on_long_idle, free, total, cfg)
     taken = {d.kernel_id for d in out}
     rest = [c for c in candidates if c.kernel_id not in taken]
     out += pressure_releases(rest, free, total, cfg)

@@ -41,7 +41,20 @@ class ReleaseOptions(Configurable):
         though its GPU has room (held memory nobody uses for this long goes to the host, so
         that a GPU does not stay full of forgotten kernels). Default 7200 (2 h). 0 = never:
         released only when the GPU needs the memory. A kernel's own idle timeout replaces it
-        for that kernel. Ignored under "proactive" (idle_timeout decides there).""",
+        for that kernel. Ignored under "proactive" (idle_timeout decides there). The release
+        happens only where the kernel's GPU is short of free memory: see
+        long_idle_free_fraction.""",
+    ).tag(config=True)
+
+    long_idle_free_fraction = Float(
+        0.25,
+        help="""release_policy "needs" only: a kernel idle for long_idle is released only while
+        one of its GPUs has less than this fraction (0-1) of its memory free, longest idle
+        first, until that much is free again; on a GPU with more room it stays resident (its
+        person's next cell then need not wait for a restore), until the GPU fills or a restore
+        or the hub service needs its memory. Default 0.25. 1 = always released at long_idle
+        (whatever the room); 0 = never released for being idle long (only when the GPU needs
+        the memory: pressure_free_fraction, a waiting restore, the hub service).""",
     ).tag(config=True)
 
     idle_timeout = Float(
@@ -120,6 +133,13 @@ class ReleaseOptions(Configurable):
             raise TraitError(f"{type(self).__name__}.pressure_free_fraction must be in [0, 1), "
                              f"got {proposal['value']}")
         return proposal["value"]
+
+    @validate("long_idle_free_fraction")
+    def _check_long_idle_fraction(self, proposal: Any) -> float:
+        if not 0 <= proposal["value"] <= 1:  # NaN too
+            raise TraitError(f"{type(self).__name__}.long_idle_free_fraction must be in [0, 1], "
+                             f"got {proposal['value']}")
+        return float(proposal["value"])
 
 
 # the checks the options classes share (this is the lowest room that has options)
