@@ -12,14 +12,17 @@ cell waits, no SMs shared):
 - delay budget: p99 cell delay <= 1 s lets at most 1 % of cells wait > 1 s; a released state
   whose restore takes > 1 s makes its next cell wait that long (no activity is seen ahead of
   cells by default); the gaps longer than the product's ``long_idle`` before such a cell are
-  releases the product makes whatever the GPU count, each a cell that waits;
+  releases the product made whatever the GPU count before ``long_idle_free_fraction`` (at 1 it
+  still does), each a cell that waits;
 - memory bound: the bytes that must be on the GPUs at once: kernels computing, and kernels
   idle between cells whose restore would take > 1 s, less the largest idle states the budget
   left lets go at that moment (with the product's ``long_idle``: idle states count until it);
   in GPUs of the workload's size.
 
 Then gpushare at each GPU count (``--counts``): why it does not serve, the cells that waited
-> 1 s by the kind of release before them, the GPU cells slowed > 1.1 x, out-of-memory cells
+> 1 s by the kind of release before them (those after a long-idle release also by their GPU's
+free memory just before it: where it was ample, the release made a cell wait for memory
+nobody wanted), the GPU cells slowed > 1.1 x, out-of-memory cells
 and the releases by reason; the kernels started where their expected need fit no GPU of
 their machine (the rule then starts them where the most room is), and how many of those
 went to a GPU at >= 90 % SM while another GPU there was below it (each shares SMs with a
@@ -29,18 +32,26 @@ cells slowed (a machine of fewer GPUs pools memory over fewer users).
     python benchmarks/what_binds.py [--counts 5,8,13] [--smoke] [-- SIMULATE OPTIONS]
 
 ``--smoke``: the quick workload over one day, at one count: the whole path in seconds.
+``--long-idle-share F``: the simulator's long-idle releases held to the product's rule
+(``policy.long_idle_releases``: only on a GPU with less than F of its memory free) at share
+F; 1 releases at ``long_idle`` whatever the room. For as long as the simulator's ``needs``
+releases every kernel idle ``long_idle`` (``simulate/policies.py``, ``GPUShare.releases``)
+this is how the product's rule is measured.
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import math
 from collections import Counter
 from dataclasses import replace
 from typing import Any
 
+from jupyter_gpushare.policy import Decision, long_idle_releases
 from jupyter_gpushare.policy import placement as rule
+from jupyter_gpushare.simulate import policies
 from jupyter_gpushare.simulate.capacity import why_not
 from jupyter_gpushare.simulate.cli import parser as simulate_parser
 from jupyter_gpushare.simulate.cli import settings_from
@@ -97,7 +108,8 @@ def bounds(w: Workload, s: Settings) -> list[str]:
     left = max(0, budget - forced)
     out = [f"cells: {cells}; p99 delay <= 1 s lets {budget} wait > 1 s; gaps over long_idle "
            f"({long_idle:g} s) before a cell of a state whose restore takes > 1 s: {forced} "
-           f"(released whatever the GPU count, each a cell that waits); left: {left}"]
+           f"(each a cell that waits if released: at long_idle_free_fraction 1 at any GPU "
+           f"count, else where the GPU is short of room); left: {left}"]
     for label, allowed, cut in (("any release rule", budget, None),
                                 (f"releases at long_idle {long_idle:g} s", left, long_idle)):
         events = []
@@ -143,8 +155,20 @@ def bounds(w: Workload, s: Settings) -> list[str]:
     return out
 
 
+FREE_BUCKETS = (0.1, 0.25, 0.5)  # free shares of a GPU: below, between, at or above
+
+
+def free_bucket(share: float) -> str:
+    """``share`` (a GPU's free fraction) as a bucket label: "<10 %", "10-25 %", ... ">=50 %"."""
+    edges = [0.0, *FREE_BUCKETS]
+    for lo, hi in itertools.pairwise(edges):
+        if share < hi:
+            return f"<{hi:.0%}" if lo == 0 else f"{lo:.0%}-{hi:.0%}"
+    return f">={FREE_BUCKETS[-1]:.0%}"
+
+
 def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
-    released: dict[int, list[tuple[float, str]]] = {}
+    released: dict[int, list[tuple[float, str, float]]] = {}
     starts: Counter[str] = Counter()  # kernels started, by how their GPU was judged
     sims: list[Simulation] = []
 
@@ -164,7 +188,10 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
                     "pressure" if "pressure" in reason or "below" in reason else
                     "rebalance" if reason.startswith("rebalance") else
                     "make-room" if "room" in reason else "idle")
-            released.setdefault(k.index, []).append((t, kind))
+            sim = sims[0]
+            # the least free of its GPUs just before this release freed its bytes there
+            share = min((sim.node.free(g) - k.held) / sim.node.gpus[g].capacity for g in k.gpus)
+            released.setdefault(k.index, []).append((t, kind, share))
 
     sim = simulation(w, s, "gpushare", gpus, seen, run=False)
     sims.append(sim)
@@ -173,10 +200,15 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
     waited: Counter[str] = Counter()
     machine = lambda g: f"GPUs {sim.node_gpus(g).start}-{sim.node_gpus(g).stop - 1}"  # noqa: E731
     per: dict[str, Counter[str]] = {}
+    long_free: Counter[str] = Counter()  # long-idle waits by their GPU's free share at release
     for r in sim.cells:
         if r.delay > 1.0:
-            before = [kind for t, kind in released.get(r.kernel, []) if t <= r.arrival]
-            waited[(before[-1] if before else "none") + (" (room)" if r.waited_for_room else "")] += 1
+            before = [(kind, share) for t, kind, share in released.get(r.kernel, [])
+                      if t <= r.arrival]
+            kind = before[-1][0] if before else "none"
+            waited[kind + (" (room)" if r.waited_for_room else "")] += 1
+            if kind == "long idle":
+                long_free[free_bucket(before[-1][1])] += 1
             per.setdefault(machine(r.ran_on), Counter())["waited"] += 1
     slowed = 0
     for r in sim.cells:
@@ -191,6 +223,8 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
     return [f"{gpus} GPUs: {'serves' if not problems else '; '.join(problems)}",
             f"  cells waited > 1 s: {sum(waited.values())} of {len(sim.cells)}, by the release "
             f"before: {dict(waited.most_common())}",
+            f"  of them after long idle, by their GPU's free memory at the release: "
+            f"{dict(sorted(long_free.items()))}",
             f"  GPU cells slowed > 1.1x: {slowed} of {gpu_cells}; out of memory: "
             f"{f['oom_failures']} ({sim.counters.oom_growth} growing, the rest a kernel's first "
             f"allocation); releases {f['releases']} {f['release_reasons']}; moves "
@@ -201,10 +235,30 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
             "  per machine: " + "; ".join(f"{m}: {dict(c)}" for m, c in sorted(per.items()))]
 
 
+def hold_long_idle_to(share: float) -> None:
+    """The simulator's gpushare servers release a kernel for its long idle only where the
+    product's rule would, at ``share`` (``--long-idle-share``)."""
+    releases = policies.GPUShare.releases
+
+    def held(self: policies.GPUShare, sim: Simulation, kernels: list, cands: list,
+             free: dict[int, int], total: dict[int, int]) -> list[tuple[str, str]]:
+        out = releases(self, sim, kernels, cands, free, total)
+        by_id = {c.kernel_id: c for c in cands}
+        due = [(by_id[k], Decision(k, r)) for k, r in out if r.startswith("long idle")]
+        cfg = replace(self.config, long_idle_free_fraction=share)
+        kept = {d.kernel_id for d in long_idle_releases(due, free, total, cfg)}
+        return [(k, r) for k, r in out if not r.startswith("long idle") or k in kept]
+
+    policies.GPUShare.releases = held  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--counts", default="", help="GPU counts to run gpushare at (comma list)")
     ap.add_argument("--smoke", action="store_true", help="--quick --days 1, at 4 GPUs")
+    ap.add_argument("--long-idle-share", type=float, default=None, metavar="F",
+                    help="hold the simulator's long-idle releases to the product's rule at "
+                         "long_idle_free_fraction F (0-1; 1: at long_idle whatever the room)")
     ap.add_argument("simulate", nargs=argparse.REMAINDER,
                     help="after --: jupyter gpushare simulate's options")
     args = ap.parse_args()
@@ -212,6 +266,9 @@ def main() -> None:
     if args.smoke:
         rest, args.counts = ["--quick", "--days", "1"], "4"
     w, s, name = workload_of(rest)
+    if args.long_idle_share is not None:
+        hold_long_idle_to(args.long_idle_share)
+        name += f"; long-idle releases below {args.long_idle_share:.0%} free"
     print(f"{name}: {len(w.users)} users, {len(w.kernels)} kernels; machines of {s.gpus} x "
           f"{s.gpu_gib:g} GiB; release policy {s.release_policy}; transfer model {s.transfer.name}")
     for line in bounds(w, s):
