@@ -204,9 +204,10 @@ def test_the_magic_says_when_a_needs_kernel_goes():
     needs = {**idle, "release_policy": "needs"}
     assert _next_release({**idle, "release_in_seconds": 540.0}) == "in 9 min"  # as before
     assert _next_release({**needs, "release_in_seconds": 7140.0}) == \
-        "when its GPU needs the memory, or in 2.0 h if it does not"
+        "when its GPU needs the memory; in 2.0 h, also once it runs short of room"
     assert _next_release(needs, after_cell=3600.0) == \
-        "when its GPU needs the memory, or in 60 min, counted from the end of this cell if it does not"
+        "when its GPU needs the memory; in 60 min, counted from the end of this cell, also once it " \
+        "runs short of room"
     assert _next_release({**needs, "release_in_seconds": None}) == \
         "only when its GPU needs the memory"  # long_idle 0
     assert _next_release({**needs, "pinned": True, "release_in_seconds": None}) == "never"

@@ -111,7 +111,8 @@ def _next_release(kernel: dict[str, Any], seconds: float | None, counted: str = 
     """The "next automatic release" line: ``seconds`` to it (None: none is due), ``counted``
     what the time counts from. Under the server's release policy "needs" (the kernel's
     ``release_policy``, where the server says it) a kernel is released when its GPU needs
-    the memory, and otherwise only after a long idle (``seconds``; None: never)."""
+    the memory, and after a long idle (``seconds``; None: never) also once the GPU is short of
+    room (the server's ``long_idle_free_fraction``), not before."""
     at = "" if seconds is None else f"in {_fmt_seconds(seconds)}{counted}"
     if kernel.get("release_policy") != "needs":
         return at or "never"
@@ -119,7 +120,7 @@ def _next_release(kernel: dict[str, Any], seconds: float | None, counted: str = 
             or kernel.get("state") not in states.RESIDENT):
         return at or "never"  # out of every automatic release, or nothing on the GPU to release
     need = "when its GPU needs the memory"
-    return f"{need}, or {at} if it does not" if at else f"only {need}"
+    return f"{need}; {at}, also once it runs short of room" if at else f"only {need}"
 
 
 def _idle_rows(kernel: dict[str, Any], after_cell: Any) -> list[tuple[str, str]]:
