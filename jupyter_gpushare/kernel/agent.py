@@ -212,6 +212,7 @@ class Agent:
                         f"background threads use the GPU ({', '.join(threads[:3])}); release "
                         "by hand or allow it with %gpushare allow-background")
             self.released = True  # from here a cell that starts restores first
+            kernel_caps.get().hold()  # a cap that comes now makes no GPU call: it would block
         self._note_gpu_names()
         return {}
 
@@ -321,9 +322,17 @@ class Agent:
 
     def note_state(self, state: str) -> None:
         """The server's word on this kernel's state (notifications, replies to the magics)."""
+        released, caps = state in states.HELD, kernel_caps.get()
+        if not released and caps.held:
+            # the state is back on the GPU: the caps that came meanwhile apply now, before
+            # the flag says so (a cell that starts meanwhile asks, and waits for them here)
+            for line in caps.resume():
+                log.info("gpushare: %s", line)
         with self._cell_lock:
-            self.released = state in states.HELD
-        if self.released:
+            self.released = released
+            if released:
+                caps.hold()
+        if released:
             self._note_gpu_names()
         else:
             self.gpu_names = None

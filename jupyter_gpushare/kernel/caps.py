@@ -21,6 +21,14 @@ word arrives on the agent channel's thread) is limited once its import ends. Wha
 limited (raw CUDA, another language's kernel) is watched by the server, which flags a kernel
 over its cap. Every line said is plain about which case
 applies.
+
+While the kernel is released (:meth:`Caps.hold`), a cap that comes makes no GPU call: under
+the driver's checkpoint every CUDA call of the process blocks until the restore (PyTorch's
+``set_per_process_memory_fraction`` asks the driver for free memory), and it would block the
+agent's thread that serves the server. The cap is recorded, said to apply "when the kernel's
+state is back on the GPU", and applied by :meth:`Caps.resume` once the restore has put the
+state back, before the next cell runs. What needs no GPU call (JAX's environment, a PyTorch
+whose CUDA has not started, CuPy before it is imported) is set at once.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ class Caps:
         self.applied: dict[str, str] = {}  # framework -> what the cap is there, as said
         self._lock = threading.RLock()
         self._hook: _AfterImport | None = None
+        self.held = False  # the kernel is released: no GPU call until resume()
+        self.pending: set[str] = set()  # frameworks whose cap waits for resume()
 
     def set(self, cap: int | None, total: int | None = None) -> list[str]:
         """Apply ``cap`` (None: lift it where that can be done) to every framework here now
@@ -82,7 +92,30 @@ class Caps:
                         lines.append(line)
             return lines
 
+    def hold(self) -> None:
+        """The kernel is being released: from now on a cap makes no GPU call (it waits)."""
+        with self._lock:
+            self.held = True
+
+    def resume(self) -> list[str]:
+        """The kernel's state is back on the GPU: apply the caps that waited; one line each."""
+        with self._lock:
+            self.held = False
+            waiting, self.pending = sorted(self.pending), set()
+            lines = []
+            for name in waiting:
+                if name in sys.modules:  # (a framework gone since: nothing to cap)
+                    line = self._apply_one(name, APPLY[name])
+                    if line:
+                        lines.append(line)
+            return lines
+
     def _apply_one(self, name: str, fn: Callable[[Caps], str]) -> str:
+        if self.held and _needs_gpu_call(name):
+            self.pending.add(name)
+            line = _waiting_line(name, self.cap)
+            self.applied[name] = line
+            return line
         try:
             line = fn(self)
         except Exception as e:  # a framework in a bad state: say so, never break the kernel
@@ -151,6 +184,32 @@ def _fraction(caps: Caps) -> float | None:
     if caps.cap is None or not caps.total:
         return None
     return min(1.0, caps.cap / caps.total)
+
+
+# -- what a released kernel's cap waits for -------------------------------------------------------
+LABELS = {"torch": "PyTorch", "jax": "JAX", "tensorflow": "TensorFlow", "cupy": "CuPy",
+          SIM_DEVICE: "simulated GPU"}
+WAITS = "applies when the kernel's state is back on the GPU (it is released now)"
+
+
+def _needs_gpu_call(name: str) -> bool:
+    """Applying the cap to ``name`` now would call into the GPU driver."""
+    module = sys.modules.get(name)
+    if module is None:
+        return False  # only the environment is set (JAX, CuPy before import)
+    if name == "torch":
+        cuda = getattr(module, "cuda", None)
+        started = getattr(cuda, "is_initialized", None)
+        return bool(started()) if callable(started) else False  # else: queued for CUDA's start
+    # JAX reads the environment only; the simulated GPU's cap is an attribute its calls read
+    return name not in ("jax", SIM_DEVICE)
+
+
+def _waiting_line(name: str, cap: int | None) -> str:
+    label = LABELS.get(name, name)
+    if cap is None:
+        return f"{label}: no cap; it {WAITS}"
+    return f"{label}: capped at {format_bytes(cap)} per GPU; the cap {WAITS}"
 
 
 # -- the frameworks ---------------------------------------------------------------------------
@@ -254,7 +313,7 @@ def _simulated(caps: Caps) -> str:
     if module is None:
         return ""
     dev = module.get_device()
-    dev.cap = caps.cap
+    dev.cap = caps.cap  # a plain attribute: no device call, so it never blocks while released
     if caps.cap is None:
         return "simulated GPU: no cap"
     held = max(dev.held().values(), default=0)
