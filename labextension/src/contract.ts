@@ -204,9 +204,10 @@ export interface IKernel {
   /** Seconds since the last activity; 0 while busy; null when not tracked yet. */
   idle_seconds: number | null;
   /**
-   * Seconds until the automatic idle release if nothing changes (under release_policy "needs": the
-   * long-idle release); memory pressure or a waiting restore may release the kernel sooner. null =
-   * none scheduled.
+   * Seconds until the automatic idle release if nothing changes (under release_policy "needs": when
+   * the long-idle release is due; it happens then only if the kernel's GPU has less than
+   * long_idle_free_fraction free); memory pressure or a waiting restore may release the kernel
+   * sooner. null = none scheduled.
    */
   release_in_seconds: number | null;
   /**
