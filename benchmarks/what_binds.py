@@ -49,7 +49,6 @@ from collections import Counter
 from dataclasses import replace
 from typing import Any
 
-from jupyter_gpushare.policy import Decision, long_idle_releases
 from jupyter_gpushare.policy import placement as rule
 from jupyter_gpushare.simulate import policies
 from jupyter_gpushare.simulate.capacity import why_not
@@ -236,18 +235,15 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
 
 
 def hold_long_idle_to(share: float) -> None:
-    """The simulator's gpushare servers release a kernel for its long idle only where the
-    product's rule would, at ``share`` (``--long-idle-share``)."""
+    """The simulator's gpushare servers release a kernel for its long idle where the
+    product's rule would at ``share`` (``--long-idle-share``; the simulator runs the rule at
+    the product's default ``long_idle_free_fraction`` without it)."""
     releases = policies.GPUShare.releases
 
     def held(self: policies.GPUShare, sim: Simulation, kernels: list, cands: list,
              free: dict[int, int], total: dict[int, int]) -> list[tuple[str, str]]:
-        out = releases(self, sim, kernels, cands, free, total)
-        by_id = {c.kernel_id: c for c in cands}
-        due = [(by_id[k], Decision(k, r)) for k, r in out if r.startswith("long idle")]
-        cfg = replace(self.config, long_idle_free_fraction=share)
-        kept = {d.kernel_id for d in long_idle_releases(due, free, total, cfg)}
-        return [(k, r) for k, r in out if not r.startswith("long idle") or k in kept]
+        self.config = replace(self.config, long_idle_free_fraction=share)
+        return releases(self, sim, kernels, cands, free, total)
 
     policies.GPUShare.releases = held  # type: ignore[method-assign]
 

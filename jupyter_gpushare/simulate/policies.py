@@ -331,7 +331,8 @@ class GPUShare(Policy):
                  free: dict[int, int], total: dict[int, int]) -> list[tuple[str, str]]:
         """(kernel id, reason) to release at this poll of the server of ``kernels``: the
         product's ``decide``; under the ``needs`` release policy, its idle releases only where
-        the kernel's GPU needs memory, and any kernel idle past ``long_idle``."""
+        the kernel's GPU needs memory, and a kernel idle past ``long_idle`` where its GPU has less
+        than ``long_idle_free_fraction`` free (the product's ``long_idle_releases``)."""
         decisions = product.decide(cands, free, total, self.config)
         if self.release_policy == "proactive":
             return [(d.kernel_id, d.reason) for d in decisions]
@@ -344,10 +345,12 @@ class GPUShare(Policy):
                 out.append((d.kernel_id, f"{d.reason}; {need}"))
         taken = {kernel_id for kernel_id, _ in out}
         long = replace(self.config, idle_timeout=self.long_idle)
-        for c in cands:
-            if c.kernel_id not in taken and (due := product.idle_release(c, long)) is not None:
-                out.append((c.kernel_id, f"long idle: {due.reason}".replace("idle_timeout",
-                                                                             "long_idle")))
+        due = [(c, d) for c in cands if c.kernel_id not in taken
+               and (d := product.idle_release(c, long)) is not None]
+        # the server's rule: only where a GPU of the kernel is short of free memory
+        for d in product.long_idle_releases(due, free, total, self.config):
+            out.append((d.kernel_id, f"long idle: {d.reason}".replace("idle_timeout",
+                                                                      "long_idle")))
         return out
 
     def needs_memory(self, sim: Simulation, k: Kernel, free: dict[int, int],
