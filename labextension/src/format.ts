@@ -205,8 +205,9 @@ export function timingClauses(
         `release after ${formatDuration(k.idle_timeout)} idle (in ${formatDuration(inSeconds)})`
       );
     } else {
-      // "needs": released when its GPU needs the memory, else after the server's long_idle
-      parts.push(`release if GPU needs room, else in ${formatDuration(inSeconds)}`);
+      // "needs": released only when its GPU needs the memory; after the server's long_idle
+      // also when its GPU runs short of free memory (long_idle_free_fraction)
+      parts.push(`release if GPU needs room, or in ${formatDuration(inSeconds)} if it is short`);
     }
   }
   if (k.method) {

@@ -142,7 +142,7 @@ test("timingClauses: the kernel's own idle timeout, and a restore's duration as 
   // the server's default under "needs": released when its GPU needs room, or after long_idle
   assert.equal(
     timingClauses({ ...k, idle_timeout: 120, release_in_seconds: 7188 }, 'idle', 120)[1],
-    'release if GPU needs room, else in 2 h'
+    'release if GPU needs room, or in 2 h if it is short'
   );
   // proactive: the server's timeout is the release
   assert.equal(
