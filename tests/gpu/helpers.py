@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import select
 import subprocess
+from typing import Any
+
+import pytest
 
 
 def readline(proc: subprocess.Popen, timeout: float = 120) -> str:
@@ -11,3 +14,11 @@ def readline(proc: subprocess.Popen, timeout: float = 120) -> str:
     ready, _, _ = select.select([proc.stdout], [], [], timeout)
     assert ready, "child did not answer"
     return proc.stdout.readline().strip()
+
+
+def torch_cuda() -> Any:
+    """PyTorch with a CUDA device, else the test is skipped."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to torch")
+    return torch

@@ -11,17 +11,12 @@ import importlib.util
 
 import pytest
 
+from .helpers import torch_cuda
+
 # each test's own timeout (seconds), so that a hang costs one test, not the GPU proof's stage
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
 MiB = 1 << 20
-
-
-def _torch_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to torch")
-    return torch
 
 
 def _step(torch, model, opt, data):
@@ -31,7 +26,7 @@ def _step(torch, model, opt, data):
 
 
 def test_torch_mlp_with_adam_round_trip_frees_memory_and_is_bitwise():
-    torch = _torch_cuda()
+    torch = torch_cuda()
     from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter, tensor_children
     from jupyter_gpushare.kernel.walk import names_reaching
 
@@ -82,7 +77,7 @@ def test_torch_mlp_with_adam_round_trip_frees_memory_and_is_bitwise():
 
 
 def test_torch_trim_returns_cached_blocks():
-    torch = _torch_cuda()
+    torch = torch_cuda()
     from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter
 
     x = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")

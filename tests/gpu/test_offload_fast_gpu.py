@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import pytest
 
+from .helpers import torch_cuda
+
 # each test's own timeout (seconds), so that a hang costs one test, not the GPU proof's stage
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
 MiB = 1 << 20
 
 
-def _torch_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to torch")
-    return torch
-
-
 def test_cycles_reuse_pinned_buffers_wait_once_per_gpu_and_are_bitwise(monkeypatch):
-    torch = _torch_cuda()
+    torch = torch_cuda()
     from jupyter_gpushare.kernel.offload.pinned import PinnedPool
     from jupyter_gpushare.kernel.offload.torch_adapter import (
         StreamCopies,
@@ -74,7 +69,7 @@ def test_cycles_reuse_pinned_buffers_wait_once_per_gpu_and_are_bitwise(monkeypat
 def test_the_reports_carry_bytes_and_seconds():
     """Speed is the benchmark's (benchmarks/framework_offload.py); here only that the report
     carries bytes and seconds from which the event's rate is computed."""
-    torch = _torch_cuda()
+    torch = torch_cuda()
     from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter
 
     ns = {"x": torch.randn(64 * MiB // 4, device="cuda")}

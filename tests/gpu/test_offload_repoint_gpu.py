@@ -14,17 +14,12 @@ from __future__ import annotations
 
 import pytest
 
+from .helpers import torch_cuda
+
 # each test's own timeout (seconds), so that a hang costs one test, not the GPU proof's stage
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
 MiB = 1 << 20
-
-
-def _torch_cuda():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to torch")
-    return torch
 
 
 @pytest.fixture
@@ -47,7 +42,7 @@ def _bits(torch, t):
 
 
 def test_every_tensor_goes_to_host_and_back_in_place(kept_by_default):
-    torch = _torch_cuda()
+    torch = torch_cuda()
     from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter, tensor_children
     from jupyter_gpushare.kernel.walk import names_reaching
 
@@ -113,7 +108,7 @@ def test_a_graph_built_before_the_release_and_the_tensors_hooks_work_after_it(
     """A leaf moved to another device gets a new gradient accumulator at its next use (as
     with ``.cpu()`` / ``.cuda()``): a graph built before keeps its own, which accumulates
     into the same ``.grad``; hooks on the tensor fire for both."""
-    torch = _torch_cuda()
+    torch = torch_cuda()
     from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter
 
     torch.manual_seed(1)
@@ -140,7 +135,7 @@ def test_a_kept_copy_is_used_and_a_write_it_cannot_count_is_copied(kept_by_defau
     """After a restore the host copy is kept: an unchanged state is released without a
     copy; a write through ``.data`` (no version counter moves) is seen by the device
     fingerprint, and that storage alone is copied; the written value comes back."""
-    torch = _torch_cuda()
+    torch = torch_cuda()
     from jupyter_gpushare.kernel.offload.torch_adapter import TorchAdapter, kept_copies
 
     ns = {"a": torch.zeros(32 * MiB // 4, device="cuda"),
