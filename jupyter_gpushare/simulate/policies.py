@@ -345,12 +345,12 @@ class GPUShare(Policy):
                 out.append((d.kernel_id, f"{d.reason}; {need}"))
         taken = {kernel_id for kernel_id, _ in out}
         long = replace(self.config, idle_timeout=self.long_idle)
-        due = [(c, d) for c in cands if c.kernel_id not in taken
-               and (d := product.idle_release(c, long)) is not None]
+        due = [(c, when) for c in cands if c.kernel_id not in taken
+               and (when := product.idle_release(c, long)) is not None]
         # the server's rule: only where a GPU of the kernel is short of free memory
-        for d in product.long_idle_releases(due, free, total, self.config):
-            out.append((d.kernel_id, f"long idle: {d.reason}".replace("idle_timeout",
-                                                                      "long_idle")))
+        for rel in product.long_idle_releases(due, free, total, self.config):
+            out.append((rel.kernel_id, f"long idle: {rel.reason}".replace("idle_timeout",
+                                                                          "long_idle")))
         return out
 
     def needs_memory(self, sim: Simulation, k: Kernel, free: dict[int, int],
