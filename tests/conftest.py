@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,13 @@ def restores(jp_serverapp) -> list[tuple[str, str]]:
 
     jp_serverapp.event_logger.add_listener(schema_id=KERNEL_SCHEMA_ID, listener=listener)
     return seen
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    """NVML faked at its library (``pynvml``): one GPU, no processes until a test adds them."""
+    from .fakes.fake_pynvml import FakeGPU, FakePynvml
+
+    fake = FakePynvml([FakeGPU(uuid="GPU-00000000-0000-0000-0000-000000000000")])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    return fake

@@ -23,7 +23,7 @@ from .test_compute_placement import kernelspec, start
 from .test_placement import Spec, gpu, placer
 
 GiB = 1 << 30
-fake_nvml, fake_driver = nvml.fake_nvml, nvml.fake_driver  # NVML and the driver, faked
+fake_driver = nvml.fake_driver  # the driver, faked (NVML: the fake_nvml fixture of conftest)
 CAPPED = {"metadata": {"gpushare": {"memory_limit": "64MiB"}}}
 
 

@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import stat
-import sys
 import time
 import types
 
@@ -31,7 +30,7 @@ from jupyter_gpushare.protocol import (
 )
 from jupyter_gpushare.sim.node import GiB, SimNode
 
-from .fakes.fake_pynvml import FakeGPU, FakeProcess, FakePynvml
+from .fakes.fake_pynvml import FakeProcess
 from .helpers import kernel_status, wait_for
 
 MiB = 1 << 20
@@ -289,13 +288,6 @@ async def test_a_bad_gpu_mapping_is_refused_by_the_agent_and_changes_nothing(
 
 
 # -- one agent's bad report affects only its own kernel -------------------------------------
-@pytest.fixture
-def fake_nvml(monkeypatch):
-    fake = FakePynvml([FakeGPU(uuid="GPU-00000000-0000-0000-0000-000000000000")])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    return fake
-
-
 def report_answer(nbytes) -> str:
     """A cell that makes this kernel's agent report ``nbytes`` of framework memory."""
     return AGENT + (

@@ -3,21 +3,12 @@ boundary (beside the gpu-marked tests in tests/gpu/ that use the real library)."
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from jupyter_gpushare.sim.node import GiB
 
-from .fakes.fake_pynvml import FakeGPU, FakeProcess, FakePynvml
+from .fakes.fake_pynvml import FakeProcess
 from .helpers import get_json, kernel_status
-
-
-@pytest.fixture
-def fake_nvml(monkeypatch):
-    fake = FakePynvml([FakeGPU(uuid="GPU-00000000-0000-0000-0000-000000000000")])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    return fake
 
 
 @pytest.fixture

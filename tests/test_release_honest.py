@@ -11,7 +11,6 @@ for that kernel. The JAX pool rule and the threshold as unit tests of the pick a
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +21,7 @@ from jupyter_gpushare.reclaim.framework import FrameworkMethod, freed_too_little
 from jupyter_gpushare.server.ports import AutoPick, ServerKernels
 from jupyter_gpushare.server.selection import framework_covers, method_for_kernel
 
-from .fakes.fake_pynvml import FakeGPU, FakeProcess, FakePynvml
+from .fakes.fake_pynvml import FakeProcess
 from .helpers import kernel_status, rest, wait_for
 
 MiB = 1 << 20
@@ -31,13 +30,6 @@ REPO = Path(__file__).resolve().parents[1]
 FAKE = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nfrom tests.fakes import fake_framework as fw\n"
 AUTO = {"backend": "nvml", "idle_timeout": 0}  # release_method "auto" (the default)
 FRAMEWORK_ONLY = {"backend": "nvml", "idle_timeout": 0, "release_method": "framework"}
-
-
-@pytest.fixture
-def fake_nvml(monkeypatch):
-    fake = FakePynvml([FakeGPU(uuid="GPU-00000000-0000-0000-0000-000000000000")])
-    monkeypatch.setitem(sys.modules, "pynvml", fake)
-    return fake
 
 
 @pytest.fixture

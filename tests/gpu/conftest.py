@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
+from jupyter_gpushare.reclaim.driver import driver_support
 from jupyter_gpushare.telemetry.nvml import NVMLTelemetry
 
 
@@ -14,3 +17,13 @@ def nvml():
     assert st.available, st.reason
     yield t
     t.close()
+
+
+@pytest.fixture
+def supported():
+    """PyTorch and the driver checkpoint API, else the test is skipped."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs PyTorch")
+    s = driver_support()
+    if not s.ok:
+        pytest.skip(s.reason)

@@ -8,7 +8,6 @@ Run with ``pytest -m gpu`` on a machine with driver >= 570, torch and cuda-core 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import textwrap
 import pytest
 
 from jupyter_gpushare.reclaim.base import KernelTarget
-from jupyter_gpushare.reclaim.driver import DriverMethod, driver_support
+from jupyter_gpushare.reclaim.driver import DriverMethod
 
 from .helpers import readline
 
@@ -54,15 +53,6 @@ CHILD = textwrap.dedent(
             print(json.dumps({"lines": lines, "past": past}), flush=True)
     """
 )
-
-
-@pytest.fixture
-def supported():
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("needs PyTorch")
-    s = driver_support()
-    if not s.ok:
-        pytest.skip(s.reason)
 
 
 def test_a_cap_reaching_a_checkpointed_pytorch_process_waits_and_holds_after_restore(

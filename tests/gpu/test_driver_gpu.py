@@ -6,7 +6,6 @@ Run with ``pytest -m gpu`` on a machine with driver >= 570, torch and cuda-core 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import subprocess
 import sys
 import textwrap
@@ -14,7 +13,7 @@ import textwrap
 import pytest
 
 from jupyter_gpushare.reclaim.base import KernelTarget
-from jupyter_gpushare.reclaim.driver import DriverMethod, driver_support
+from jupyter_gpushare.reclaim.driver import DriverMethod
 
 from .helpers import readline
 
@@ -38,15 +37,6 @@ CHILD = textwrap.dedent(
             print(checksum(), flush=True)
     """
 )
-
-
-@pytest.fixture
-def supported():
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("needs PyTorch")
-    s = driver_support()
-    if not s.ok:
-        pytest.skip(s.reason)
 
 
 @pytest.fixture
