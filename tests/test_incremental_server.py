@@ -8,6 +8,8 @@ bytes), status shows the kept host copy and what is left to copy, and a kernel i
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from .helpers import kernel_status, wait_for
@@ -72,8 +74,10 @@ async def test_a_release_after_an_unchanged_restore_copies_nothing(jp_fetch, ker
 
 @pytest.fixture
 def gpushare_config(request):
-    """No pre-copy unless a test asks for one (``precopy_after`` as its param)."""
-    return {"precopy_after": getattr(request, "param", 0)}
+    """No pre-copy unless a test asks for one (``precopy_after`` as its param, or the
+    whole configuration)."""
+    param = getattr(request, "param", 0)
+    return param if isinstance(param, dict) else {"precopy_after": param}
 
 
 @pytest.mark.parametrize("gpushare_config", [0.5], indirect=True)
@@ -103,3 +107,80 @@ async def test_host_memory_short_drops_the_kept_copies(jp_fetch, kernels, gpusha
     gpushare_app.host_memory_reserve = 1 << 60  # no machine has that much room left
     await copies_seen(jp_fetch, gpushare_app, k.id, 0, 4 * MiB)
     assert gpushare_app.precopies.dropped == 4 * MiB
+
+
+# -- PyTorch: a kept copy is trusted without reading it only while no code can have run ------
+TORCH = """
+import torch, threading, os, time
+from tests.fakes import fake_torch_gpu as tg
+tg.install()
+ws = [tg.put(torch.full((1 << 18,), float(i))) for i in range(4)]
+"""
+FRAMEWORK = {"backend": "nvml", "idle_timeout": 0, "release_method": "framework",
+             "precopy_after": 0}
+
+
+def silent(k, code: str) -> str:
+    """Send ``code`` as a silent execute request (no pre_run_cell, no history)."""
+    from .helpers import Execution, execute_request
+
+    msg = execute_request(code, k.session)
+    msg["content"].update(silent=True, store_history=False)
+    msg_id = msg["header"]["msg_id"]
+    k.executions[msg_id] = Execution(msg_id)
+    k.ws.write_message(json.dumps(msg))
+    return msg_id
+
+
+async def last_release(k) -> tuple[int, int, int]:
+    """(bytes copied, trusted without a fingerprint, fingerprinted) of the last release."""
+    shown = await k.run("r = [r for kind, r in tg.reports if kind == 'offload'][-1]\n"
+                        "print(r.copied, r.trusted, r.checked)")
+    copied, trusted, checked = map(int, shown.stdout.split())
+    return copied, trusted, checked
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("gpushare_config", [FRAMEWORK], indirect=True)
+async def test_a_kept_copy_is_checked_unless_no_code_can_have_written_it(
+    fake_nvml, jp_fetch, kernels, gpushare_app, tmp_path
+):
+    pytest.importorskip("torch")
+    from .test_release_honest import FAKE, framework_kernel
+
+    k, _pid = await framework_kernel(gpushare_app, kernels, fake_nvml, FAKE + TORCH, 4 * MiB)
+    await release(jp_fetch, k.id)
+    await restore(jp_fetch, k.id)  # from the REST API: no cell runs, the copies are kept
+
+    # nothing ran since the restore: trusted as it is, no byte read
+    second = await release(jp_fetch, k.id)
+    assert "copied 0 B of 4.0 MiB" in second["release_detail"]
+    assert await last_release(k) == (0, 4 * MiB, 0)  # the cell restores first
+
+    # a silent request writes behind the counters: the epoch moved, the check sees it
+    await release(jp_fetch, k.id)  # the copies current again, after the cell above
+    await restore(jp_fetch, k.id)
+    ex = await k.wait(silent(k, "ws[1].data.add_(10)"))
+    assert ex.status == "ok"
+    third = await release(jp_fetch, k.id)
+    assert "copied 1.0 MiB of 4.0 MiB" in third["release_detail"]
+    copied, trusted, checked = await last_release(k)
+    assert (copied, trusted) == (MiB, 0) and checked >= 3 * MiB
+
+    # a thread a cell started writes after the copies were made current: checked too
+    go, done = tmp_path / "go", tmp_path / "done"
+    await k.run(f"def later():\n"
+                f"    while not os.path.exists({str(go)!r}): time.sleep(0.01)\n"
+                f"    ws[2].data.add_(20)\n"
+                f"    open({str(done)!r}, 'w').close()\n"
+                f"threading.Thread(target=later, daemon=True).start()")
+    await release(jp_fetch, k.id)
+    await restore(jp_fetch, k.id)  # kept while the thread runs
+    go.touch()
+    await wait_for(done.exists, what="the thread's write")
+    fourth = await release(jp_fetch, k.id)
+    assert "copied 1.0 MiB of 4.0 MiB" in fourth["release_detail"]
+    copied, trusted, checked = await last_release(k)
+    assert (copied, trusted) == (MiB, 0) and checked >= 3 * MiB
+    shown = await k.run("print([float(w[7]) for w in ws])")
+    assert shown.stdout.strip() == "[0.0, 11.0, 22.0, 3.0]"

@@ -29,7 +29,7 @@ from hypothesis.stateful import (  # noqa: E402
     rule,
 )
 
-from jupyter_gpushare.kernel.offload import torch_adapter  # noqa: E402
+from jupyter_gpushare.kernel.offload import quiet, torch_adapter  # noqa: E402
 from jupyter_gpushare.kernel.offload.base import KEPT_CHECK_ENV  # noqa: E402
 from jupyter_gpushare.kernel.offload.torch_adapter import drop_kept, kept_copies  # noqa: E402
 
@@ -168,6 +168,99 @@ def test_an_unseen_write_after_the_precopy_is_copied_at_release():
     unseen_write(ns["w"], "data")
     adapter = gpus.adapter()
     assert adapter.offload(ns).copied == 256
+    adapter.reload()
+    assert torch.equal(ns["w"], torch.full((64,), 1.5))
+
+
+# -- no code ran since the copy was made current: trusted without a fingerprint -------------
+# (the agent's epoch, kernel/offload/quiet.py; here the test bumps it where a request would
+# start and end, as the agent's wrapped request handlers do in a kernel:
+# tests/test_incremental_server.py drives it through a real kernel)
+@pytest.fixture
+def watching():
+    quiet.watch()  # the threads alive now are "the kernel's"
+    yield
+    quiet.unwatch()
+
+
+def a_cell(run=lambda: None) -> None:
+    """What a request that runs code looks like to the epoch."""
+    quiet.bump()
+    try:
+        run()
+    finally:
+        quiet.bump()
+
+
+def test_a_release_after_a_precopy_with_no_code_since_reads_no_byte(watching):
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.randn(1000)), "b": gpus.put(torch.randn(10), "gpu1")}
+    pre = gpus.adapter().precopy(ns)
+    assert pre.copied == 4040 and pre.checked == 0
+    read = []
+    plain = torch_adapter._FINGERPRINTS["full"]
+    torch_adapter._FINGERPRINTS["full"] = lambda storage: read.append(storage) or plain(storage)
+    try:
+        adapter = gpus.adapter()
+        off = adapter.offload(ns)
+    finally:
+        torch_adapter._FINGERPRINTS["full"] = plain
+    assert (off.copied, off.trusted, off.checked, read) == (0, 4040, 0, [])
+    adapter.reload()  # kept again, current at this epoch
+    assert gpus.adapter().offload(ns).trusted == 4040
+
+
+def test_a_write_through_data_in_a_cell_after_the_precopy_is_copied(watching):
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(64)), "same": gpus.put(torch.ones(16))}
+    gpus.adapter().precopy(ns)
+    a_cell(lambda: unseen_write(ns["w"], "data"))
+    adapter = gpus.adapter()
+    off = adapter.offload(ns)
+    assert (off.copied, off.trusted, off.checked) == (256, 0, 320)
+    adapter.reload()
+    assert torch.equal(ns["w"], torch.full((64,), 1.5)) and torch.equal(ns["same"], torch.ones(16))
+
+
+def test_a_precopy_after_a_cell_checks_in_the_background_so_the_release_need_not(watching):
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(64))}
+    released_and_restored(gpus, ns)
+    a_cell()  # a cell that wrote nothing: the copy may be stale, the pre-copy reads it
+    pre = gpus.adapter().precopy(ns)
+    assert (pre.copied, pre.checked) == (0, 256)
+    off = gpus.adapter().offload(ns)
+    assert (off.copied, off.trusted, off.checked) == (0, 256, 0)
+
+
+@pytest.mark.parametrize("ends", ["before the release", "after the release"])
+def test_a_thread_a_cell_started_that_writes_after_the_precopy_is_caught(watching, ends):
+    """A thread alive at the pre-copy (or the release) can write at any time: while one
+    runs, nothing is trusted by the epoch and the configured check runs."""
+    gpus = FakeGPUs()
+    ns = {"w": gpus.put(torch.zeros(64))}
+    go, wrote, leave = threading.Event(), threading.Event(), threading.Event()
+
+    def later():
+        go.wait()
+        unseen_write(ns["w"], "data")
+        wrote.set()
+        if ends == "after the release":
+            leave.wait()
+
+    thread = threading.Thread(target=later, daemon=True)
+    a_cell(thread.start)
+    assert quiet.epoch() is None and "thread" in quiet.others_running()
+    gpus.adapter().precopy(ns)
+    go.set()
+    wrote.wait(timeout=30)
+    if ends == "before the release":
+        thread.join(timeout=30)
+        assert quiet.epoch() is not None  # quiet again, but the copy was made while it ran
+    adapter = gpus.adapter()
+    off = adapter.offload(ns)
+    leave.set()
+    assert (off.copied, off.trusted, off.checked) == (256, 0, 256)
     adapter.reload()
     assert torch.equal(ns["w"], torch.full((64,), 1.5))
 

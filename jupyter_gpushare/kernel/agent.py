@@ -78,6 +78,11 @@ class Agent:
         # drop this kernel's own connection. The client keeps the path to reconnect.
         path = os.environ.pop(SOCKET_ENV, None)
         os.environ.pop(KERNEL_ID_ENV, None)
+        # the epoch of requests that may run code: a release trusts a kept host copy made
+        # current at the epoch that still holds, without reading it (offload/quiet.py)
+        from .offload import quiet
+
+        quiet.watch_kernel(self.shell)
         self.placement_note = os.environ.pop(PLACEMENT_NOTE_ENV, "")
         if self.placement_note:  # the server placed this kernel where no GPU had room
             self.shell.events.register("pre_run_cell", self._say_placement)

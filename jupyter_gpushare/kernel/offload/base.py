@@ -29,6 +29,10 @@ class OffloadReport:
     #: bytes actually copied (offload: those whose kept host copy was not current; a
     #: pre-copy: those it copied); ``bytes`` is what moved off the GPU either way
     copied: int = 0
+    #: kept copies (bytes) the version counters call current, trusted without reading them
+    #: because no code ran since they were made current (:mod:`.quiet`)
+    trusted: int = 0
+    checked: int = 0  # kept copies (bytes) whose fingerprint was read to check them
     stopped: bool = False  # a pre-copy that stopped early (a cell started)
     #: "name: why" for what was deliberately left alone, never silently dropped; add with
     #: ``skip``, which keeps it bounded

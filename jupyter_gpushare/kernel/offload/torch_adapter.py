@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..walk import Child, Ref, walk_namespace
+from . import quiet
 from .base import (
     KEEP_HOST_COPY_ENV,
     OffloadAdapter,
@@ -495,6 +496,9 @@ class _Kept:
     check: str = "full"
     data_ptr: int = 0  # the storage's address at the copy
     at: float = field(default_factory=time.monotonic)
+    #: the agent's epoch (:mod:`.quiet`) at which the copy was last known current: while it
+    #: is still the epoch, no code ran that could have written the storage (None: not known)
+    epoch: int | None = None
 
     def current(self, tensors: list[Any] | None = None) -> bool:
         if self.storage.expired():
@@ -530,22 +534,38 @@ _kept_lock = threading.RLock()
 
 
 def _kept_entry(group: _Group, storage: Any, host: Any, print_: int | None,
-                check: str) -> _Kept:
+                check: str, epoch: int | None = None) -> _Kept:
     return _Kept(host, group.nbytes, group.device, _weak_storage(storage),
                  [weakref.ref(t) for t in group.tensors], _versions(group.tensors), print_,
-                 check, storage.data_ptr())
+                 check, storage.data_ptr(), epoch=epoch)
 
 
-def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any, check: str) -> set[int]:
+def _same_epoch(began: int | None) -> int | None:
+    """The epoch a copy made since ``began`` (the agent's epoch read before it read any
+    byte) is current at: ``began`` if no request ran meanwhile and nothing else can run
+    code now, else None (its next use checks it)."""
+    return began if began is not None and quiet.epoch() == began else None
+
+
+def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any, check: str,
+               epoch: int | None = None, report: OffloadReport | None = None) -> set[int]:
     """Of (kept copy, device storage) pairs whose version counters say unchanged, the
-    storages (``_cdata``) whose kept copy passes ``check`` (:func:`.base.kept_check`): its
-    fingerprint now is the copy's, or, under "counters", nothing more. A copy taken under
-    another check, or a fingerprint that cannot be taken (no room for its temporaries),
-    counts as changed: the storage is copied."""
-    candidates = [(entry, storage) for entry, storage in candidates if entry.check == check
+    storages (``_cdata``) whose kept copy is current: made current at ``epoch``, the
+    agent's epoch now (no code ran since that could have written it, :mod:`.quiet`), or
+    passing ``check`` (:func:`.base.kept_check`): its fingerprint now is the copy's, or,
+    under "counters", nothing more. A copy taken under another check, or a fingerprint that
+    cannot be taken (no room for its temporaries), counts as changed: the storage is copied.
+    ``report`` counts the bytes trusted by the epoch and those fingerprinted."""
+    quiet_since = [(entry, storage) for entry, storage in candidates
+                   if epoch is not None and entry.epoch == epoch]
+    trusted = {storage._cdata for _, storage in quiet_since}
+    if report is not None:
+        report.trusted += sum(entry.nbytes for entry, _ in quiet_since)
+    candidates = [(entry, storage) for entry, storage in candidates
+                  if storage._cdata not in trusted and entry.check == check
                   and (check == "counters" or entry.fingerprint is not None)]
     if not candidates or check == "counters":
-        return {storage._cdata for _, storage in candidates}
+        return trusted | {storage._cdata for _, storage in candidates}
     try:
         queued = [copies.fingerprint(storage, entry.device, check)
                   for entry, storage in candidates]
@@ -555,9 +575,11 @@ def _unchanged(candidates: list[tuple[_Kept, Any]], copies: Any, check: str) -> 
         copies.synchronize(entry.device for entry, _ in candidates)
         now = _read_fingerprints(queued)
     except Exception:
-        return set()
-    return {storage._cdata for (entry, storage), value in zip(candidates, now, strict=True)
-            if entry.fingerprint == value}
+        return trusted
+    if report is not None:
+        report.checked += sum(entry.nbytes for entry, _ in candidates)
+    return trusted | {storage._cdata for (entry, storage), value
+                      in zip(candidates, now, strict=True) if entry.fingerprint == value}
 
 
 def _copy_to_host(copies: Any, group: _Group, storage: Any) -> Any:
@@ -682,6 +704,7 @@ class TorchAdapter(OffloadAdapter):
         if self._groups:
             return report  # offloaded: nothing is on the device
         start = time.perf_counter()
+        began = quiet.epoch()  # before any byte is read
         copies = self.copies.for_background()
         check = kept_check()
         groups = self._find_groups(namespace, report)
@@ -689,7 +712,7 @@ class TorchAdapter(OffloadAdapter):
             counted = [(entry, storage) for group, storage in groups
                        if (entry := _kept.get(storage._cdata)) is not None
                        and entry.current(group.tensors)]
-        unchanged = _unchanged(counted, copies, check)
+        unchanged = _unchanged(counted, copies, check, began, report)
         # each copy is queued after its fingerprint, on the same stream: a write between
         # the two makes them differ, and the release copies that storage again
         queued: list[tuple[_Group, Any, list[int | None], Any]] = []
@@ -720,13 +743,19 @@ class TorchAdapter(OffloadAdapter):
             report.stopped = True
             report.seconds = time.perf_counter() - start
             return report
+        # every copy made or checked here is current as of ``began`` if no code ran since:
+        # the release can then trust it without a fingerprint (the pre-copy paid for it)
+        made = _same_epoch(began)
         with _kept_lock:
             for (group, storage, versions, _), print_value in zip(queued, prints, strict=True):
-                entry = _kept_entry(group, storage, group.host, print_value, check)
+                entry = _kept_entry(group, storage, group.host, print_value, check, made)
                 entry.versions = versions
                 _kept[storage._cdata] = entry
                 report.copied += group.nbytes
                 report.count += len(group.tensors)
+            for key in unchanged:
+                if (entry := _kept.get(key)) is not None:
+                    entry.epoch = made
         report.seconds = time.perf_counter() - start
         return report
 
@@ -742,6 +771,7 @@ class TorchAdapter(OffloadAdapter):
         if self._groups:
             return report  # already offloaded: a second release moves nothing
         start = time.perf_counter()
+        now = quiet.epoch()  # a kept copy current at this epoch was written by no one since
         reserved_before = _cuda_reserved()
         groups = self._find_groups(namespace, report)
         copies = self.copies
@@ -755,7 +785,7 @@ class TorchAdapter(OffloadAdapter):
             counted = [(entry, storage) for group, storage in groups
                        if (entry := _kept.get(storage._cdata)) is not None
                        and entry.current(group.tensors) and not _storage_shared(entry.host)]
-            unchanged = _unchanged(counted, copies, check)
+            unchanged = _unchanged(counted, copies, check, now, report)
             try:
                 for group, storage in groups:
                     if storage._cdata in unchanged:
@@ -793,6 +823,7 @@ class TorchAdapter(OffloadAdapter):
         if not self._groups:
             return report
         start = time.perf_counter()
+        began = quiet.epoch()  # the kept copies are current as of it, if no code runs
         copies = self.copies
         # 1. allocate and fill every device storage; on failure (out of memory) the state is
         # still fully offloaded and a later reload can try again
@@ -836,11 +867,13 @@ class TorchAdapter(OffloadAdapter):
             else:
                 values = iter(taken)
                 prints = [next(values) if k else None for k in keep]
+        made = _same_epoch(began)
         with _kept_lock:
             for group, storage, k, print_ in zip(groups, fresh, keep, prints, strict=True):
                 host, group.host = group.host, None
                 if k:  # the next release copies what changes
-                    _kept[storage._cdata] = _kept_entry(group, storage, host, print_, check)
+                    _kept[storage._cdata] = _kept_entry(group, storage, host, print_, check,
+                                                        made)
                 else:  # kept for the next cycle (bounded), or freed
                     copies.recycle(host)
                 del host
