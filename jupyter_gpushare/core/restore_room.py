@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from .. import clock
 from ..node.gpu_load import GpuLoad
+from ..policy import Candidate
 from ..policy.placement import GpuView, contended, pressure_floor, restore_target
 from ..policy.room import UNKNOWN_GPU, lacking, narrow
 from ..units import format_bytes
@@ -372,18 +373,8 @@ class RestoreRoom:
         True when some victim was released (a refused or failed one frees nothing: the caller
         backs off, or a victim refused again and again would be asked in a tight loop)."""
         made = False
-        now = clock.now()
-        known_free = {g: self.c.reservations.seen_free(g, f) for g, f in free.items() if f is not None}
-        cands = []
-        for k, rec in self.c.tracker.kernels.items():
-            other = self.c.states.get(k)
-            if other is None or other.op is not None or k == st.kernel_id:
-                continue
-            if self.c.failed_recently(other, now):
-                continue
-            cands.append(self.c.candidate(other, rec, now))
-        plan = self.c.rules.make_room(need, {g: f for g, f in known_free.items() if f is not None},
-                                    cands, exclude=st.kernel_id)
+        cands = self.room_candidates(st.kernel_id, clock.now())
+        plan = self.c.rules.make_room(need, self.known_free(free), cands, exclude=st.kernel_id)
         for d in plan or []:
             try:
                 victim_op = self.c.release_automatically(d.kernel_id, d.reason)
@@ -395,6 +386,26 @@ class RestoreRoom:
                 log.info("gpushare: could not make room with %s: %s", d.kernel_id, outcome.message)
             made = made or outcome.ok
         return made
+
+    def room_candidates(self, exclude: str, now: float) -> list[Candidate]:
+        """The kernels make-room may judge (a restore waiting for room, a cell that ran out
+        of memory): this server's, none with an operation running or whose release failed
+        recently, ``exclude`` (the kernel the room is for) left out."""
+        cands = []
+        for k, rec in self.c.tracker.kernels.items():
+            other = self.c.states.get(k)
+            if other is None or other.op is not None or k == exclude:
+                continue
+            if self.c.failed_recently(other, now):
+                continue
+            cands.append(self.c.candidate(other, rec, now))
+        return cands
+
+    def known_free(self, free: dict[int, int | None]) -> dict[int, int]:
+        """Free bytes read now, as make-room counts them: less restores' reservations; GPUs
+        whose free memory is unknown left out."""
+        seen = {g: self.c.reservations.seen_free(g, f) for g, f in free.items()}
+        return {g: f for g, f in seen.items() if f is not None}
 
 
 def _gpus(gpus: list[int]) -> str:

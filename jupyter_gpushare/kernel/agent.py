@@ -26,7 +26,7 @@ from ..protocol import (
     cap_list,
 )
 from . import caps as kernel_caps
-from . import lazy
+from . import lazy, oom
 from .client import AgentClient, RemoteBackend
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,7 @@ GPU_FRAMEWORKS = ("torch", "cupy", "jax", "tensorflow")
 _MAX_SHOWN = 32  # display ids remembered (one per restore that showed progress)
 RECONNECT_WAIT = 15.0  # s a cell waits for a dropped channel to come back before it restores
 SIM_RESUME_WAIT = 0.5  # s a sim_resume waits for the resume before it answers with progress
+OOM_ANSWER_WAIT = 5.0  # s a cell that ran out of GPU memory waits for the server's room-making
 
 
 class KernelBusy(RuntimeError):
@@ -468,9 +469,33 @@ class Agent:
     def post_run_cell(self, result: Any = None) -> None:
         self.executing = False
         error = getattr(result, "error_in_exec", None)
+        if error is None or not kernel_caps.is_oom(error) or "gpushare memory cap" in str(error):
+            return
         line = kernel_caps.get().oom_line()
-        if line and kernel_caps.is_oom(error) and "gpushare memory cap" not in str(error):
+        if line:
             print(line, file=sys.stderr)  # under the framework's own out-of-memory error
+        self.ask_for_room(error)
+
+    #: one out_of_memory request at a time (the server answers a second one that it runs)
+    _asking_room = threading.Lock()
+
+    def ask_for_room(self, error: BaseException) -> None:
+        """The cell ran out of GPU memory: ask the server to release idle kernels on that GPU
+        so that its next try fits, and say what it did under the error. Bounded: the next
+        cell waits for this."""
+        client = self.client
+        if client is None or not client.connected or not self._asking_room.acquire(blocking=False):
+            return
+        try:
+            reply = client.request("out_of_memory", timeout=OOM_ANSWER_WAIT, **oom.parse(error))
+        except (RemoteError, OSError) as e:
+            print(f"gpushare: could not ask the server to make room: {e}", file=sys.stderr)
+            return
+        finally:
+            self._asking_room.release()
+        text = reply.get("text")
+        if isinstance(text, str) and text:
+            print(text[:1000], file=sys.stderr)
 
     def pre_run_cell(self, info: Any = None) -> None:
         self._precopy_stop.set()  # the cell runs at once; what it changes is copied again

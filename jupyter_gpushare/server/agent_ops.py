@@ -21,6 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from ..core import oom_room
 from ..core.controller import ControllerError
 from ..fields import boolean, integer, optional_integer, seconds_or_none, shown, strings
 from ..node.placement import placed_gpus
@@ -105,6 +106,7 @@ class AgentOps:
         self.backend = backend
         self.connections = connections
         self.hub_view = hub_view
+        self._making_room: set[str] = set()  # kernels whose out_of_memory request runs
 
     def handlers(self) -> dict[str, Handler]:
         """The server's own requests, and those the telemetry source adds (its names that
@@ -119,6 +121,7 @@ class AgentOps:
             "idle_timeout": self.idle_timeout,
             "allow_background": self.allow_background,
             "cap": self.cap,
+            "out_of_memory": self.out_of_memory,
         }
 
     # -- who may connect, and what a connection changes -----------------------------------------
@@ -233,6 +236,25 @@ class AgentOps:
         cap = None if value is None else parse_cap(value, "bytes")  # CapError: changes nothing
         self._controller_call(self.controller.set_memory_cap, conn.kernel_id, cap)
         return {"kernel": self._view(conn.kernel_id), **self.cap_fields(conn.kernel_id)}
+
+    async def out_of_memory(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
+        """A cell of the kernel ran out of GPU memory: release idle kernels on that GPU so
+        that its next try fits (``core/oom_room.py``). ``bytes``: what the failed allocation
+        asked for; ``gpu``: the node's GPU it failed on; either None when the error did not
+        say. One request at a time per kernel: a second one while the first runs is told so."""
+        nbytes = optional_integer(msg, "bytes")
+        gpu = optional_integer(msg, "gpu")
+        if conn.kernel_id in self._making_room:
+            return {"gpus": [], "released": [], "bytes": 0, "cause": "busy",
+                    "text": "gpushare: room is being made for this kernel already: run the cell "
+                            "again in a moment"}
+        self._making_room.add(conn.kernel_id)
+        try:
+            return await oom_room.after_oom(self.controller, conn.kernel_id, gpu, nbytes)
+        except ControllerError as e:
+            raise LookupError(e.message) from None
+        finally:
+            self._making_room.discard(conn.kernel_id)
 
     def allow_background(self, conn: AgentConnection, msg: dict[str, Any]) -> dict[str, Any]:
         allow = boolean(msg, "allow")

@@ -1,0 +1,206 @@
+"""Room after a cell ran out of GPU memory: this server's idle kernels on that GPU released,
+so that the cell's next try fits.
+
+A fresh kernel's first allocation, or a cell that grows, is neither memory pressure nor a
+waiting restore, so under ``release_policy = "needs"`` nothing made room for it: the person
+got the framework's error while others' kernels sat idle on the GPU. The kernel's agent asks
+after such an error (``out_of_memory``); the answer is the line said under the error.
+
+The rule (:func:`plan`): make-room's (the policy's ``make_room``: kernels idle at least
+``pressure_idle_timeout``, not pinned, not busy, quiet on the GPU; the failing kernel left
+out), for the bytes the failed allocation asked for plus the pressure threshold's share of the
+GPU (so the retry fits and leaves the GPU out of pressure), else for the bytes alone; when the
+error does not say how much, every idle kernel there that make-room may take. Nothing is
+released when even that would not fit, or when the allocation would pass the kernel's own
+memory cap (the cap is the cause). Each release is an ordinary automatic release (its event,
+its reason); the cell itself is never run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from .. import clock, policy
+from ..node.placement import placed_gpus
+from ..policy.placement import pressure_floor
+from ..units import format_bytes
+from .errors import ControllerError
+
+if TYPE_CHECKING:
+    from .controller import Controller
+    from .lifecycle import Lifecycle
+
+SETTLE = 1.5  # s the answer waits for the releases it started (the person reruns after it)
+
+
+def takeable(c: policy.Candidate, cfg: policy.ReleaseSettings) -> bool:
+    """Make-room may take this kernel: idle at least ``pressure_idle_timeout`` and
+    :func:`..policy.eligible`."""
+    return c.idle_seconds >= cfg.pressure_idle_timeout and policy.eligible(c, cfg)
+
+
+def plan(rules: policy.Policy, gpus: list[int], nbytes: int | None, free: dict[int, int],
+         total: dict[int, int], candidates: list[policy.Candidate], exclude: str,
+         ) -> list[policy.Decision] | None:
+    """The kernels to release after ``exclude`` failed to allocate ``nbytes`` (None: not
+    said) on each of ``gpus``: [] when the retry fits already, None when it cannot be made to
+    fit. Pure: the server and the simulator call it alike. ``free``: bytes free per GPU
+    (releases in flight counted as done); ``total``: each GPU's memory."""
+    if nbytes is not None:
+        floor = pressure_floor({g: total.get(g, 0) for g in gpus},
+                               rules.settings.pressure_free_fraction)
+        with_floor = rules.make_room({g: nbytes + floor[g] for g in gpus}, free, candidates, exclude)
+        if with_floor is not None:
+            return with_floor
+        return rules.make_room({g: nbytes for g in gpus}, free, candidates, exclude)
+    pool = {g: sum(c.gpu_bytes.get(g, 0) for c in candidates
+                   if c.kernel_id != exclude and takeable(c, rules.settings)) for g in gpus}
+    if not any(pool.values()):
+        return None
+    return rules.make_room({g: free.get(g, 0) + n for g, n in pool.items() if n},
+                           free, candidates, exclude)
+
+
+async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int | None
+                    ) -> dict[str, Any]:
+    """Make room for the next try of ``kernel_id``'s cell, which failed to allocate ``nbytes``
+    (None: not said) on the node's ``gpu`` (None: not said). What was done, and the line to
+    say under the error (``text``; "" when the kernel's own cap is the cause). A GPU the node
+    does not have is a ValueError, before anything changes."""
+    total = c.node_room.total_bytes()
+    if gpu is not None and gpu not in total:
+        raise ValueError(f"gpu must be one of the node's GPUs {sorted(total)}, got {gpu}")
+    st = c.get(kernel_id)
+    gpus = _gpus_of(c, kernel_id, gpu)
+    out: dict[str, Any] = {"gpus": gpus, "released": [], "bytes": 0}
+    if not gpus:
+        return {**out, "cause": "unknown_gpu",
+                "text": "gpushare: which GPU ran out of memory is not known here: nothing released"}
+    if _over_own_cap(c, st, gpus, nbytes):
+        return {**out, "cause": "cap", "text": ""}
+    await c.refresh_quietly()  # the free memory after the failure, not a poll's old reading
+    now = clock.now()
+    free = c.room.known_free(await c.node_room.read_free(gpus))
+    for g in free:  # releases in flight free their bytes: count them as done
+        free[g] += c.room.releases_may_take_back(g)
+    cands = c.room.room_candidates(kernel_id, now)
+    decisions = plan(c.rules, gpus, nbytes, free, total, cands, kernel_id)
+    on = _on(gpus)
+    if decisions is None:
+        return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands)}
+    if not decisions:
+        asked = f" for the {format_bytes(nbytes)} the cell asked for" if nbytes is not None else ""
+        return {**out, "cause": "room",
+                "text": f"gpushare: {on} has room now{asked}: run the cell again"}
+    by_id = {x.kernel_id: x for x in cands}
+    who = _label(c, kernel_id)
+    ops, freed = [], 0
+    for d in decisions:
+        taken = by_id[d.kernel_id]
+        reason = (f"making room: kernel {who} ran out of memory on {on}: "
+                  f"idle for {taken.idle_seconds:.0f} s")
+        try:
+            ops.append(c.release_automatically(d.kernel_id, reason))
+        except ControllerError:
+            continue  # taken meanwhile (an operation started, pinned): the rest still go
+        out["released"].append(d.kernel_id)
+        freed += sum(taken.gpu_bytes.get(g, 0) for g in gpus)
+    out["bytes"] = freed
+    if not ops:
+        return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands)}
+    done, _ = await asyncio.wait({op.task for op in ops}, timeout=SETTLE)
+    failed = [t.result().message for t in done if not t.result().ok]
+    n = len(ops)
+    kernels = f"{n} idle kernel{'s' if n != 1 else ''} ({format_bytes(freed)})"
+    if len(failed) == n:
+        return {**out, "cause": "failed",
+                "text": f"gpushare: {on} was short of memory: releasing {kernels} failed "
+                        f"({failed[0][:200]}): nothing freed"}
+    verb = "released" if len(done) == n and not failed else "releasing"
+    return {**out, "cause": "released",
+            "text": f"gpushare: {on} was short of memory: {verb} {kernels}: run the cell again"}
+
+
+def _gpus_of(c: Controller, kernel_id: str, gpu: int | None) -> list[int]:
+    """The GPUs to make room on: the one the error named when it is the kernel's (or the
+    kernel's GPUs are not known), else every GPU the kernel was placed on or holds memory on."""
+    rec = c.tracker.kernels.get(kernel_id)
+    mine = set(placed_gpus(c.tracker.km, kernel_id))
+    mine |= {g for g, n in (rec.gpu_bytes if rec is not None else {}).items() if g >= 0 and n}
+    if gpu is not None and (not mine or gpu in mine):
+        return [gpu]
+    return sorted(mine)
+
+
+def _over_own_cap(c: Controller, st: Lifecycle, gpus: list[int], nbytes: int | None) -> bool:
+    """The allocation would pass the kernel's own memory cap (unknown bytes under a cap: the
+    cap may be why, so nobody else is released for it)."""
+    cap = c.memory_cap(st)
+    if cap is None:
+        return False
+    if nbytes is None:
+        return True
+    rec = c.tracker.kernels.get(st.kernel_id)
+    held = rec.gpu_bytes if rec is not None else {}
+    return any(held.get(g, 0) + nbytes > cap for g in gpus)
+
+
+def _none_text(c: Controller, kernel_id: str, gpus: list[int], nbytes: int | None,
+               cands: list[policy.Candidate]) -> str:
+    """Why nothing is released, per GPU: idle kernels that hold too little, or none idle
+    (and what the others there are doing)."""
+    cfg = c.config
+    lines = []
+    for g in gpus:
+        pool = [x for x in cands if x.gpu_bytes.get(g) and takeable(x, cfg)]
+        if pool and nbytes is not None:
+            held = sum(x.gpu_bytes[g] for x in pool)
+            lines.append(f"gpushare: GPU {g} is short of memory: its idle kernels hold "
+                         f"{format_bytes(held)}, less than the {format_bytes(nbytes)} the cell "
+                         "asked for: nothing released")
+            continue
+        why = Counter(_kept_why(c, k, cfg, cands) for k, rec in c.tracker.kernels.items()
+                      if k != kernel_id and rec.gpu_bytes.get(g))
+        if not why:
+            lines.append(f"gpushare: GPU {g} is short of memory and no other kernel of this "
+                         "server holds memory there")
+            continue
+        n = sum(why.values())
+        counts = ", ".join(f"{v} {k}" for k, v in why.most_common())
+        lines.append(f"gpushare: GPU {g} is short of memory and no idle kernel there can be "
+                     f"released ({n} kernel{'s' if n != 1 else ''}: {counts})")
+    return "\n".join(lines)
+
+
+def _kept_why(c: Controller, kernel_id: str, cfg: Any, cands: list[policy.Candidate]) -> str:
+    """One word on why make-room keeps a kernel: "active", "pinned", ..."""
+    cand = next((x for x in cands if x.kernel_id == kernel_id), None)
+    if cand is None:
+        st = c.states.get(kernel_id)
+        return "being moved" if st is not None and st.op is not None else "refused lately"
+    if cand.pinned:
+        return "pinned"
+    if not cand.resident:
+        return "being moved"
+    used = cand.max_utilization if cand.pressure_utilization is None else cand.pressure_utilization
+    if cand.busy or cand.idle_seconds < cfg.pressure_idle_timeout or used > cfg.idle_utilization:
+        return "active"
+    if policy.effective_idle_timeout(cand.idle_timeout, cfg.idle_timeout) == 0:
+        return "never released"
+    if not cand.releasable:
+        return "without a release method"
+    return "too small" if cand.bytes < cfg.min_release_bytes else "kept"
+
+
+def _label(c: Controller, kernel_id: str) -> str:
+    """The kernel as a person knows it: its notebook's name, else its id's start."""
+    rec = c.tracker.kernels.get(kernel_id)
+    path = rec.path if rec is not None else ""
+    return os.path.basename(path) if path else kernel_id[:8]
+
+
+def _on(gpus: list[int]) -> str:
+    return ("GPU " if len(gpus) == 1 else "GPUs ") + ", ".join(map(str, gpus))
