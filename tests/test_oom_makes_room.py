@@ -88,6 +88,11 @@ async def test_bad_requests_a_kernels_own_cap_and_nothing_idle_release_nothing(
     assert "'cause': 'cap'" in (await b.run("print(ask(bytes=128 * 2**20, gpu=0))")).stdout
     await b.run("%gpushare cap off")
 
+    # more than the idle kernels could free: nobody is released for nothing
+    out = await b.run("print(ask(bytes=2**30, gpu=0)['text'])")
+    assert ("gpushare: GPU 0 is short of memory: 64.0 MiB free and 192.0 MiB in idle kernels "
+            "would not hold the 1.0 GiB the cell asked for: nothing released") in out.stdout, out
+
     # a pinned kernel is never taken: the cell says why nothing was released
     await a.run("%gpushare pin")
     ex = await b.run(ALLOC.format(mib=128), ok=False)

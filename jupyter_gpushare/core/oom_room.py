@@ -90,7 +90,7 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
     decisions = plan(c.rules, gpus, nbytes, free, total, cands, kernel_id)
     on = _on(gpus)
     if decisions is None:
-        return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands)}
+        return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands, free)}
     if not decisions:
         asked = f" for the {format_bytes(nbytes)} the cell asked for" if nbytes is not None else ""
         return {**out, "cause": "room",
@@ -110,7 +110,7 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
         freed += sum(taken.gpu_bytes.get(g, 0) for g in gpus)
     out["bytes"] = freed
     if not ops:
-        return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands)}
+        return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands, free)}
     done, _ = await asyncio.wait({op.task for op in ops}, timeout=SETTLE)
     failed = [t.result().message for t in done if not t.result().ok]
     n = len(ops)
@@ -149,7 +149,7 @@ def _over_own_cap(c: Controller, st: Lifecycle, gpus: list[int], nbytes: int | N
 
 
 def _none_text(c: Controller, kernel_id: str, gpus: list[int], nbytes: int | None,
-               cands: list[policy.Candidate]) -> str:
+               cands: list[policy.Candidate], free: dict[int, int]) -> str:
     """Why nothing is released, per GPU: idle kernels that hold too little, or none idle
     (and what the others there are doing)."""
     cfg = c.config
@@ -158,9 +158,9 @@ def _none_text(c: Controller, kernel_id: str, gpus: list[int], nbytes: int | Non
         pool = [x for x in cands if x.gpu_bytes.get(g) and takeable(x, cfg)]
         if pool and nbytes is not None:
             held = sum(x.gpu_bytes[g] for x in pool)
-            lines.append(f"gpushare: GPU {g} is short of memory: its idle kernels hold "
-                         f"{format_bytes(held)}, less than the {format_bytes(nbytes)} the cell "
-                         "asked for: nothing released")
+            lines.append(f"gpushare: GPU {g} is short of memory: {format_bytes(free.get(g, 0))} "
+                         f"free and {format_bytes(held)} in idle kernels would not hold the "
+                         f"{format_bytes(nbytes)} the cell asked for: nothing released")
             continue
         why = Counter(_kept_why(c, k, cfg, cands) for k, rec in c.tracker.kernels.items()
                       if k != kernel_id and rec.gpu_bytes.get(g))
