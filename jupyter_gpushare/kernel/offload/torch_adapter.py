@@ -353,6 +353,13 @@ class StreamCopies:
         """A host copy no longer in use: kept for the next cycle when the bounds allow."""
         self.pool.give(host, host.nbytes())
 
+    def settle(self) -> None:
+        """Wait for every stream of every GPU (work a cell queued on a stream of its own may
+        still write after the cell ended): a pre-copy's copies are then current as of the
+        epoch read after it (the test hooks: nothing runs behind them)."""
+        if self.copy == self._cuda_copy:
+            _cuda_synchronize()
+
     def end_cycle(self) -> None:
         if self.pool.end_cycle():
             _release_pinned_cache()  # the dropped buffers go back to the OS, not a cache
@@ -426,6 +433,9 @@ class LegacyCopies:
     def recycle(self, host: Any) -> None:
         pass
 
+    def settle(self) -> None:
+        self._synchronize()
+
     def end_cycle(self) -> None:
         _release_pinned_cache()
 
@@ -482,7 +492,8 @@ class _Kept:
     base's). Writes PyTorch does not see (through ``.data``, DLPack, NumPy, a raw pointer)
     move no counter: a release also checks the storage's device fingerprint (``check``:
     every byte, or a sample; see ``KEPT_CHECK_ENV``) against the one taken with the copy
-    (:func:`_unchanged`), and copies the storage again when it differs."""
+    (:func:`_unchanged`), and copies the storage again when it differs, unless no code can
+    have run since the copy was made current (``epoch``, :mod:`.quiet`)."""
 
     host: Any
     nbytes: int
@@ -704,8 +715,11 @@ class TorchAdapter(OffloadAdapter):
         if self._groups:
             return report  # offloaded: nothing is on the device
         start = time.perf_counter()
-        began = quiet.epoch()  # before any byte is read
         copies = self.copies.for_background()
+        settle = getattr(copies, "settle", None)
+        if settle is not None and quiet.epoch() is not None:  # trusted by the epoch: no GPU
+            settle()  # work may run behind the copies
+        began = quiet.epoch()  # before any byte is read
         check = kept_check()
         groups = self._find_groups(namespace, report)
         with _kept_lock:
