@@ -111,6 +111,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
             for g, n in st.released_gpus.items():
                 released_per_gpu[g] = released_per_gpu.get(g, 0) + n
     returning = returning_bytes(controller)
+    restoring = controller.reservations.snapshot()  # part of returning: restores in flight
     gpus = [
         {
             "index": g.info.index,
@@ -121,6 +122,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
             "utilization": g.info.utilization,
             "released_bytes": released_per_gpu.get(g.info.index, 0),
             "returning_bytes": returning.get(g.info.index, 0),
+            "restoring_bytes": restoring.get(g.info.index, 0),
             "mig": g.info.mig,
             # SM demand against 100 % over the window, and who shares the GPU
             "load": controller.rebalancer.contention(g.info.index).load,

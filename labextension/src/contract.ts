@@ -151,6 +151,12 @@ export interface IGPU {
    * it was added.
    */
   returning_bytes?: number;
+  /**
+   * Of returning_bytes, what this server's restores in flight reserved on this GPU and has not
+   * landed yet (not in memory_used yet): the hub service counts it when it makes room for another
+   * server's restore. Absent from servers before it was added.
+   */
+  restoring_bytes?: number;
   /** This entry is a MIG instance. */
   mig: boolean;
   /**
