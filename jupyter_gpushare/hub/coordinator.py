@@ -631,9 +631,12 @@ class Coordinator:
         holdings = self.view.holdings()
         late = {e.ref.key for e in others if e.slow or (e.task is not None and not e.task.done())}
         prompt = [h for h, p in zip(holdings, self.view.placed, strict=True) if p.ref.key not in late]
-        plan = crossuser.make_room(user, fresh.need, known, prompt, ledger, self.settings.policy, names)
+        landing = self._landing(fresh)
+        plan = crossuser.make_room(user, fresh.need, known, prompt, ledger, self.settings.policy, names,
+                                   landing)
         if not plan.enough and late:  # only then a slow server's kernels, and its wait
-            plan = crossuser.make_room(user, fresh.need, known, holdings, ledger, self.settings.policy, names)
+            plan = crossuser.make_room(user, fresh.need, known, holdings, ledger, self.settings.policy,
+                                       names, landing)
         if wait is not None:
             wait.last_try = now()
         released: list[dict[str, Any]] = []
@@ -652,6 +655,23 @@ class Coordinator:
         if wait is not None:
             wait.why = why
         return released, why
+
+    def _landing(self, placed: Placed) -> dict[int, int]:
+        """Per GPU ``placed`` needs, what other restores will still take there that its free
+        memory does not show: every server's restores in flight (their reserved bytes not
+        landed yet, as each server says; an older server says nothing), and the needs of other
+        restores this service made room for that still wait (their room is theirs: counted
+        free, it would be promised twice). Each restore once: a served one that has started
+        is in its server's reserved bytes, no longer waiting."""
+        out = {g: self.view.gpus[g].restoring for g in placed.need if g in self.view.gpus}
+        for other in self.view.waiting():
+            key = (other.ref.user, other.ref.name, other.kernel.id)
+            if other is placed or key not in self.served:
+                continue
+            for g, n in other.need.items():
+                if g in out:
+                    out[g] += n
+        return out
 
     def _served(self, placed: Placed, nbytes: int) -> None:
         key = (placed.ref.user, placed.ref.name, placed.kernel.id)

@@ -29,6 +29,9 @@ class GPUSnap:
     #: what the server's kernels will still bring onto it, each once (None: a server before
     #: the field; the service then counts released_bytes and waiting restores' needs)
     returning_bytes: int | None = None
+    #: of those, what its restores in flight reserved and has not landed yet (None: a server
+    #: before the field; the service then counts none)
+    restoring_bytes: int | None = None
 
 
 @dataclass
@@ -125,7 +128,8 @@ def parse_status(raw: bytes, at: float) -> Snapshot:
             index=_count(g, "index") or 0, uuid=_get(g, "uuid", str)[:100], name=_get(g, "name", str)[:100],
             total=_count(g, "memory_total", nullable=True), used=_count(g, "memory_used", nullable=True),
             utilization=None if util is None else float(util), released_bytes=_count(g, "released_bytes") or 0,
-            returning_bytes=_count(g, "returning_bytes", nullable=True)))
+            returning_bytes=_count(g, "returning_bytes", nullable=True),
+            restoring_bytes=_count(g, "restoring_bytes", nullable=True)))
     kernels = _get(body, "kernels", list)
     if len(kernels) > MAX_KERNELS:
         raise ValueError(f"{len(kernels)} kernels: more than {MAX_KERNELS}")

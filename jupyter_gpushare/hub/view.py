@@ -84,6 +84,9 @@ class GPUState:
     #: bytes every server's kernels will still bring onto it, each kernel once (room = free
     #: less this): a restoring kernel's landed bytes are in used, not counted again
     returning: int = 0
+    #: of those, what every server's restores in flight reserved there and has not landed yet
+    #: (not in used yet); a server before restoring_bytes adds nothing
+    restoring: int = 0
     at: float = 0.0  # time of the snapshot the numbers come from
     by_user: dict[str, int] = field(default_factory=dict)  # resident bytes per person
     measured: bool = False  # the numbers are the service's own reading
@@ -136,6 +139,7 @@ class NodeView:
                 # a server before returning_bytes: its released bytes (restoring kernels'
                 # whole held state among them) and, below, its waiting restores' needs
                 gpu.returning += g.released_bytes if g.returning_bytes is None else g.returning_bytes
+                gpu.restoring += g.restoring_bytes or 0
                 readings.setdefault(gid, []).append((g.total, g.used))
                 if snap.at >= gpu.at:  # the freshest utilization (shown, never acted on)
                     gpu.utilization, gpu.at = g.utilization, snap.at

@@ -62,13 +62,17 @@ def make_room(
     ledger: Ledger,
     cfg: HubPolicy,
     gpu_names: Mapping[int, str] | None = None,
+    landing: Mapping[int, int] | None = None,
 ) -> Plan:
     """Other people's kernels to release so ``need`` bytes fit on each GPU (all or nothing).
 
-    ``free`` is each GPU's free memory seen now; ``ledger`` each person's memory and share
-    (it is not changed)."""
+    ``free`` is each GPU's free memory seen now; ``landing`` what other restores will still
+    take there although ``free`` does not show it yet (in flight, their bytes reserved and not
+    landed; or room already made for them): the room is ``free`` less that; ``ledger`` each
+    person's memory and share (it is not changed)."""
     names = gpu_names or {}
-    short = {g: n - free.get(g, 0) for g, n in need.items() if n > free.get(g, 0)}
+    room = {g: free.get(g, 0) - (landing or {}).get(g, 0) for g in need}
+    short = {g: n - room[g] for g, n in need.items() if n > room[g]}
     if not short:
         return Plan([], True)
     requester_within = all(ledger.within(requester, g, n) for g, n in need.items())
