@@ -272,6 +272,14 @@ class Controller:
             out[g] = info.memory_total - info.memory_used - self.reservations.reserved(g)
         return out
 
+    def wanted_free(self, now: float) -> dict[int, int]:
+        """Free memory per GPU as the release policy weighs it: :meth:`seen_free` less what
+        kernels this server placed there and that have not allocated yet are expected to
+        take. A kernel started on a GPU where idle kernels leave too little room for it
+        has them make way before its first allocation, not after it failed."""
+        promised = self.room.load.promised(now)
+        return {g: f - promised.get(g, 0) for g, f in self.seen_free().items()}
+
     # -- the loop --------------------------------------------------------------------------
     async def tick(self) -> None:
         """After each tracker poll: sync states, drop the dead, apply the policy.
@@ -293,7 +301,7 @@ class Controller:
                 self._watchdog(st, rec, now)
             except Exception:
                 log.exception("gpushare: kernel %s: could not apply the policy", kid)
-        for decision in self.rules.decide(candidates, self.seen_free(), self.node_room.total_bytes()):
+        for decision in self.rules.decide(candidates, self.wanted_free(now), self.node_room.total_bytes()):
             st = self.states[decision.kernel_id]
             if self.failed_recently(st, now) or st.op is not None or self.closing:
                 continue

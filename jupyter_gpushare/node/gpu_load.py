@@ -142,6 +142,16 @@ def coming_back(states: Iterable[HeldState]) -> dict[int, int]:
     return out
 
 
+def _used(rec: KernelUse | None, gpu: int) -> bool:
+    """The kernel has used ``gpu`` (held memory or computed there) since it was placed;
+    bytes on an unknown GPU (-1: the agent's own count where NVML cannot see the kernel's
+    processes) are used, wherever they are."""
+    if rec is None:
+        return False
+    used = rec.peak_gpu_bytes
+    return bool(used.get(gpu) or used.get(-1) or gpu in rec.computed)
+
+
 @dataclass
 class Placed:
     """Where this server placed a kernel, and what it was expected to need there."""
@@ -191,6 +201,21 @@ class GpuLoad:
             if kid in ended or now - self.placed[kid].at > START_GRACE:
                 del self.placed[kid]
 
+    def promised(self, now: float | None = None) -> dict[int, int]:
+        """Per GPU, the bytes this server's placed kernels that have not used it yet are
+        expected to allocate there: memory that is wanted, though no one waits for it yet
+        (the release policy counts it as taken, so that idle kernels make way before the
+        first allocation fails)."""
+        now = clock.now() if now is None else now
+        records = self.kernels()
+        self.forget(records, now)
+        out: dict[int, int] = {}
+        for kid, p in self.placed.items():
+            for g in p.gpus:
+                if not _used(records.get(kid), g):
+                    out[g] = out.get(g, 0) + p.need.bytes
+        return out
+
     # -- views ------------------------------------------------------------------------------
     def views(self, room: Mapping[int, int | None], within: Mapping[int, bool] | None = None,
               exclude: str | None = None, now: float | None = None,
@@ -214,14 +239,9 @@ class GpuLoad:
         for kid, p in self.placed.items():
             if kid == exclude:
                 continue
-            rec = records.get(kid)
-            used = rec.peak_gpu_bytes if rec is not None else {}
-            computed = rec.computed if rec is not None else {}
             for g in p.gpus:
                 there.setdefault(g, set()).add(kid)
-                # placed, not yet used there (bytes on an unknown GPU, -1, are the agent's own
-                # count where NVML cannot see the kernel's processes: used, wherever it is)
-                if not used.get(g) and not used.get(-1) and g not in computed:
+                if not _used(records.get(kid), g):
                     pending[g] = pending.get(g, 0.0) + p.need.load
                     promised[g] = promised.get(g, 0) + p.need.bytes
         for kid, rec in records.items():

@@ -314,7 +314,10 @@ class GPUShare(Policy):
         if not kernels:
             return
         gpus = sim.node_gpus(kernels[0].gpu)
-        free = {g: sim.node.free(g) for g in gpus}
+        # the product's seen free memory less what this server's placed kernels that have
+        # not allocated yet are expected to take (``GpuLoad.promised``): their room is wanted
+        promised = self.promised(sim, user)
+        free = {g: sim.node.free(g) - promised.get(g, 0) for g in gpus}
         total = {g: sim.node.gpus[g].capacity for g in gpus}
         by_id = {o.id: o for o in kernels}
         cands = [self.candidate(sim, o) for o in kernels]
@@ -326,6 +329,24 @@ class GPUShare(Policy):
         for o in kernels:
             if o.state == RELEASED and o.pending is None and o.ahead_since is not None:
                 self._try_restore(sim, o)
+
+    def promised(self, sim: Simulation, user: int) -> dict[int, int]:
+        """Per GPU, the bytes ``user``'s placed kernels that have not allocated yet are
+        expected to allocate there (the product's ``GpuLoad.promised``: a server knows its
+        own placements)."""
+        out: dict[int, int] = {}
+        for o in sim.by_user[user]:
+            if o.need is None:
+                continue
+            for g in o.gpus:
+                if o.index in sim.placed[g]:
+                    out[g] = out.get(g, 0) + o.need.bytes
+        return out
+
+    def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
+        gpus = super().place_at_start(sim, k)
+        self.schedule_check(sim, k.user_index, sim.now)  # its expected need may want room
+        return gpus
 
     def releases(self, sim: Simulation, kernels: list[Kernel], cands: list[product.Candidate],
                  free: dict[int, int], total: dict[int, int]) -> list[tuple[str, str]]:
