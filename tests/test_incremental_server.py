@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from .helpers import kernel_status, wait_for
+from .helpers import kernel_status, rest, wait_for
 
 MiB = 1 << 20
 
@@ -107,6 +107,42 @@ async def test_host_memory_short_drops_the_kept_copies(jp_fetch, kernels, gpusha
     gpushare_app.host_memory_reserve = 1 << 60  # no machine has that much room left
     await copies_seen(jp_fetch, gpushare_app, k.id, 0, 4 * MiB)
     assert gpushare_app.precopies.dropped == 4 * MiB
+
+
+@pytest.mark.parametrize("gpushare_config", [{"precopy_after": 0, "host_memory_reserve": 0}],
+                         indirect=True)
+async def test_the_host_memory_check_asks_only_for_what_a_release_still_copies(
+    jp_fetch, kernels, gpushare_app, tmp_path
+):
+    """Host memory faked at its file (``/proc/meminfo``, 512 KiB available): a 4 MiB state
+    whose host copy is current fits, since it needs no new host memory; once a cell wrote
+    1 MiB of it, the release would copy that much and is refused, and says why."""
+    from jupyter_gpushare.core.hostmem import HostMemory
+
+    k = await kernels.start()
+    await k.run(HOLD)
+    await copies_seen(jp_fetch, gpushare_app, k.id, 0, 4 * MiB)
+    await release(jp_fetch, k.id)
+    await restore(jp_fetch, k.id)
+    await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)
+    (tmp_path / "meminfo").write_text("MemTotal: 1048576 kB\nMemAvailable: 512 kB\n")
+    gpushare_app.tracker.hostmem = HostMemory(proc=str(tmp_path), cgroup_root=str(tmp_path))
+    await gpushare_app.poll_once()
+
+    released = await release(jp_fetch, k.id)  # fits only because its copy is kept
+    assert "copied 0 B of 4.0 MiB" in released["release_detail"]
+    await restore(jp_fetch, k.id)
+    ex = await k.run("xs[2][:5] = 7\nsums[2] = xs[2].checksum()")
+    assert not ex.error
+    await copies_seen(jp_fetch, gpushare_app, k.id, 3 * MiB, MiB)
+    code, body = await rest(jp_fetch, "POST", "kernels", k.id, "release")
+    assert code == 409, body
+    assert "its GPU state (1.0 MiB) would not fit in host memory" in body["message"], body
+    assert "512 KiB" in body["message"], body
+    status = await kernel_status(jp_fetch, k.id)
+    assert status["state"] in ("active", "idle") and "would not fit" in status["release_blocked"]
+    ex = await k.run("assert [x.checksum() for x in xs] == sums\nprint('same data')")
+    assert "same data" in ex.stdout
 
 
 # -- PyTorch: a kept copy is trusted without reading it only while no code can have run ------

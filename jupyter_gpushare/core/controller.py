@@ -351,11 +351,17 @@ class Controller:
             st.idle_gpu_work_at = None
 
     def _note_host_room(self, st: Lifecycle, rec: KernelRecord) -> None:
-        # only what has no current host copy moves into host memory (the kept copies are
-        # there already, counted in the room)
-        need = rec.gpu_memory_bytes if rec.to_copy_bytes is None else min(
-            rec.gpu_memory_bytes, rec.to_copy_bytes)
+        need = self._host_need(rec, self.kernels.method_for(st.kernel_id))
         st.host_refusal = None if st.held is not None else self._host_refusal(rec.host_room, need)
+
+    def _host_need(self, rec: KernelRecord, method_name: str | None) -> int:
+        """Host memory a release takes: with a method that uses the kept host copies, only
+        what has none current (the kept copies are there already, counted in the room);
+        else (the driver's checkpoint copies everything) the whole GPU state."""
+        method = self.methods.get(method_name) if method_name is not None else None
+        if rec.to_copy_bytes is None or not getattr(method, "uses_kept_copies", False):
+            return rec.gpu_memory_bytes
+        return min(rec.gpu_memory_bytes, rec.to_copy_bytes)
 
     def _host_refusal(self, room: HostRoom | None, need: int) -> str | None:
         """Why ``need`` bytes do not fit in host memory (None: they fit, or we cannot tell)."""
@@ -549,7 +555,8 @@ class Controller:
         # wait below may already show a restarted kernel's new process in ``rec``
         kernel_pid, gpus, attributed = (rec.pids[0] if rec.pids else None), self._gpus_of(rec), rec.attributed
         room = await self.node_room.host_room(kernel_pid)
-        why = self._host_refusal(room, need)
+        host_need = self._host_need(rec, method_name)
+        why = self._host_refusal(room, host_need)
         if why:
             st.host_refusal = why
             return await self._refuse(st, op, f"not released: {why}")
@@ -558,7 +565,7 @@ class Controller:
         # meanwhile must count these bytes, or two that fit alone both move and OOM the host.
         # Given back when the method returns (the host's own numbers count the bytes then),
         # or when the operation ends without moving (refused, stopped)
-        give_back = op.on_end = self._host_claim(scope, need)
+        give_back = op.on_end = self._host_claim(scope, host_need)
         agent = self.kernels.agent(kid)
         if agent is not None:  # the agent knows whether a cell runs now: it decides
             try:

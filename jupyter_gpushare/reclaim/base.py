@@ -201,6 +201,10 @@ class ReclaimMethod(abc.ABC):
     simulated: bool = False
     #: release_method "auto" takes the supported method of the highest rank
     auto_rank: int = 0
+    #: a release copies only what has no current host copy kept by the kernel's agent (its
+    #: report's ``to_copy_bytes``), so the host memory check asks for no more; False: it
+    #: copies the whole GPU state (the driver's checkpoint)
+    uses_kept_copies: bool = False
 
     @classmethod
     def create(cls, context: MethodContext) -> ReclaimMethod:

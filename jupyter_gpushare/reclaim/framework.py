@@ -75,6 +75,7 @@ def freed_too_little(reply: dict[str, Any], moved: int, left: int) -> tuple[str,
 class FrameworkMethod(ReclaimMethod):
     name = "framework"
     needs_agent = True
+    uses_kept_copies = True
     supports_lazy = False  # offloaded tensors are host tensors: a cell would compute on the CPU
     auto_rank = 1  # works on old drivers and under MIG, but leaves the CUDA context
 

@@ -44,6 +44,7 @@ from .base import (
 class SimulatedMethod(ReclaimMethod):
     name = "simulated"
     needs_agent = True
+    uses_kept_copies = True
     supports_lazy = True
     simulated = True
     auto_rank = 1
