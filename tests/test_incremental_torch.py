@@ -502,6 +502,17 @@ class IncrementalTorch(RuleBasedStateMachine):
         #: (its ``._base``), then still current
         self.maybe: set[int] = set()
         self.counter = 0
+        #: no cell ran since every kept copy was made current (a restore, a pre-copy that
+        #: no cell overlapped): with the epoch watched, a release then reads no fingerprint
+        self.quiet = False
+
+    watched = False  # the agent's epoch (kernel/offload/quiet.py): see IncrementalTorchWatched
+
+    def cell(self) -> None:
+        """A cell runs (each cell rule calls it first): the epoch moves, as the agent's
+        wrapped request handlers move it."""
+        quiet.bump()
+        self.quiet = False
 
     # -- helpers ---------------------------------------------------------------------------
     def root(self, name: str) -> str:
@@ -530,6 +541,7 @@ class IncrementalTorch(RuleBasedStateMachine):
     @rule(size=st.integers(1, 64), gpu=st.sampled_from(["gpu0", "gpu1"]),
           seed=st.integers(0, 1000))
     def new_tensor(self, size, gpu, seed):
+        self.cell()
         name = f"t{self.counter}"
         self.counter += 1
         data = torch.randn(size, generator=torch.Generator().manual_seed(seed))
@@ -541,6 +553,7 @@ class IncrementalTorch(RuleBasedStateMachine):
     @precondition(lambda self: self.adapter is None and self.ns and len(self.ns) < 8)
     @rule(data=st.data())
     def new_view(self, data):
+        self.cell()
         of = data.draw(st.sampled_from(sorted(self.ns)))
         n = self.ns[of].numel()
         start = data.draw(st.integers(0, n - 1))
@@ -557,6 +570,7 @@ class IncrementalTorch(RuleBasedStateMachine):
     @precondition(lambda self: self.adapter is None and self.ns)
     @rule(data=st.data(), value=st.floats(-4, 4, allow_nan=False))
     def write_in_place(self, data, value):
+        self.cell()
         name = data.draw(st.sampled_from(sorted(self.ns)))
         with torch.no_grad():
             self.ns[name].add_(value)
@@ -568,6 +582,7 @@ class IncrementalTorch(RuleBasedStateMachine):
           value=st.floats(0.5, 4))
     def write_unseen(self, data, how, value):
         """A write no version counter sees: the fingerprint must."""
+        self.cell()
         name = data.draw(st.sampled_from(sorted(self.ns)))
         unseen_write(self.ns[name], how, value)
         with torch.no_grad():
@@ -577,6 +592,7 @@ class IncrementalTorch(RuleBasedStateMachine):
     @precondition(lambda self: self.adapter is None and self.ns)
     @rule(data=st.data())
     def delete(self, data):
+        self.cell()
         name = data.draw(st.sampled_from(sorted(self.ns)))
         self.maybe.add(self.storage_key(name))  # the group lost a tensor (or the storage goes)
         del self.ns[name], self.ref[name], self.ids[name]
@@ -595,6 +611,7 @@ class IncrementalTorch(RuleBasedStateMachine):
             plain_copy(dst, src, device)
             copied.append(src._cdata)
             if victim is not None and not wrote:  # a cell writes while the pre-copy runs
+                self.cell()
                 with torch.no_grad():
                     if unseen:  # through .data: no counter moves
                         self.ns[victim].data.mul_(-1)
@@ -609,6 +626,7 @@ class IncrementalTorch(RuleBasedStateMachine):
         finally:
             self.gpus.copy = plain_copy
         self.clean()
+        self.quiet = not wrote
         # the write landed after the first copy: that copy is stale, and so is a kept copy
         # the pre-copy did not renew; a storage copied after the write is current
         for key in wrote:
@@ -632,6 +650,8 @@ class IncrementalTorch(RuleBasedStateMachine):
         report = adapter.offload(self.ns)
         assert report.skipped == []
         assert least <= report.copied <= most
+        if self.watched and self.quiet:
+            assert report.checked == 0
         assert all(self.gpus.on(t) is None for t in self.ns.values())
         self.adapter = adapter
 
@@ -648,6 +668,7 @@ class IncrementalTorch(RuleBasedStateMachine):
         self.adapter.reload()
         self.adapter = None
         self.clean()  # every storage has its host copy kept
+        self.quiet = True
         assert all(self.gpus.on(t) is not None for t in self.ns.values())
 
     @invariant()
@@ -663,10 +684,25 @@ class IncrementalTorch(RuleBasedStateMachine):
         if self.adapter is not None:
             self.adapter.reload()
         drop_kept()
+        quiet.unwatch()
+
+
+class IncrementalTorchWatched(IncrementalTorch):
+    """The same, in a kernel whose agent watches its requests: kept copies current at the
+    epoch are trusted unread, and still no write is lost."""
+
+    watched = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        quiet.watch()
 
 
 TestIncrementalTorch = IncrementalTorch.TestCase
 TestIncrementalTorch.settings = settings(max_examples=40, stateful_step_count=25, deadline=None, database=None)
+TestIncrementalTorchWatched = IncrementalTorchWatched.TestCase
+TestIncrementalTorchWatched.settings = settings(max_examples=25, stateful_step_count=25,
+                                                deadline=None, database=None)
 
 
 def test_keeping_can_be_turned_off(monkeypatch):
