@@ -6,7 +6,7 @@ waiting restore, so under ``release_policy = "needs"`` nothing made room for it:
 got the framework's error while others' kernels sat idle on the GPU. The kernel's agent asks
 after such an error (``out_of_memory``); the answer is the line said under the error.
 
-The rule (:func:`plan`): make-room's (the policy's ``make_room``: kernels idle at least
+The rule (:func:`..policy.oom.plan`): make-room's (the policy's ``make_room``: kernels idle at least
 ``pressure_idle_timeout``, not pinned, not busy, quiet on the GPU; the failing kernel left
 out), for the bytes the failed allocation asked for plus the pressure threshold's share of the
 GPU (so the retry fits and leaves the GPU out of pressure), else for the bytes alone; when the
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import clock, policy
 from ..node.placement import placed_gpus
-from ..policy.placement import pressure_floor
+from ..policy.oom import plan
 from ..units import format_bytes
 from .errors import ControllerError
 
@@ -34,34 +34,6 @@ if TYPE_CHECKING:
     from .lifecycle import Lifecycle
 
 SETTLE = 1.5  # s the answer waits for the releases it started (the person reruns after it)
-
-
-def takeable(c: policy.Candidate, cfg: policy.ReleaseSettings) -> bool:
-    """Make-room may take this kernel: idle at least ``pressure_idle_timeout`` and
-    :func:`..policy.eligible`."""
-    return c.idle_seconds >= cfg.pressure_idle_timeout and policy.eligible(c, cfg)
-
-
-def plan(rules: policy.Policy, gpus: list[int], nbytes: int | None, free: dict[int, int],
-         total: dict[int, int], candidates: list[policy.Candidate], exclude: str,
-         ) -> list[policy.Decision] | None:
-    """The kernels to release after ``exclude`` failed to allocate ``nbytes`` (None: not
-    said) on each of ``gpus``: [] when the retry fits already, None when it cannot be made to
-    fit. Pure: the server and the simulator call it alike. ``free``: bytes free per GPU
-    (releases in flight counted as done); ``total``: each GPU's memory."""
-    if nbytes is not None:
-        floor = pressure_floor({g: total.get(g, 0) for g in gpus},
-                               rules.settings.pressure_free_fraction)
-        with_floor = rules.make_room({g: nbytes + floor[g] for g in gpus}, free, candidates, exclude)
-        if with_floor is not None:
-            return with_floor
-        return rules.make_room({g: nbytes for g in gpus}, free, candidates, exclude)
-    pool = {g: sum(c.gpu_bytes.get(g, 0) for c in candidates
-                   if c.kernel_id != exclude and takeable(c, rules.settings)) for g in gpus}
-    if not any(pool.values()):
-        return None
-    return rules.make_room({g: free.get(g, 0) + n for g, n in pool.items() if n},
-                           free, candidates, exclude)
 
 
 async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int | None
@@ -155,7 +127,7 @@ def _none_text(c: Controller, kernel_id: str, gpus: list[int], nbytes: int | Non
     cfg = c.config
     lines = []
     for g in gpus:
-        pool = [x for x in cands if x.gpu_bytes.get(g) and takeable(x, cfg)]
+        pool = [x for x in cands if x.gpu_bytes.get(g) and policy.may_take_for_room(x, cfg)]
         if pool and nbytes is not None:
             held = sum(x.gpu_bytes[g] for x in pool)
             lines.append(f"gpushare: GPU {g} is short of memory: {format_bytes(free.get(g, 0))} "

@@ -157,7 +157,7 @@ def eligible(c: Candidate, cfg: ReleaseSettings) -> bool:
     return _quiet(c, cfg, c.pressure_utilization)
 
 
-def _quiet_under_pressure(c: Candidate, cfg: ReleaseSettings) -> bool:
+def may_take_for_room(c: Candidate, cfg: ReleaseSettings) -> bool:
     """Eligible for a pressure release or make-room: quiet over the pressure window (a kernel
     that computed before it and has idled past ``pressure_idle_timeout`` may be taken)."""
     return c.idle_seconds >= cfg.pressure_idle_timeout and eligible(c, cfg)
@@ -232,7 +232,7 @@ def pressure_releases(
         if free_now / capacity >= cfg.pressure_free_fraction:
             continue
         pool = [c for c in candidates if c.gpu_bytes.get(gpu) and c.kernel_id not in chosen
-                and _quiet_under_pressure(c, cfg)]
+                and may_take_for_room(c, cfg)]
         for c in _longest_idle_first(pool):
             if free_now / capacity >= cfg.pressure_free_fraction:
                 break
@@ -299,7 +299,7 @@ def make_room(
     short = {g: n - free.get(g, 0) for g, n in need.items() if n > free.get(g, 0)}
     if not short:
         return []
-    pool = [c for c in candidates if c.kernel_id != exclude and _quiet_under_pressure(c, cfg)]
+    pool = [c for c in candidates if c.kernel_id != exclude and may_take_for_room(c, cfg)]
     decisions: list[Decision] = []
     for c in _longest_idle_first(pool):
         if not any(c.gpu_bytes.get(g) for g in short):
