@@ -1,0 +1,92 @@
+"""Two users' restores onto one GPU at once, with a real JupyterHub and the gpushare service:
+the GPU (1 GiB, a shared simulated node) has room for one 384 MiB state, not both; carol's
+idle kernel holds the rest. The servers share one node_lock_dir (as the admin guide sets it up
+for several users' servers on a machine: here every user is this OS user), so the two restores
+take turns per GPU. alice's restore, once it runs, is held in flight (its memory taken) until
+bob's restore has started or waits. Whichever restore goes second finds the first one's bytes
+on the GPU: it must get its room from carol's idle kernel, never run out of memory, and both
+states come back whole.
+
+(Without a shared node_lock_dir, each user's server takes turns only with that user's own
+servers: the two restores may both pass their room checks at the same moment and the second
+then fails cleanly, its state held; docs/hub.md says so.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .hubharness import MiB, can_run, start_hub
+from .scenarios import intact
+from .test_hub import admin_view, holding_kernel, idle_for, released_kernel, shut, until
+from .test_restore_reservation import stall_restore_until
+
+pytestmark = pytest.mark.skipif(bool(can_run()), reason=can_run() or "")
+
+SERVICE_CONFIG = """
+c.GPUShareHub.poll_interval = 1
+c.GPUShareHub.pressure_idle_timeout = 2
+c.GPUShareHub.min_release_bytes = 0
+"""
+STATE = 384  # MiB
+
+
+@pytest.fixture(scope="module")
+def hub():
+    directory = Path(tempfile.mkdtemp(prefix="gi-", dir="/tmp"))  # short: AF_UNIX paths fit
+    hub = start_hub(directory, ["alice", "bob", "carol"], ["admin"], SERVICE_CONFIG,
+                    server_args=[f"--GPUShareApp.node_lock_dir={directory / 'locks'}"],
+                    gpus=(1024 * MiB,))
+    try:
+        asyncio.run(_start(hub))
+        yield hub
+    finally:
+        hub.stop()
+        if not os.environ.get("GPUSHARE_KEEP_HUB_DIR"):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _start(hub) -> None:
+    await asyncio.gather(*(hub.start_server(u) for u in ("alice", "bob", "carol")))
+
+
+async def test_two_restores_at_once_get_room_from_an_idle_kernel_and_come_back_whole(hub):
+    go = hub.dir / "go"
+    alice = await holding_kernel(hub, "alice", STATE, "a")
+    await alice.run(stall_restore_until(str(go)))  # its next restore waits in flight
+    code, body = await hub.gpushare("alice", f"kernels/{alice.id}/release", "POST",
+                                    token=await hub.token_for("alice"))
+    assert code == 200 and body["state"] == "released", body
+    bob = await released_kernel(hub, "bob", STATE, "b")
+    carol = await holding_kernel(hub, "carol", STATE, "c")
+    try:
+        await idle_for(hub, "carol", carol, 2.5)  # past pressure_idle_timeout: it may go
+        cell_a, cell_b = alice.send(intact("a")), bob.send(intact("b"))
+        # alice's restore, if it went first, holds its GPU's turn until it lands: let it land
+        # once bob's has started (it then waits for the turn, or for memory) or is done
+        await until(lambda: hub.kernel_status("bob", bob.id),
+                    lambda s: s["waiting"] or s["state"] != "released", "bob's restore under way")
+        go.touch()
+        out_a = await alice.wait(cell_a, timeout=90)
+        out_b = await bob.wait(cell_b, timeout=90)
+        for out in (out_a, out_b):
+            assert out["status"] == "ok" and "intact" in out["text"], out
+            assert "out of memory" not in out["text"].lower(), out
+        view = await until(lambda: admin_view(hub),
+                           lambda v: any(r["kernel"] == carol.id for r in v["recent"]),
+                           "the service's release of carol's kernel")
+        (action,) = [r for r in view["recent"] if r["kernel"] == carol.id]
+        assert action["action"] == "release" and action["for"] in ("alice", "bob"), action
+        for user, k in (("alice", alice), ("bob", bob)):
+            status = await hub.kernel_status(user, k.id)
+            assert status is not None and status["state"] in ("active", "idle"), status
+        assert (await hub.kernel_status("carol", carol.id))["state"] == "released"
+    finally:
+        go.touch()
+        await shut(alice, bob, carol)
