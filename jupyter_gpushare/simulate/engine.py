@@ -401,8 +401,10 @@ class Simulation:
         assert w is not None
         cell = w.cell
         if k.state == RESIDENT and not k.allocated and cell.uses_gpu:
-            if not self._first_allocation(k, max(k.work.gpu_bytes, cell.nbytes or 0)):
+            wanted = max(k.work.gpu_bytes, cell.nbytes or 0)
+            if not self._first_allocation(k, wanted):
                 self.counters.oom_failures += 1  # the cell fails; the person tries the next one
+                self.policy.on_out_of_memory(self, k, wanted)
                 k.pending = None
                 k.last_activity = self.now
                 self._next_cell(k, self.now)
@@ -412,6 +414,7 @@ class Simulation:
             if not self._grow(k, cell.nbytes):  # CUDA out of memory: the cell fails
                 self.counters.oom_failures += 1
                 self.counters.oom_growth += 1
+                self.policy.on_out_of_memory(self, k, cell.nbytes - k.held)
                 k.pending = None
                 k.changed = self.left_to_copy(k)  # as of now, the new last activity
                 k.last_activity = self.now

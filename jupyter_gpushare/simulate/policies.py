@@ -48,6 +48,7 @@ from typing import cast
 from .. import policy as product
 from ..core.ahead import ROOM_WAIT as AHEAD_ROOM_WAIT
 from ..policy import placement as rule
+from ..policy.oom import plan as room_after_oom
 from ..policy.room import lacking
 from .defaults import (
     AHEAD_GRACE,
@@ -140,6 +141,10 @@ class Policy:
 
     def on_memory_freed(self, sim: Simulation, gpu: int) -> None:
         pass
+
+    def on_out_of_memory(self, sim: Simulation, k: Kernel, nbytes: int) -> None:
+        """A cell of ``k`` failed to allocate ``nbytes`` more per GPU (the person tries the
+        next cell)."""
 
     def on_activity(self, sim: Simulation, k: Kernel) -> None:
         """The person works in the notebook of ``k``, released: a restore may start ahead."""
@@ -265,6 +270,24 @@ class GPUShare(Policy):
     def server_kernels(self, sim: Simulation, k: Kernel) -> list[Kernel]:
         """The kernels the server that owns ``k`` manages (its tracker's kernels)."""
         return [o for o in sim.by_user[k.user_index] if o.alive]
+
+    def on_out_of_memory(self, sim: Simulation, k: Kernel, nbytes: int) -> None:
+        """The kernel's agent asks its server to make room for the next try
+        (``core.oom_room``): the product's rule (:func:`jupyter_gpushare.policy.oom.plan`,
+        unchanged) over that server's own kernels (the hub service is not asked), free memory
+        counting releases in flight as done."""
+        flight = sim.releases_in_flight()
+        free = {g: sim.node.free(g) + flight.get(g, 0) for g in k.gpus}
+        total = {g: sim.node.gpus[g].capacity for g in k.gpus}
+        mine = {o.id: o for o in self.server_kernels(sim, k) if o is not k}
+        cands = {o.id: self.candidate(sim, o) for o in mine.values()}
+        decisions = room_after_oom(product.Policy(self.config), list(k.gpus), nbytes, free,
+                                   total, list(cands.values()), k.id)
+        on = "GPU " + ", ".join(map(str, k.gpus))
+        for d in decisions or []:
+            if mine[d.kernel_id].state == RESIDENT:  # the server's reason, as core.oom_room says it
+                sim.release(mine[d.kernel_id], f"making room: kernel {k.id} ran out of memory on "
+                                               f"{on}: idle for {cands[d.kernel_id].idle_seconds:.0f} s")
 
     def room_candidates(self, sim: Simulation, k: Kernel) -> list[Kernel]:
         """Whom ``policy.make_room`` may pick to make room for ``k``: its own server's kernels."""
