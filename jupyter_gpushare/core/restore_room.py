@@ -22,7 +22,7 @@ import random
 from typing import TYPE_CHECKING
 
 from .. import clock
-from ..node.gpu_load import GpuLoad
+from ..node.gpu_load import GpuLoad, coming_back
 from ..policy import Candidate
 from ..policy.placement import GpuView, contended, pressure_floor, restore_target
 from ..policy.room import UNKNOWN_GPU, lacking, narrow
@@ -267,18 +267,21 @@ class RestoreRoom:
     async def views(self, st: Lifecycle, op: Operation, want: dict[int, int]
                     ) -> dict[int, GpuView] | None:
         """Every GPU as the placement rule judges it for a restore of ``want``: room = free
-        memory read now less restores' reservations and what releases in flight may take
-        back, narrowed by the hub service's view (none where the person is over their share,
-        or where this server cannot read it); the home GPUs' room is the check's to judge.
-        An ahead restore leaves out GPUs a cell's restore waits for. None: unreadable."""
+        memory read now less restores' reservations, what releases in flight may take back
+        and what this server's other released kernels will take back there (a GPU their
+        memory left is their room, as placement and the rebalancer count it), narrowed by
+        the hub service's view (none where the person is over their share, or where this
+        server cannot read it); the home GPUs' room is the check's to judge. An ahead
+        restore leaves out GPUs a cell's restore waits for. None: unreadable."""
         every = sorted(self.c.node_room.total_bytes())
         try:
             free = await self.c.node_room.read_free(every)
         except Exception as e:
             log.warning("gpushare: cannot read free GPU memory: %s", e)
             return None
+        back = self.others_coming_back(st)
         room = {g: None if f is None else f - self.c.reservations.reserved(g)
-                - self.releases_may_take_back(g) for g, f in free.items()}
+                - self.releases_may_take_back(g) - back.get(g, 0) for g, f in free.items()}
         # the node-wide view narrows the targets; none where the person is over their share
         # (a GPU this server cannot read stays out, whatever the service reads there)
         unread = {g for g, f in room.items() if f is None}
@@ -343,6 +346,13 @@ class RestoreRoom:
         finally:
             heard.cancel()
         return task.result()
+
+    def others_coming_back(self, st: Lifecycle) -> dict[int, int]:
+        """Per GPU, the held states of this server's other released kernels (each once: a
+        release in flight counts in :meth:`releases_may_take_back`, a restore in flight in
+        its reservation)."""
+        return coming_back(o for o in self.c.lifecycles()
+                           if o is not st and not (o.op is not None and o.op.kind == "release"))
 
     def releases_may_take_back(self, gpu: int) -> int:
         """Bytes that releases in flight may put back on ``gpu``: an undo re-allocates what the
