@@ -143,3 +143,22 @@ def test_a_server_before_restoring_bytes_adds_nothing_in_flight():
                      (ServerRef("bob", "", "/user/bob/"), parse_status(newer, 1.0))], ids, now=2.0)
     g = view.gpus[ids("GPU-a")]
     assert g.restoring == STATE and g.returning == 2 * STATE
+
+
+def test_make_room_counts_what_will_land_as_taken():
+    """The rule, pure: 2 GiB free, 1 GiB of it another restore's (landing): a restore of
+    2 GiB is 1 GiB short and bob's idle kernel goes; without landing nothing would."""
+    from jupyter_gpushare.policy import crossuser
+
+    from .test_fairshare import CFG, GiB, k, ledger, usage_of
+
+    held = [k("bob", "b1", 1 * GiB, idle=600)]
+    book = ledger(usage_of(held), {})
+    assert crossuser.make_room("alice", {0: 2 * GiB}, {0: 2 * GiB}, held, book, CFG) == \
+        crossuser.Plan([], True)
+    plan = crossuser.make_room("alice", {0: 2 * GiB}, {0: 2 * GiB}, held, book, CFG,
+                               landing={0: 1 * GiB})
+    assert plan.enough and [v.kernel_id for v in plan.victims] == ["b1"]
+    short = crossuser.make_room("alice", {0: 2 * GiB}, {0: 2 * GiB}, held, book, CFG,
+                                {0: "GPU 0"}, landing={0: 2 * GiB})
+    assert not short.enough and short.why_not.startswith("GPU 0 is full")
