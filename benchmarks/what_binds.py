@@ -32,6 +32,11 @@ cells slowed (a machine of fewer GPUs pools memory over fewer users).
     python benchmarks/what_binds.py [--counts 5,8,13] [--smoke] [-- SIMULATE OPTIONS]
 
 ``--smoke``: the quick workload over one day, at one count: the whole path in seconds.
+``--every-server-machine RUNS``: at each count, gpushare again with the users' servers put on
+every combination of the machines their widest kernel fits on (at most RUNS runs; the product
+chooses a server's machine once, at its user's first kernel, by what it sees then): how many
+combinations serve, and one that does. What a better choice of machines could win, with
+hindsight.
 ``--long-idle-share F``: the simulator's long-idle releases held to the product's rule
 (``policy.long_idle_releases``: only on a GPU with less than F of its memory free) at share
 F; 1 releases at ``long_idle`` whatever the room. For as long as the simulator's ``needs``
@@ -234,6 +239,33 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
             "  per machine: " + "; ".join(f"{m}: {dict(c)}" for m, c in sorted(per.items()))]
 
 
+def every_assignment(w: Workload, s: Settings, gpus: int, limit: int) -> list[str]:
+    """gpushare at ``gpus`` with each user's server put on each machine its widest kernel fits
+    on, every combination (at most ``limit`` runs), instead of where the product's rule put
+    it at the user's first kernel: how many combinations serve, and one that does. A bound
+    on what choosing servers' machines can win, with hindsight the rule does not have."""
+    probe = simulation(w, s, "gpushare", gpus, run=False)
+    machines = list(probe.machines())
+    width = {i: max(k.work.gpus for k in probe.by_user[i]) for i in range(len(w.users))}
+    options = [[m for m in machines if len(m) >= width[i]] for i in range(len(w.users))]
+    runs = math.prod(len(o) for o in options)
+    if runs > limit:
+        return [f"  every server's machine: {runs} combinations, over --every-server-machine's "
+                f"{limit}: not tried"]
+    if runs == 1:
+        return ["  every server's machine: one combination (one machine fits): the rule's"]
+    served: list[dict[str, str]] = []
+    for choice in itertools.product(*options):
+        sim = simulation(w, s, "gpushare", gpus, run=False)
+        sim.machine_of = dict(enumerate(choice))
+        sim.run()
+        if not why_not(figures(sim), s):
+            served.append({w.users[i]: f"GPUs {m.start}-{m.stop - 1}" for i, m in enumerate(choice)
+                           if len(options[i]) > 1})
+    line = f"  every server's machine: {len(served)} of {runs} combinations serve"
+    return [line + (f"; one: {served[0]}" if served else "")]
+
+
 def hold_long_idle_to(share: float) -> None:
     """The simulator's gpushare servers release a kernel for its long idle where the
     product's rule would at ``share`` (``--long-idle-share``; the simulator runs the rule at
@@ -255,6 +287,9 @@ def main() -> None:
     ap.add_argument("--long-idle-share", type=float, default=None, metavar="F",
                     help="hold the simulator's long-idle releases to the product's rule at "
                          "long_idle_free_fraction F (0-1; 1: at long_idle whatever the room)")
+    ap.add_argument("--every-server-machine", type=int, default=0, metavar="RUNS",
+                    help="at each count, also put the users' servers on every combination of "
+                         "the machines their widest kernel fits on (at most RUNS runs)")
     ap.add_argument("simulate", nargs=argparse.REMAINDER,
                     help="after --: jupyter gpushare simulate's options")
     args = ap.parse_args()
@@ -272,6 +307,9 @@ def main() -> None:
     for n in [int(c) for c in args.counts.split(",") if c.strip()]:
         for line in at_count(w, s, n):
             print(line)
+        if args.every_server_machine:
+            for line in every_assignment(w, s, n, args.every_server_machine):
+                print(line)
 
 
 if __name__ == "__main__":
