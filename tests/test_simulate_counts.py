@@ -121,3 +121,31 @@ def test_a_cell_computes_on_its_gpu_only_above_idle_utilization(idle_utilization
     sim = simulation(contended_for_a_moment((96.0, 4.0), u_starts=None), policy).run()
     assert sim.counters.rebalances == int(moved)
     assert sim.kernels[0].gpus == ([1] if moved else [0])
+
+
+def test_a_restores_targets_leave_room_for_its_servers_other_released_kernels():
+    """A's kernels a0 and a1, B's b, placed by room (a0 on GPU 0, b and a1 on GPU 1), all
+    released at idle. A restore of a0 judges GPU 1 as the product's RestoreRoom.views does:
+    free memory less a1's held state (its server's own released kernel: the room it comes back
+    to), not less b's (another server's, which A's server does not know)."""
+    w = Workload(600.0, (kernel("a0", "A", 3, 0.0, Cell(0, 10, 50)),
+                         kernel("b", "B", 2, 0.0, Cell(0, 10, 50)),
+                         kernel("a1", "A", 4, 0.0, Cell(0, 10, 50))),
+                 "three releases", ("A", "B"))
+    sim = Simulation(w, GPUShare(PROACTIVE, poll_interval=0.5, release_policy="proactive",
+                                 rebalance=False), 10 * GiB, 2, TINY_TRANSFER, placement="room")
+    policy = sim.policy
+
+    def probe(s) -> tuple:
+        a0, b, a1 = s.kernels
+        views = policy.restore_views(s, a0)
+        return (a0.state, b.state, a1.state, a0.gpus, b.gpus, a1.gpus,
+                {g: v.room for g, v in views.items()})
+
+    (seen,) = at(sim, [300.0], probe)
+    a0_gpus, b_gpus, a1_gpus = seen[3:6]
+    assert seen[:3] == ("released", "released", "released")
+    room = seen[6]
+    # a1's 4 GiB are held back where it comes back; b's 2 GiB (another server's) are not
+    expected = {g: 10 * GiB - (4 * GiB if g in a1_gpus else 0) for g in (0, 1)}
+    assert room == expected, (a0_gpus, b_gpus, a1_gpus, room)

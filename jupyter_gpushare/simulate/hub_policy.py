@@ -88,8 +88,16 @@ class GPUShareHub(GPUShare):
             shares={u: shares_of(u, [], self.shares) for u in {*usage, f"u{k.user_index}"}},
             enabled=bool(self.shares),
         )
+        # what other restores will still put there: room the service already made for
+        # restores that have not started (a restore in flight here holds its bytes already)
+        landing: dict[int, int] = {}
+        for o in (sim.kernels[i] for i in self.making_room):
+            if o is not k and o.state == RELEASED:
+                for g in o.gpus:
+                    landing[g] = landing.get(g, 0) + o.nbytes
         return crossuser.make_room(f"u{k.user_index}", {g: k.nbytes for g in k.gpus},
-                                   {g: sim.node.free(g) for g in k.gpus}, holdings, ledger, self.hub)
+                                   {g: sim.node.free(g) for g in k.gpus}, holdings, ledger, self.hub,
+                                   landing=landing)
 
     def describe(self) -> str:
         shares = f", shares {len(self.shares)}" if self.shares else ""

@@ -47,6 +47,7 @@ from typing import cast
 
 from .. import policy as product
 from ..core.ahead import ROOM_WAIT as AHEAD_ROOM_WAIT
+from ..node.gpu_load import coming_back
 from ..policy import placement as rule
 from ..policy.oom import plan as room_after_oom
 from ..policy.room import lacking
@@ -530,9 +531,7 @@ class GPUShare(Policy):
         all of them or none; False: it stays where it is (and, lacking room, waits). A restore
         ahead leaves alone the GPUs where a cell's restore waits for room."""
         want = {g: k.nbytes for g in k.gpus}
-        # the product's restore room: free memory less the releases in flight (released
-        # kernels' states are not held back there), less what placed kernels will allocate
-        views = sim.views(sim.node_gpus(k.gpu), exclude=k, taken_back=sim.releases_in_flight())
+        views = self.restore_views(sim, k)
         free = sim.restore_room(k)
         for g in want:  # its own GPUs: the restore check's room (lacking says which lack it)
             views[g] = replace(views[g], room=free[g])
@@ -549,6 +548,17 @@ class GPUShare(Policy):
         sim.move(k, [plan.get(g, g) for g in k.gpus])
         sim.restore(k)
         return True
+
+    def restore_views(self, sim: Simulation, k: Kernel) -> dict[int, rule.GpuView]:
+        """The GPUs of ``k``'s machine as a restore of ``k`` judges them (the product's
+        ``RestoreRoom.views``): room = free memory less the releases in flight, less the held
+        states of this server's other released kernels (other servers' it does not know),
+        less what placed kernels will allocate."""
+        taken_back = sim.releases_in_flight()
+        for g, n in coming_back(o for o in self.server_kernels(sim, k)
+                                if o is not k and o.state == RELEASED).items():
+            taken_back[g] = taken_back.get(g, 0) + n
+        return sim.views(sim.node_gpus(k.gpu), exclude=k, taken_back=taken_back)
 
     def floor(self, sim: Simulation, gpus: Iterable[int]) -> dict[int, int]:
         """Bytes a move leaves free on each of ``gpus``: the pressure threshold (the rule's
