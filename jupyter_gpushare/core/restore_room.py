@@ -56,6 +56,7 @@ class RestoreRoom:
         self.load = GpuLoad(lambda: tracker.gpus, lambda: tracker.kernels,
                             float(getattr(controller.config, "load_window", LOAD_WINDOW)),
                             ended=lambda: getattr(tracker, "ended", ()))
+        self._told_uncovered: set[int] = set()  # GPUs whose uncovered turns the log has said
 
     async def find(
         self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int], shown: CellProgress,
@@ -345,7 +346,49 @@ class RestoreRoom:
             raise
         finally:
             heard.cancel()
-        return task.result()
+        grant = task.result()
+        try:
+            for g, why in (await self.uncovered(need)).items():
+                grant.unguarded.setdefault(g, why)
+        except BaseException:
+            grant.release()
+            raise
+        return grant
+
+    async def uncovered(self, need: dict[int, int]) -> dict[int, str]:
+        """``need``'s GPUs where this server's restore turns do not cover every party, with
+        why: the turns come from a lock directory only this user's servers use (not root's),
+        and a process that is none of this server's kernels is on the GPU. Another user's
+        restore takes no turn with ours there, so such a GPU gets the check of a restore
+        without a turn. This user's other servers' kernels count as others too (a stricter
+        check for them, never a wrong one); per-process readings, not Unix users, because a
+        server cannot always tell a process's user (containers) but always knows its kernels."""
+        locks = self.c.reservations.node_locks
+        gpus = {g for g in need if g >= 0}
+        if locks is None or not gpus or locks.covers_every_user():
+            return {}
+        tracker = self.c.tracker
+        ours = {p for rec in list(tracker.kernels.values()) for p in rec.pids}
+        try:
+            usage = await tracker.off_loop(tracker.telemetry.processes)
+        except Exception as e:  # unknown: as if others were there (stricter, never wrong)
+            log.warning("gpushare: cannot list the GPUs' processes: %s", e)
+            others = set(gpus)
+        else:
+            others = {u.gpu for u in usage if u.gpu in gpus and u.pid not in ours}
+        out = {}
+        for g in sorted(others):
+            out[g] = (f"other users' processes are on GPU {g} and this server's restore turns "
+                      f"(lock directory {locks.directory}) do not cover them")
+            if g not in self._told_uncovered:
+                self._told_uncovered.add(g)
+                log.warning("gpushare: restores on GPU %s share it with other users' processes and "
+                            "this server's restore turns do not cover them (the lock directory %s "
+                            "serves this user's servers only): such restores need room for twice "
+                            "their state; set GPUShareApp.node_lock_dir to a root-owned directory "
+                            "every server shares, or GPUShareApp.node_daemon_socket", g,
+                            locks.directory)
+        return out
 
     def others_coming_back(self, st: Lifecycle) -> dict[int, int]:
         """Per GPU, the held states of this server's other released kernels (each once: a

@@ -70,6 +70,9 @@ class NodeDaemonTurns(NodeLocks):
         self.socket_path = socket_path
         self._reachable: bool | None = None
 
+    def covers_every_user(self) -> bool:
+        return True  # the daemon runs the turns of every server on the node, whoever runs it
+
     # -- checks ------------------------------------------------------------------------------
     def _trusted(self, sock: socket.socket) -> None:
         peer = peer_of(sock)

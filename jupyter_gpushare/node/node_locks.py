@@ -87,10 +87,13 @@ def check_directory(info: os.stat_result, euid: int | None = None) -> str | None
 
 
 class NodeLocks:
-    def __init__(self, directory: str, timeout: float = 60.0):
+    def __init__(self, directory: str, timeout: float = 60.0, shared: bool = True):
         """``timeout``: seconds one holder may keep a GPU's lock before restores here stop
-        waiting for it (per GPU: later restores do not wait again for the same holder)."""
+        waiting for it (per GPU: later restores do not wait again for the same holder).
+        ``shared``: the directory was set for the servers of the machine (an admin's choice);
+        False for the per-user default (:meth:`covers_every_user`)."""
         self.directory = directory
+        self.shared = shared
         self.timeout = timeout
         self._warned: set[tuple[str, str]] = set()
         #: key -> (holder pid or None, monotonic time since this server found it held by it)
@@ -171,6 +174,13 @@ class NodeLocks:
         except (OSError, ValueError) as e:
             return f"the lock directory {self.directory} is refused: {_text(e)}"
         return None
+
+    def covers_every_user(self) -> bool:
+        """Whether the servers of everyone who uses these GPUs take these turns: a directory
+        set for them (``shared``). The default one, in this user's runtime directory,
+        serializes this user's servers only: a restore there still shares its GPU with other
+        users' restores, which take no turn with it."""
+        return self.shared
 
     def _warn(self, key: str, text: str) -> None:
         if (key, text) not in self._warned:

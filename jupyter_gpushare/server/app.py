@@ -293,7 +293,10 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             return turns
         if not self.node_lock_dir or not self._source.shares_node_locks():
             return None
-        locks = NodeLocks(self.node_lock_dir)
+        # the default directory (this user's runtime dir) serves this user's servers only
+        default = str(self.trait_defaults("node_lock_dir"))
+        locks = NodeLocks(self.node_lock_dir, shared=os.path.abspath(self.node_lock_dir)
+                          != os.path.abspath(default))
         why = locks.refusal()  # said once at start; each restore's turn checks again
         if why:
             self.log.warning("gpushare: %s; restores go on without a turn across servers, with a "
