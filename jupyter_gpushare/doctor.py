@@ -18,6 +18,9 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import psutil
+
+from .node.daemon_client import NODE_DAEMON_ENV
 from .reclaim import MethodContext
 from .reclaim.driver import MIN_DRIVER, MIN_DRIVER_MIGRATE
 from .server import selection
@@ -146,6 +149,43 @@ def _check_pid_namespace(p: NVMLProbe) -> Check:
     return Check(name, True, f"all {len(pids)} NVML pids are visible here")
 
 
+def _check_restore_turns(p: NVMLProbe) -> Check:
+    """Whether restores here take turns with other users' restores. The default
+    node_lock_dir serves one user's servers; another user's process on a GPU means restores
+    there share it with restores that take no turn with them."""
+    name = "restore turns"
+    daemon = os.environ.get(NODE_DAEMON_ENV, "")
+    if daemon:
+        return Check(name, True, f"the node daemon at {daemon} ({NODE_DAEMON_ENV}) runs every "
+                                 "server's restore turns")
+    advice = ("set GPUShareApp.node_lock_dir to a root-owned directory every server shares, "
+              "or GPUShareApp.node_daemon_socket (see the admin guide)")
+    others: dict[int, set[int]] = {}
+    if p.ok:
+        tel = NVMLTelemetry(log=_QUIET)
+        try:
+            tel.open()
+            usage = tel.processes()
+        finally:
+            tel.close()
+        me = os.geteuid()
+        for u in usage:
+            try:
+                uid = psutil.Process(u.pid).uids().effective
+            except (psutil.Error, OSError):
+                continue  # not visible here: the pid namespace check says so
+            if uid != me:
+                others.setdefault(u.gpu, set()).add(uid)
+    if others:
+        gpus = ", ".join(f"GPU {g}" for g in sorted(others))
+        return Check(name, None, f"restores on {gpus} share it with other users' processes and "
+                                 "the default node_lock_dir (this user's servers only) does not "
+                                 "cover them: such restores need room for twice their state; "
+                                 + advice)
+    return Check(name, None, "the default node_lock_dir serializes this user's servers only; "
+                             "for several users' servers on a node, " + advice)
+
+
 def _check_plugins(plugins: list[selection.Plugin]) -> Check | None:
     """The release methods and telemetry backends other packages register (None: none):
     a FAIL for one that is ignored (a built-in's name) or whose class does not load."""
@@ -193,6 +233,7 @@ def diagnose(backend: str = "auto", release_method: str = "auto") -> Report:
         _check_cuda_core(p),
         _check_permissions(),
         _check_pid_namespace(p),
+        _check_restore_turns(p),
     ]
     plugins = _check_plugins(selection.all_plugins())
     if plugins is not None:

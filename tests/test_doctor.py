@@ -188,3 +188,26 @@ def test_json_gives_the_configured_and_the_chosen_backend_and_method():
     report = doctor_json("--backend", "simulated", "--release-method", "off")
     assert (report["configured_method"], report["method"]) == ("off", "off")
     assert report["method_reason"] == "release_method = off: GPU memory is tracked, never released"
+
+
+def test_restore_turns_say_when_other_users_processes_share_a_gpu(monkeypatch):
+    """Another Unix user's process on a GPU: the default lock directory (this user's servers
+    only) does not cover its restores, and the doctor says what to set."""
+    from .helpers import unix_user
+
+    uid = unix_user("gpushare-squatter", "a GPU process of another Unix user")
+    other = subprocess.Popen(["sleep", "60"], user=uid)
+    try:
+        monkeypatch.delenv("JUPYTER_GPUSHARE_NODE_DAEMON", raising=False)
+        gpu_node(monkeypatch, pids=[os.getpid(), other.pid])
+        c = by_name(doctor.collect())["restore turns"]
+        assert "restores on GPU 0 share it with other users' processes" in c.detail, c
+        assert "node_lock_dir" in c.detail and "node_daemon_socket" in c.detail, c
+        gpu_node(monkeypatch, pids=[os.getpid()])  # only this user's: the general advice
+        c = by_name(doctor.collect())["restore turns"]
+        assert "share it" not in c.detail and "this user's servers only" in c.detail, c
+        monkeypatch.setenv("JUPYTER_GPUSHARE_NODE_DAEMON", "/run/gpushare.sock")
+        assert by_name(doctor.collect())["restore turns"].ok is True
+    finally:
+        other.kill()
+        other.wait()
