@@ -25,7 +25,10 @@ class NodeOptions(Configurable):
         server's user and be writable by nobody else, or belong to root and be writable by
         nobody else or sticky; a lock file must be a regular file of this user or root.
         Created (mode 0700) when missing. Default: gpushare-locks in this user's Jupyter
-        runtime directory, which serializes this user's own servers. For a node with several
+        runtime directory, which serializes this user's own servers: with it, a GPU where a
+        process other than this server's kernels holds memory gets the check of a restore
+        without a turn (below), said once in the log; a directory set here is taken as shared
+        by every server that uses the GPUs. For a node with several
         users' servers, an admin creates a root-owned directory and one root-owned lock file
         per GPU (see the admin guide) and sets it here. A directory or lock file that does not
         qualify is refused with a warning in the log, and restores on that GPU then go on
