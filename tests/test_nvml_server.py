@@ -81,7 +81,7 @@ async def test_driver_method_through_the_server(fake_nvml, fake_driver, jp_fetch
     gpu.processes, gpu.memory_used = [FakeProcess(2**22 + 1, 78 * GiB)], 78 * GiB
     msg_id = k.send("print('after restore')")
     await wait_for(lambda: gpushare_app.controller.states[k.id].waiting, what="waiting for room")
-    assert "needs 4.0 GiB on GPU 0 (2.0 GiB free)" in gpushare_app.controller.states[k.id].waiting
+    assert "needs 4.0 GiB on GPU 0 (2.0 GiB free" in gpushare_app.controller.states[k.id].waiting
     await asyncio.sleep(0.3)
     assert fake_driver.steps() == [f"lock {pid}", f"checkpoint {pid}"]  # never restore without room
     assert k.executions[msg_id].status == ""
