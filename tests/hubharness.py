@@ -12,12 +12,14 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -319,6 +321,25 @@ def login_page(browser: Any, hub: Hub, user: str, next_path: str = "/services/gp
     page.click("#login_submit")
     page.wait_for_load_state("load")
     return page
+
+
+@contextlib.contextmanager
+def running_hub(directory: Path, users: list[str], admins: list[str], service_config: str,
+                servers: list[str], **options: Any) -> Iterator[Hub]:
+    """:func:`start_hub` with the named users' servers started; stopped and ``directory``
+    removed afterwards (kept with ``GPUSHARE_KEEP_HUB_DIR=1``, to read ``hub.log``)."""
+    hub = start_hub(directory, users, admins, service_config, **options)
+    try:
+        asyncio.run(_start_servers(hub, servers))
+        yield hub
+    finally:
+        hub.stop()
+        if not os.environ.get("GPUSHARE_KEEP_HUB_DIR"):
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+async def _start_servers(hub: Hub, users: list[str]) -> None:
+    await asyncio.gather(*(hub.start_server(u) for u in users))
 
 
 def start_hub(directory: Path, users: list[str], admins: list[str], service_config: str,

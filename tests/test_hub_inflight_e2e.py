@@ -14,15 +14,12 @@ tests/test_node_locks.py covers that on one node without a Hub.)
 
 from __future__ import annotations
 
-import asyncio
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from .hubharness import MiB, can_run, start_hub
+from .hubharness import MiB, can_run, running_hub
 from .scenarios import intact
 from .test_hub import admin_view, holding_kernel, idle_for, released_kernel, shut, until
 from .test_restore_reservation import stall_restore_until
@@ -40,20 +37,11 @@ STATE = 384  # MiB
 @pytest.fixture(scope="module")
 def hub():
     directory = Path(tempfile.mkdtemp(prefix="gi-", dir="/tmp"))  # short: AF_UNIX paths fit
-    hub = start_hub(directory, ["alice", "bob", "carol"], ["admin"], SERVICE_CONFIG,
-                    server_args=["--GPUShareApp.turnless_restore_after=5"],  # s: keep it lean
-                    gpus=(1024 * MiB,))
-    try:
-        asyncio.run(_start(hub))
-        yield hub
-    finally:
-        hub.stop()
-        if not os.environ.get("GPUSHARE_KEEP_HUB_DIR"):
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _start(hub) -> None:
-    await asyncio.gather(*(hub.start_server(u) for u in ("alice", "bob", "carol")))
+    with running_hub(directory, ["alice", "bob", "carol"], ["admin"], SERVICE_CONFIG,
+                     ["alice", "bob", "carol"],
+                     server_args=["--GPUShareApp.turnless_restore_after=5"],  # s: keep it lean
+                     gpus=(1024 * MiB,)) as running:
+        yield running
 
 
 async def test_two_restores_at_once_get_room_from_an_idle_kernel_and_come_back_whole(hub):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import pytest
 from jupyter_gpushare.hub.spawner_hook import affinity_terms, steer
 from jupyter_gpushare.sim.shared import SharedSimNode
 
-from .hubharness import MiB, can_run, login_page, start_hub
+from .hubharness import MiB, can_run, login_page, running_hub
 from .scenarios import hold
 from .test_hub import admin_view, shut, until
 
@@ -47,22 +46,13 @@ def hub():
     directory = Path(tempfile.mkdtemp(prefix="gn-", dir="/tmp"))  # short: AF_UNIX paths fit
     second = str(directory / "node-b.sqlite")
     SharedSimNode(second, (1024 * MiB,)).close()
-    hub = start_hub(directory, ["alice", "bob", "carol"], ["admin"], SERVICE_CONFIG,
-                    user_env={"alice": {"JUPYTER_GPUSHARE_NODE": "gpu-a"},
-                              "bob": {"JUPYTER_GPUSHARE_NODE": "gpu-b",
-                                      "JUPYTER_GPUSHARE_SIMULATED_NODE": second}},
-                    gpus=(1024 * MiB,))
-    try:
-        asyncio.run(_start(hub))
-        yield hub
-    finally:
-        hub.stop()
-        if not os.environ.get("GPUSHARE_KEEP_HUB_DIR"):
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _start(hub) -> None:
-    await asyncio.gather(hub.start_server("alice"), hub.start_server("bob"))
+    with running_hub(directory, ["alice", "bob", "carol"], ["admin"], SERVICE_CONFIG,
+                     ["alice", "bob"],
+                     user_env={"alice": {"JUPYTER_GPUSHARE_NODE": "gpu-a"},
+                               "bob": {"JUPYTER_GPUSHARE_NODE": "gpu-b",
+                                       "JUPYTER_GPUSHARE_SIMULATED_NODE": second}},
+                     gpus=(1024 * MiB,)) as running:
+        yield running
 
 
 async def ranking(hub, **body) -> list[dict]:
