@@ -632,16 +632,22 @@ class Controller:
         return Outcome(False, st.error or why, retryable)
 
     def _host_claim(self, scope: str, n: int) -> Callable[[], None]:
-        """Count ``n`` bytes as on their way into host memory; returns the (idempotent) undo."""
-        self.host_inflight[scope] = self.host_inflight.get(scope, 0) + n
-        claimed = [n]
+        """Count ``n`` bytes as on their way into host memory; returns the (idempotent) undo.
+        A claim of nothing (a release whose kept host copies are all current) counts nothing:
+        an entry of 0 would be deleted by whichever claim on its scope ends first, and the
+        other's undo would find none."""
+        claimed = [n] if n > 0 else []
+        if claimed:
+            self.host_inflight[scope] = self.host_inflight.get(scope, 0) + n
 
         def give_back() -> None:
             if claimed:
                 claimed.clear()
-                self.host_inflight[scope] -= n
-                if not self.host_inflight[scope]:
-                    del self.host_inflight[scope]
+                left = self.host_inflight.get(scope, 0) - n
+                if left > 0:
+                    self.host_inflight[scope] = left
+                else:
+                    self.host_inflight.pop(scope, None)
 
         return give_back
 
