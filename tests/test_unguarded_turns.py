@@ -4,8 +4,9 @@ The default lock directory (in this user's Jupyter runtime directory) serializes
 servers only. Another process on the GPU (here the test process, on the shared simulated node:
 none of this server's kernels) may be another user's kernel, whose restore takes no turn with
 ours: the GPU then gets the check of a restore without a turn (room for twice the state), and
-the log says why once. With a directory set for the machine's servers, the turn covers them and
-room for once does.
+the log says why once. No lock directory at all (``node_lock_dir = ""``: turns within this
+server) is checked the same way. With a directory set for the machine's servers, the turn covers
+them and room for once does.
 """
 
 from __future__ import annotations
@@ -25,20 +26,22 @@ MiB = 1 << 20
 OTHER = 2 * GiB - 640 * MiB  # another process's bytes on GPU 0: 640 MiB free, room for 384 once
 
 
-@pytest.fixture(params=["default", "shared"])
+@pytest.fixture(params=["default", "shared", "none"])
 def gpushare_config(request, tmp_path):
     node = str(tmp_path / "node.sqlite")
     SharedSimNode(node, (2 * GiB,)).close()
     cfg = {"simulated_node": node, "turnless_restore_after": 0}  # 0: wait for twice, for ever
     if request.param == "shared":
         cfg["node_lock_dir"] = str(tmp_path / "locks")
+    elif request.param == "none":  # turns within this server only: covers even less
+        cfg["node_lock_dir"] = ""
     return cfg
 
 
 async def test_a_turn_from_the_default_lock_directory_does_not_cover_other_processes(
     jp_fetch, kernels, gpushare_app, caplog
 ):
-    shared = gpushare_app.node_lock_dir != gpushare_app.trait_defaults("node_lock_dir")
+    shared = gpushare_app.node_lock_dir not in ("", gpushare_app.trait_defaults("node_lock_dir"))
     caplog.set_level(logging.WARNING)
     k = await kernels.start()
     await k.run(hold(384, chunk=128))
@@ -54,6 +57,8 @@ async def test_a_turn_from_the_default_lock_directory_does_not_cover_other_proce
                                   what="status to say the restore waits")
             assert "twice that without a restore turn" in info, info
             assert "share it with other users' processes" in caplog.text, caplog.text
+            if gpushare_app.node_lock_dir == "":
+                assert "node_lock_dir is empty; they cover this server only" in caplog.text
             node.release(os.getpid(), 0, OTHER)  # room for twice: it restores by itself
             freed = True
         ex = await k.wait(msg_id, timeout=60)

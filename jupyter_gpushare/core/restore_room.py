@@ -379,15 +379,15 @@ class RestoreRoom:
         out = {}
         for g in sorted(others):
             out[g] = (f"other users' processes are on GPU {g} and this server's restore turns "
-                      f"(lock directory {locks.directory}) do not cover them")
+                      f"({locks.described()}) do not cover them")
             if g not in self._told_uncovered:
                 self._told_uncovered.add(g)
                 log.warning("gpushare: restores on GPU %s share it with other users' processes and "
-                            "this server's restore turns do not cover them (the lock directory %s "
-                            "serves this user's servers only): such restores need room for twice "
+                            "this server's restore turns do not cover them (turns: %s; they "
+                            "cover %s only): such restores need room for twice "
                             "their state; set GPUShareApp.node_lock_dir to a root-owned directory "
                             "every server shares, or GPUShareApp.node_daemon_socket", g,
-                            locks.directory)
+                            locks.described(), locks.reach())
         return out
 
     def others_coming_back(self, st: Lifecycle) -> dict[int, int]:

@@ -182,6 +182,14 @@ class NodeLocks:
         users' restores, which take no turn with it."""
         return self.shared
 
+    def described(self) -> str:
+        """Where the turns come from, for a person: "lock directory /path"."""
+        return f"lock directory {self.directory}"
+
+    def reach(self) -> str:
+        """Whose restores take these turns, for a person."""
+        return "every server that uses these GPUs" if self.shared else "this user's servers"
+
     def _warn(self, key: str, text: str) -> None:
         if (key, text) not in self._warned:
             self._warned.add((key, text))
@@ -273,3 +281,25 @@ def lock_holder(fd: int) -> int | None:
 
 def _text(e: BaseException) -> str:
     return e.strerror or str(e) if isinstance(e, OSError) else str(e)
+
+
+class ServerTurnsOnly(NodeLocks):
+    """No lock files (``node_lock_dir = ""``): restores take turns within this server only
+    (its reservations). Nothing here covers another server's restores, so a GPU where a
+    process that is none of this server's kernels holds memory gets the check of a restore
+    without a turn, as with the per-user default directory."""
+
+    def __init__(self) -> None:
+        super().__init__("", shared=False)
+
+    def described(self) -> str:
+        return "no lock directory: GPUShareApp.node_lock_dir is empty"
+
+    def reach(self) -> str:
+        return "this server"
+
+    def refusal(self) -> str | None:
+        return None
+
+    async def acquire(self, keys: list[str], on_wait: OnWait | None = None) -> NodeGrant:
+        return NodeGrant([])

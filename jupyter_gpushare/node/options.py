@@ -35,7 +35,9 @@ class NodeOptions(Configurable):
         without a turn and ask for room for twice their state, read twice 0.5 s apart. The wait
         for a turn another server holds is shown in the cell and status, and is bounded per
         GPU: 60 s per holder, after which restores there go on without a turn while it keeps
-        it. "" = restores take turns only within this server. Not used with a private
+        it. "" = restores take turns only within this server (no lock files), and a GPU
+        where a process that is none of this server's kernels holds memory gets the check of
+        a restore without a turn, as with the default directory. Not used with a private
         simulated node (no other server sees it).""",
     ).tag(config=True)
 

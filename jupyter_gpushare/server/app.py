@@ -33,7 +33,7 @@ from ..core.tracker import Tracker
 from ..events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from ..node import hub_link
 from ..node.daemon_client import NodeDaemonTurns
-from ..node.node_locks import NodeLocks
+from ..node.node_locks import NodeLocks, ServerTurnsOnly
 from ..node.options import NodeOptions
 from ..node.placement import Placer
 from ..policy.caps import ceiling, parse_cap
@@ -291,8 +291,10 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
                 self.log.info("gpushare: restore turns from the node daemon at %s",
                               self.node_daemon_socket)
             return turns
-        if not self.node_lock_dir or not self._source.shares_node_locks():
+        if not self._source.shares_node_locks():
             return None
+        if not self.node_lock_dir:  # turns within this server: its reservations, no files
+            return ServerTurnsOnly()
         # the default directory (this user's runtime dir) serves this user's servers only
         default = str(self.trait_defaults("node_lock_dir"))
         locks = NodeLocks(self.node_lock_dir, shared=os.path.abspath(self.node_lock_dir)
