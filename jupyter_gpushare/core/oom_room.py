@@ -84,7 +84,7 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
     if not ops:
         return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands, free)}
     done, _ = await asyncio.wait({op.task for op in ops}, timeout=SETTLE)
-    failed = [t.result().message for t in done if not t.result().ok]
+    failed = [why for t in done if (why := _failure(t)) is not None]
     n = len(ops)
     kernels = f"{n} idle kernel{'s' if n != 1 else ''} ({format_bytes(freed)})"
     if len(failed) == n:
@@ -94,6 +94,17 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
     verb = "released" if len(done) == n and not failed else "releasing"
     return {**out, "cause": "released",
             "text": f"gpushare: {on} was short of memory: {verb} {kernels}: run the cell again"}
+
+
+def _failure(task: asyncio.Future[Any]) -> str | None:
+    """Why a finished release failed (None: it released); a task that was cancelled (the
+    server stopping) or raised counts as failed, so the answer is still given."""
+    if task.cancelled():
+        return "stopped"
+    if task.exception() is not None:
+        return str(task.exception()) or type(task.exception()).__name__
+    outcome = task.result()
+    return None if outcome.ok else outcome.message
 
 
 def _gpus_of(c: Controller, kernel_id: str, gpu: int | None) -> list[int]:
