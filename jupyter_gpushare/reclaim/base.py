@@ -11,7 +11,9 @@ The contract every method keeps (the controller relies on it, and tests check it
   point** a release or an earlier restore may have left it (locked, checkpointed, partly
   moved, or already running): it reads where the kernel is and finishes the job, so a
   restore is always the way back. It raises :class:`ReclaimError` when it cannot; the state
-  is then still held (``retryable`` says whether trying again can help).
+  is then still held (``retryable`` says whether trying again can help). A restore that
+  finds too little free memory right before it would move anything refuses with
+  ``no_room`` set: nothing moved, so the controller waits for room again.
 - A restore given ``KernelTarget.gpu_mapping`` brings the state back onto those GPUs instead,
   or, when the method cannot (:meth:`ReclaimMethod.move_refusal`) or the mapping cannot be
   honoured, raises :class:`ReclaimError` before anything moved (retryable, the state stays
@@ -44,14 +46,20 @@ class ReclaimError(Exception):
     ``unfit``: why this method cannot free this kernel's memory (its release would leave it
     on the GPU), in a few words; the server then picks another method for the kernel where
     it can ("" = the method may work next time).
+    ``no_room``: a restore's own room check, read right before its first driver or kernel
+    call, found less free memory than it needs (another process took it since the
+    controller granted the room), in a few words ("GPU 0 has 512 MiB free, 1.0 GiB
+    needed"); set only when nothing moved, never by a rollback or after any byte moved.
+    The controller then waits for room again instead of failing ("" = not so).
     """
 
     def __init__(self, message: str, *, resident: bool = False, retryable: bool = True,
-                 unfit: str = ""):
+                 unfit: str = "", no_room: str = ""):
         super().__init__(message)
         self.resident = resident
         self.retryable = retryable
         self.unfit = unfit
+        self.no_room = no_room
 
 
 class AgentLink(Protocol):

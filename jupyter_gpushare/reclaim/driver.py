@@ -15,6 +15,8 @@ Order of operations and why:
   that fails for lack of memory wedges the process for good (a known limit of the CUDA
   checkpoint API: https://github.com/NVIDIA/cuda-checkpoint/issues/44), so
   the method refuses when free memory is short *or unknown* and never calls restore blind.
+  Short (another process took the room the controller granted) is said with
+  ``ReclaimError.no_room``: nothing moved, and the controller waits for room again.
 - Each step reads the driver's state of the pid first, so repeating an operation after a
   partial failure finishes the job instead of failing on an illegal state: ``restore`` is
   also the way back from a release that failed half-way.
@@ -358,8 +360,14 @@ class DriverMethod(ReclaimMethod):
 
     async def _room(self, need: dict[int, int]) -> str | None:
         """None when every GPU has room for ``need``; else why not (a person reads it)."""
+        found = await self._lack(need)
+        return found[0] if found else None
+
+    async def _lack(self, need: dict[int, int]) -> tuple[str, bool] | None:
+        """None when every GPU has room for ``need``; else why not, and whether only room
+        was short (False: free memory or the GPU is not known)."""
         if any(gpu < 0 for gpu in need):
-            return "the GPU this kernel's memory was on is not known, so a restore is not safe"
+            return "the GPU this kernel's memory was on is not known, so a restore is not safe", False
         for gpu, b in sorted(need.items()):
             try:
                 free = await self._call(f"reading free memory of GPU {gpu}",
@@ -367,9 +375,9 @@ class DriverMethod(ReclaimMethod):
             except _Hung:
                 free = None
             if free is None:
-                return f"free memory on GPU {gpu} is unknown, so a restore is not safe"
+                return f"free memory on GPU {gpu} is unknown, so a restore is not safe", False
             if room.lacking({gpu: b}, {gpu: free}, self.margin_bytes):
-                return f"GPU {gpu} has {_size(free)} free, {_size(b + self.margin_bytes)} needed"
+                return f"GPU {gpu} has {_size(free)} free, {_size(b + self.margin_bytes)} needed", True
         return None
 
     # -- release ------------------------------------------------------------------------
@@ -489,9 +497,11 @@ class DriverMethod(ReclaimMethod):
         landing: dict[int, int] = {}  # where the memory comes back
         for gpu, b in need.items():
             landing[perm.get(gpu, gpu)] = landing.get(perm.get(gpu, gpu), 0) + b
-        why = await self._room(landing)
-        if why:
-            raise ReclaimError(f"not restoring: {why}; the state stays held in host memory")
+        lack = await self._lack(landing)
+        if lack:  # nothing moved yet: a room taken meanwhile is waited for again (no_room)
+            why, short = lack
+            raise ReclaimError(f"not restoring: {why}; the state stays held in host memory",
+                               no_room=why if short else "")
 
         for pid, p in procs:
             step = "restore"

@@ -14,13 +14,23 @@ says so per GPU while they move ("restoring 2 GPUs in parallel: GPU 0 1.2/4.0 Gi
 0.8/4.0 GiB"), then how long each took and the rate. A restore that ends within the first
 answer shows nothing more than the controller's two lines (what it restores, how long it
 took). An answer without ``done`` is a whole answer (an agent that waits to the end).
+
+Like the driver's, a restore reads free memory on the GPUs its state lands on right before it
+asks the kernel, and refuses with ``ReclaimError.no_room`` when another process took the room
+the controller granted (nothing moved: the controller waits for room again). It asks the
+kernel's agent first whether its arrays are off the device (a kernel whose release stopped
+before its checkpoint needs no room). Free memory that cannot be read skips the check: the
+simulated device's restore allocates all or nothing, so it cannot wedge as a real one can.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
+from ..policy import room
 from ..protocol import RemoteError
 from ..units import GiB, KiB, MiB, format_bytes
 from .base import (
@@ -50,14 +60,18 @@ class SimulatedMethod(ReclaimMethod):
     auto_rank = 1
 
     def __init__(self, lock_timeout: float = 10.0, op_timeout: float = 600.0,
-                 undo_timeout: float = 10.0):
+                 undo_timeout: float = 10.0,
+                 free_bytes: Callable[[int], int | None] | None = None):
+        """free_bytes: free memory of a simulated GPU, read now (blocking; None = unknown),
+        checked right before a restore asks the kernel; None: no check."""
         self.lock_timeout = lock_timeout
         self.op_timeout = op_timeout
         self.undo_timeout = undo_timeout
+        self.free_bytes = free_bytes
 
     @classmethod
     def create(cls, context: MethodContext) -> SimulatedMethod:
-        return cls(lock_timeout=context.lock_timeout)
+        return cls(lock_timeout=context.lock_timeout, free_bytes=context.free_bytes)
 
     def move_refusal(self) -> str | None:
         return None
@@ -97,6 +111,10 @@ class SimulatedMethod(ReclaimMethod):
         agent = require_agent(target, "the kernel's agent is not connected (was it started by this server?)")
         args = {"gpu_mapping": [[src, dst] for src, dst in sorted(moves.items())]} if moves else {}
         started = time.monotonic()
+        short = await self._short(agent, target, moves)
+        if short:
+            raise ReclaimError(f"not restoring: {short}; the state stays held in host memory",
+                               no_room=short)
         try:
             reply = await self._resume(agent, args, started + self.op_timeout, progress)
         except AGENT_ERRORS as e:
@@ -109,6 +127,31 @@ class SimulatedMethod(ReclaimMethod):
             await say(progress, done_line(copies, moved, seconds, parallel))
         return ReclaimResult(moved, seconds, f"{reply.get('arrays', 0)} arrays"
                              + (f" from {len(copies)} GPUs in parallel" if parallel else ""))
+
+    async def _short(self, agent: AgentLink, target: KernelTarget,
+                     moves: dict[int, int]) -> str | None:
+        """Why the GPUs the state lands on lack room for it now ("GPU 0 has 512 MiB free,
+        1.0 GiB needed"), as the driver's check says it; None when they have it, when
+        nothing is off the device, or when it cannot be told (see the module's docs)."""
+        if self.free_bytes is None:
+            return None
+        try:
+            report = await agent.request("report", timeout=self.undo_timeout)
+        except AGENT_ERRORS:
+            return None  # the resume that follows says what is wrong with the kernel
+        on_device = report.get("simulated_bytes")
+        if isinstance(on_device, bool) or not isinstance(on_device, int) or on_device > 0:
+            return None  # its arrays never left (a release stopped before its checkpoint)
+        landing: dict[int, int] = {}
+        for gpu, n in target.gpu_bytes.items():
+            if gpu >= 0 and n > 0:
+                landing[moves.get(gpu, gpu)] = landing.get(moves.get(gpu, gpu), 0) + n
+        for gpu, n in sorted(landing.items()):
+            free = await asyncio.to_thread(self.free_bytes, gpu)
+            if free is not None and room.lacking({gpu: n}, {gpu: free}):
+                return (f"GPU {gpu} has {format_bytes(free, whole_below_gib=True)} free, "
+                        f"{format_bytes(n, whole_below_gib=True)} needed")
+        return None
 
     async def _resume(self, agent: AgentLink, args: dict[str, Any], deadline: float,
                       progress: Progress | None = None) -> dict[str, Any]:
