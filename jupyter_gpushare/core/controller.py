@@ -76,6 +76,18 @@ IDLE_AFTER = 60.0  # s without activity before a resident kernel shows as "idle"
 #: restores that precede the code of the cell they show progress in (its only output so far)
 CLEARED_TRIGGERS = ("gate", "agent")
 RETRY_AFTER_FAILED_RELEASE = 60.0  # s before a kernel whose release failed is tried again
+#: times one restore goes back to waiting when its method finds the room taken right before
+#: its call (another process allocated since the grant); the next such refusal fails it, so
+#: a process that keeps taking the room cannot keep the restore going round for ever
+ROOM_TAKEN_WAITS = 3
+
+
+class RoomTaken(Exception):
+    """A restore's method refused for room alone, nothing moved: it waits for room again."""
+
+    def __init__(self, why: str):
+        super().__init__(why)
+        self.why = why
 
 
 Emit = Callable[[dict[str, Any]], None]
@@ -716,20 +728,29 @@ class Controller:
         refused = self._refuse_over_cap(st, held)  # before it waits for (or makes) room
         if refused is not None:
             return refused
-        # a kernel moved off a contended GPU goes to its new one; else the room finds where
-        grant = await self.rebalancer.grant(st, op, held, need, shown) or await self.room.find(
-            st, op, held, need, shown, wait)
-        if isinstance(grant, Outcome):
-            return grant
-        refused = self._refuse_over_cap(st, held)  # the cap may have changed while it waited
-        if refused is not None:
-            grant.release()
-            return refused
-        try:
-            st.restore_moving()
-            return await to_the_end(self._move_back(st, op, held, shown, grant))
-        finally:
-            grant.release()
+        again = ""  # why it waits once more: its room was taken right before the method's call
+        taken = 0
+        while True:
+            # a kernel moved off a contended GPU goes to its new one; else the room finds where
+            grant = await self.rebalancer.grant(st, op, held, need, shown) or await self.room.find(
+                st, op, held, need, shown, wait, again)
+            if isinstance(grant, Outcome):
+                return grant
+            refused = self._refuse_over_cap(st, held)  # the cap may have changed while it waited
+            if refused is not None:
+                grant.release()
+                return refused
+            try:
+                st.restore_moving()
+                return await to_the_end(self._move_back(st, op, held, shown, grant,
+                                                        wait_again=taken < ROOM_TAKEN_WAITS))
+            except RoomTaken as e:
+                taken += 1
+                again = e.why
+                if self.rebalancer.granted.get(st.kernel_id) is grant:  # it did not move
+                    self.rebalancer.granted.pop(st.kernel_id)
+            finally:
+                grant.release()
 
     def _refuse_over_cap(self, st: Lifecycle, held: Held) -> Outcome | None:
         """The outcome of a restore refused for the kernel's cap (None: not refused); the
@@ -742,8 +763,12 @@ class Controller:
         return Outcome(False, why, True)
 
     async def _move_back(
-        self, st: Lifecycle, op: Operation, held: Held, shown: CellProgress, grant: Grant
+        self, st: Lifecycle, op: Operation, held: Held, shown: CellProgress, grant: Grant,
+        wait_again: bool = False,
     ) -> Outcome:
+        """Move the state back under ``grant``. ``wait_again``: a refusal of the method for
+        room alone (``ReclaimError.no_room``: nothing moved) goes back to waiting for room
+        (:class:`RoomTaken`) instead of failing the restore."""
         kid = st.kernel_id
         method = self.methods[held.method]
         expected = st.last_restore_seconds
@@ -769,6 +794,13 @@ class Controller:
             grant.release()  # nothing landed: the room is free again
             retryable = e.retryable if isinstance(e, ReclaimError) else True
             why = str(e) or type(e).__name__
+            no_room = e.no_room if isinstance(e, ReclaimError) else ""
+            if no_room and st.held is held and not self.closing:
+                if wait_again and op.trigger != ahead.AHEAD:
+                    raise await self._room_taken(st, op, method.name, held, no_room, shown) from None
+                why += (f" (the room was taken right before the restore {ROOM_TAKEN_WAITS + 1} "
+                        "times: another process keeps taking it)"
+                        if op.trigger != ahead.AHEAD else "")
             ended = self._process_ended(kid, held)
             if ended:  # the process that held the state is gone: nothing to retry
                 st.drop(ended)  # bytes were moving: dropped as the operation ends, before waiters wake
@@ -802,6 +834,23 @@ class Controller:
                  format_bytes(moved), kid, seconds, op.trigger)
         await self.refresh_quietly()
         return Outcome(True)
+
+    async def _room_taken(self, st: Lifecycle, op: Operation, method: str, held: Held,
+                          short: str, shown: CellProgress) -> RoomTaken:
+        """The method found the room taken right before its call (``short``: "GPU 0 has
+        512 MiB free, 1.0 GiB needed"), nothing moved: back to waiting, said in status, in
+        the cell and by a ``restore_waiting`` event (its reason without parentheses)."""
+        why = f"the room was taken right before the restore ({short})"
+        self.announce(st.kernel_id, "restore_waiting", method=method, bytes=held.bytes,
+                      reason=f"the room was taken right before the restore: {short}",
+                      trigger=op.trigger)
+        await shown(f"gpushare: {why}: waiting for room again (interrupt to stop waiting)")
+        log.info("gpushare: kernel %s: %s; waiting for room again", st.kernel_id, why)
+        if st.short_since is None:
+            st.short_since = clock.now()  # its wait counts from here, or from its first
+        # last, with no await after it: an interrupt from here stops the wait, not a move
+        st.restore_room_taken(f"{MEMORY_WAIT}: {why}")
+        return RoomTaken(why)
 
     def _process_ended(self, kernel_id: str, held: Held) -> str | None:
         """Why the process that holds the state is gone (restarted, died), else None."""

@@ -73,6 +73,11 @@ STEPS: tuple[Step, ...] = (
          "A trigger fires; the restore takes its turn and waits for room (`waiting` says why)."),
     Step("restore_moving", (RELEASED, FAILED), RESTORING,
          "The GPUs have room, reserved for this restore: bytes move."),
+    Step("restore_room_taken", (RESTORING,), RELEASED,
+         "Right before its first call the method found the room taken (another process "
+         "allocated since the room was granted); nothing moved: the restore waits for room "
+         "again, as before it moved (`failed` stays `failed`), `waiting` says why; after 3 "
+         "such returns, the next refusal fails it."),
     Step("restore_done", (RESTORING,), ACTIVE,
          "The state is back; activity counts from now."),
     Step("restore_failed", (RESTORING,), FAILED,
@@ -147,6 +152,9 @@ class Lifecycle:
     host_refusal: str | None = None  # why the state would not fit in host memory now
     drops: int = 0  # times a held state was dropped (restarts): waiters compare it
     drop_after_op: str | None = None  # a restart seen while bytes were moving
+    #: when the restore in flight first lacked room on its own GPUs (None: not yet); one
+    #: whose room was taken right before the method's call keeps it as it waits again
+    short_since: float | None = None
 
     # -- reading ---------------------------------------------------------------------------
     @property
@@ -242,6 +250,15 @@ class Lifecycle:
         op.phase = "moving"
         self.error = None
 
+    def restore_room_taken(self, why: str = "the room was taken right before the restore") -> None:
+        """The method refused for room alone before anything moved: back to waiting (the
+        operation goes on, stoppable again), ``why`` shown in ``waiting``."""
+        op = self.op
+        self._check("restore_room_taken", also=op is not None and op.kind == "restore")
+        assert op is not None
+        op.phase = "waiting"
+        self.waiting = why
+
     def restore_done(self, held: Held, seconds: float, onto: str | None = None) -> None:
         """``onto``: where the state went when the restore moved it (None: where it was)."""
         self._check("restore_done")
@@ -286,7 +303,7 @@ class Lifecycle:
         """``op`` has ended, however: it is cleared, and a drop it held back is returned."""
         if self.op is op:
             self.op = None
-        self.waiting = self.waiting_note = None
+        self.waiting = self.waiting_note = self.short_since = None
         why, self.drop_after_op = self.drop_after_op, None
         return why
 

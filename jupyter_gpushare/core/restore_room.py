@@ -60,13 +60,16 @@ class RestoreRoom:
 
     async def find(
         self, st: Lifecycle, op: Operation, held: Held, need: dict[int, int], shown: CellProgress,
-        wait: bool,
+        wait: bool, again: str = "",
     ) -> Grant | Outcome:
         """Never restore without room: take the GPUs, check, reserve; else make room per
-        policy, or wait and say why. An Outcome when it ends without room."""
-        announced = False
+        policy, or wait and say why. An Outcome when it ends without room. ``again``: why
+        the restore waits once more (its room was taken right before the method's call):
+        said already (event, cell), added to ``waiting``; its wait counts from its first
+        (``st.short_since``)."""
+        announced = bool(again)
         delay = WAIT_BACKOFF[0]
-        short_since: float | None = None  # when the kernel's own GPUs were first seen full
+        short_since = st.short_since  # when the kernel's own GPUs were first seen full
         weighed = False  # whether a contended home was weighed against quieter GPUs
         twice_since: float | None = None  # when room for once (not twice, without a turn) was seen
         told_once = False  # whether the cell was told it settles for room for once
@@ -136,10 +139,10 @@ class RestoreRoom:
                              if g in strict and self.turnless_after > 0 else ""))
                          for g, n in short.items()]
             st.waiting = f"{MEMORY_WAIT}: needs " + ", ".join(
-                f"{needs} ({free})" for needs, free in shortfall)
+                f"{needs} ({free})" for needs, free in shortfall) + (f"; {again}" if again else "")
             if not wait:
                 return Outcome(False, st.waiting)
-            short_since = clock.now() if short_since is None else short_since
+            short_since = st.short_since = clock.now() if short_since is None else short_since
             moved = await self.move(st, op, held, need, want, short, short_since, shown)
             if moved is not None:
                 return moved
