@@ -220,3 +220,39 @@ async def test_a_kept_copy_is_checked_unless_no_code_can_have_written_it(
     assert (copied, trusted) == (MiB, 0) and checked >= 3 * MiB
     shown = await k.run("print([float(w[7]) for w in ws])")
     assert shown.stdout.strip() == "[0.0, 11.0, 22.0, 3.0]"
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("gpushare_config", [{**FRAMEWORK, "host_memory_reserve": 0}],
+                         indirect=True)
+async def test_a_written_storage_with_a_kept_buffer_needs_no_new_host_memory(
+    fake_nvml, jp_fetch, kernels, gpushare_app, tmp_path
+):
+    """Host memory faked at its file (512 KiB available): a storage a cell wrote since its
+    copy is copied again, but into its kept buffer, so the release (1 MiB to copy) is
+    allowed; a new storage has no buffer to go into, and the same 1 MiB is refused."""
+    pytest.importorskip("torch")
+    from jupyter_gpushare.core.hostmem import HostMemory
+
+    from .test_release_honest import FAKE, framework_kernel
+
+    k, _pid = await framework_kernel(gpushare_app, kernels, fake_nvml, FAKE + TORCH, 4 * MiB)
+    await release(jp_fetch, k.id)
+    await restore(jp_fetch, k.id)
+    assert not (await k.run("ws[1].add_(1)")).error  # PyTorch's counters see it
+    await copies_seen(jp_fetch, gpushare_app, k.id, 3 * MiB, MiB)
+    (tmp_path / "meminfo").write_text("MemTotal: 1048576 kB\nMemAvailable: 512 kB\n")
+    gpushare_app.tracker.hostmem = HostMemory(proc=str(tmp_path), cgroup_root=str(tmp_path))
+    await gpushare_app.poll_once()
+    assert gpushare_app.tracker.kernels[k.id].to_copy_new_bytes == 0
+
+    released = await release(jp_fetch, k.id)
+    assert "copied 1.0 MiB of 4.0 MiB" in released["release_detail"]
+    await restore(jp_fetch, k.id)
+    assert not (await k.run("ws.append(tg.put(torch.zeros(1 << 18)))")).error
+    await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, MiB)
+    code, body = await rest(jp_fetch, "POST", "kernels", k.id, "release")
+    assert code == 409, body
+    assert "its GPU state (1.0 MiB) would not fit in host memory" in body["message"], body
+    shown = await k.run("print([float(w[7]) for w in ws])")
+    assert shown.stdout.strip() == "[0.0, 2.0, 2.0, 3.0, 0.0]"

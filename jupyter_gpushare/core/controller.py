@@ -368,12 +368,15 @@ class Controller:
 
     def _host_need(self, rec: KernelRecord, method_name: str | None) -> int:
         """Host memory a release takes: with a method that uses the kept host copies, only
-        what has none current (the kept copies are there already, counted in the room);
-        else (the driver's checkpoint copies everything) the whole GPU state."""
+        what it copies into no kept buffer (the kept copies are there already, counted in
+        the room, and a written one is copied into its own buffer; an agent that does not
+        say: all it copies); else (the driver's checkpoint copies everything) the whole GPU
+        state."""
         method = self.methods.get(method_name) if method_name is not None else None
         if rec.to_copy_bytes is None or not getattr(method, "uses_kept_copies", False):
             return rec.gpu_memory_bytes
-        return min(rec.gpu_memory_bytes, rec.to_copy_bytes)
+        new = rec.to_copy_new_bytes
+        return min(rec.gpu_memory_bytes, rec.to_copy_bytes if new is None else new)
 
     def _host_refusal(self, room: HostRoom | None, need: int) -> str | None:
         """Why ``need`` bytes do not fit in host memory (None: they fit, or we cannot tell)."""

@@ -77,6 +77,9 @@ class KernelRecord:
     host_copy_bytes: int | None = None
     to_copy_bytes: int | None = None
     host_copy_kept_bytes: int | None = None
+    #: agent: the part of to_copy_bytes with no kept buffer to be copied into (new host
+    #: memory a release takes); None: an older agent, which did not say
+    to_copy_new_bytes: int | None = None
     history: deque[KernelSample] = field(default_factory=deque)  # one per poll
     peak_gpu_bytes: dict[int, int] = field(default_factory=dict)  # GPU index -> most bytes seen
     # GPU index -> epoch seconds of the last sample in which its processes computed there
@@ -496,6 +499,7 @@ class Tracker:
         rec.host_copy_bytes = report.get("host_copy_bytes")
         rec.to_copy_bytes = report.get("to_copy_bytes")
         rec.host_copy_kept_bytes = report.get("host_copy_kept_bytes")
+        rec.to_copy_new_bytes = report.get("to_copy_new_bytes")
         if not gpu_bytes and self.foreign_pids:
             framework_bytes = report.get("framework_bytes")
             if isinstance(framework_bytes, int) and not isinstance(framework_bytes, bool) \

@@ -285,9 +285,10 @@ class Agent:
             thread.join()
 
     def host_copies(self) -> dict[str, int]:
-        """Bytes whose kept host copy is current, bytes a release would copy now, and host
-        bytes the kept copies hold (simulated GPU and frameworks together)."""
-        out = {"current": 0, "to_copy": 0, "kept": 0}
+        """Bytes whose kept host copy is current, bytes a release would copy now (of them,
+        those with no kept buffer to go into: new host memory), and host bytes the kept
+        copies hold (simulated GPU and frameworks together)."""
+        out = {"current": 0, "to_copy": 0, "kept": 0, "to_copy_new": 0}
         parts = []
         device = _sim_device_in_use()
         if device is not None:
@@ -296,6 +297,7 @@ class Agent:
 
         parts.extend(adapter.host_copies() for adapter in present_adapters())
         for part in parts:
+            part = {"to_copy_new": part.get("to_copy", 0), **part}  # not said: all of it new
             for key in out:
                 out[key] += int(part.get(key, 0))
         return out
@@ -423,6 +425,7 @@ class Agent:
             copies = self.host_copies()
             out["host_copy_bytes"], out["to_copy_bytes"] = copies["current"], copies["to_copy"]
             out["host_copy_kept_bytes"] = copies["kept"]
+            out["to_copy_new_bytes"] = copies["to_copy_new"]
         except Exception as e:  # never break reporting over the kept copies' bookkeeping
             log.debug("gpushare: could not count the kept host copies: %s", e)
         return out

@@ -44,7 +44,8 @@ def check_report(report: Mapping[str, Any]) -> dict[str, Any]:
     simulated = optional_integer(report, "simulated_bytes")
     if simulated is not None:
         clean["simulated_bytes"] = simulated
-    for name in ("host_copy_bytes", "to_copy_bytes", "host_copy_kept_bytes", "framework_pool_bytes"):
+    for name in ("host_copy_bytes", "to_copy_bytes", "to_copy_new_bytes", "host_copy_kept_bytes",
+                 "framework_pool_bytes"):
         value = optional_integer(report, name)
         if value is not None:
             clean[name] = value

@@ -93,8 +93,10 @@ class OffloadAdapter(abc.ABC):
 
     def host_copies(self) -> dict[str, int]:
         """``current``: device bytes whose kept host copy is current; ``to_copy``: bytes a
-        release would copy now; ``kept``: host bytes the kept copies hold."""
-        return {"current": 0, "to_copy": 0, "kept": 0}
+        release would copy now; ``kept``: host bytes the kept copies hold; ``to_copy_new``
+        (optional, else all of ``to_copy``): the part of ``to_copy`` with no kept buffer to
+        be copied into, so new host memory."""
+        return {"current": 0, "to_copy": 0, "kept": 0, "to_copy_new": 0}
 
     def drop_host_copies(self, wanted: int | None = None) -> int:
         """Free kept host copies, oldest first, until ``wanted`` bytes (None: all)."""

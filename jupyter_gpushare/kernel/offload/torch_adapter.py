@@ -624,6 +624,23 @@ def kept_copies() -> dict[str, int]:
     return {"current": current, "kept": sum(e.nbytes for e in entries)}
 
 
+def reused_bytes() -> int:
+    """Bytes of storages written since their kept copy that a release copies into that
+    copy's own buffer (:func:`_copy_to_host`): copied, but into no new host memory."""
+    with _kept_lock:
+        entries = list(_kept.values())
+    return sum(e.nbytes for e in entries if not e.current() and _reusable(e))
+
+
+def _reusable(entry: _Kept) -> bool:
+    """Whether a release would copy the entry's storage into the entry's own buffer."""
+    alive = [ref() for ref in entry.tensors]
+    storage = next((t.untyped_storage() for t in alive if t is not None), None)
+    return (storage is not None and not entry.storage.expired()
+            and storage._cdata == entry.storage.cdata and storage.nbytes() == entry.nbytes
+            and entry.host.nbytes() == entry.nbytes and not _storage_shared(entry.host))
+
+
 def drop_kept(wanted: int | None = None) -> int:
     """Free kept host copies, oldest first, until ``wanted`` bytes are freed (None: all)."""
     freed = 0
@@ -697,8 +714,9 @@ class TorchAdapter(OffloadAdapter):
 
     def host_copies(self) -> dict[str, int]:
         kept = kept_copies()
-        allocated = self.allocated_bytes()
-        return {**kept, "to_copy": max(0, allocated - kept["current"])}
+        reused = reused_bytes()
+        to_copy = max(0, self.allocated_bytes() - kept["current"])
+        return {**kept, "to_copy": to_copy, "to_copy_new": max(0, to_copy - reused)}
 
     def drop_host_copies(self, wanted: int | None = None) -> int:
         return drop_kept(wanted)
