@@ -120,6 +120,42 @@ async def test_a_process_that_keeps_taking_the_room_fails_the_restore_and_the_st
     await k.run(hold(64, name="y"))  # and the kernel computes as before
 
 
+@pytest.mark.parametrize("gpushare_config", [
+    {"simulated_gpus": [1024 * MiB, 1024 * MiB], "restore_move_after": 0.5}])
+async def test_a_restore_waiting_again_moves_onto_another_gpu_as_any_waiting_restore(
+    jp_fetch, kernels, gpushare_app, monkeypatch
+):
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
+    t = taker(gpushare_app, monkeypatch)  # the other process stays on GPU 0
+    try:
+        ex = await k.run(intact())
+        assert "intact" in ex.stdout and t.times == 1, ex
+        body = await kernel_status(jp_fetch, k.id)
+        assert body is not None and body["restored_onto"] == "onto GPU 1: GPU 0 had no room", body
+    finally:
+        t.leave()
+
+
+async def test_an_interrupt_stops_a_restore_waiting_again_and_nothing_is_lost(
+    jp_fetch, kernels, gpushare_app, monkeypatch
+):
+    k = await released(jp_fetch, kernels, gpushare_app, STATE)
+    t = taker(gpushare_app, monkeypatch)
+    try:
+        msg_id = k.send(intact())
+        await wait_for(lambda: _waiting(jp_fetch, k.id), timeout=30, what="the restore to wait again")
+        r = await jp_fetch("api", "kernels", k.id, "interrupt", method="POST", body=b"")
+        assert r.code == 204
+        ex = await k.wait(msg_id, timeout=30)
+        assert ex.status == "error" and ex.error and ex.error["ename"] == "KeyboardInterrupt", ex
+        st = gpushare_app.controller.states[k.id]
+        await wait_for(lambda: st.op is None, what="the restore to stop")
+        assert st.state == "released" and st.held is not None and st.short_since is None
+    finally:
+        t.leave()
+    assert "intact" in (await k.run(intact())).stdout  # the next cell restores, every byte back
+
+
 def test_the_driver_refuses_a_room_taken_before_it_calls_restore():
     drv = FakeCheckpointDriver()
     free = {0: 2 << 30}
