@@ -154,6 +154,13 @@ def epoch() -> int | None:
         return _watch.epoch
 
 
+def same_epoch(began: int | None) -> int | None:
+    """The epoch a copy made since ``began`` (the epoch read before it read any byte) is
+    current at: ``began`` if no request ran meanwhile and nothing else can run code now,
+    else None (its next use checks it)."""
+    return began if began is not None and epoch() == began else None
+
+
 def others_running() -> str:
     """What besides the kernel's requests can run code now ("" when nothing can)."""
     for thread in threading.enumerate():
