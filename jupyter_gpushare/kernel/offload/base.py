@@ -103,8 +103,8 @@ class OffloadAdapter(abc.ABC):
         return 0
 
 
-#: "0": no host copy kept after a restore (every release copies everything); the PyTorch and
-#: JAX adapters keep one by default and trust it only while it is provably current
+#: "0": no host copy kept after a restore (every release copies everything); the PyTorch,
+#: CuPy and JAX adapters keep one by default and trust it only while it is provably current
 KEEP_HOST_COPY_ENV = "JUPYTER_GPUSHARE_KEEP_HOST_COPY"
 
 
@@ -119,7 +119,9 @@ def keep_host_copies(environ: dict[str, str] | None = None) -> bool:
 #: DLPack, NumPy or a raw pointer): "full" (the default) reads every byte of the storage on
 #: its device; "sampled" reads one 32-bit word in 1,024 of a storage over 1 MiB, so it sees a
 #: rewrite of a whole tensor but may miss a small one; "counters" reads nothing, so such a
-#: write is lost at the next restore. An unknown value means "full".
+#: write is lost at the next restore. CuPy, which has no version counters, reads its
+#: allocations the same way under "full" and "sampled"; under "counters" it reads nothing and
+#: copies again every kept copy the epoch does not vouch for. An unknown value means "full".
 KEPT_CHECK_ENV = "JUPYTER_GPUSHARE_KEPT_CHECK"
 KEPT_CHECKS = ("full", "sampled", "counters")
 
