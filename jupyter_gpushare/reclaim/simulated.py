@@ -147,7 +147,10 @@ class SimulatedMethod(ReclaimMethod):
             if gpu >= 0 and n > 0:
                 landing[moves.get(gpu, gpu)] = landing.get(moves.get(gpu, gpu), 0) + n
         for gpu, n in sorted(landing.items()):
-            free = await asyncio.to_thread(self.free_bytes, gpu)
+            try:  # a shared node's file that does not answer: unknown, as for the driver
+                free = await asyncio.wait_for(asyncio.to_thread(self.free_bytes, gpu), 30)
+            except asyncio.TimeoutError:
+                free = None
             if free is not None and room.lacking({gpu: n}, {gpu: free}):
                 return (f"GPU {gpu} has {format_bytes(free, whole_below_gib=True)} free, "
                         f"{format_bytes(n, whole_below_gib=True)} needed")
