@@ -256,3 +256,32 @@ async def test_a_written_storage_with_a_kept_buffer_needs_no_new_host_memory(
     assert "its GPU state (1.0 MiB) would not fit in host memory" in body["message"], body
     shown = await k.run("print([float(w[7]) for w in ws])")
     assert shown.stdout.strip() == "[0.0, 2.0, 2.0, 3.0, 0.0]"
+
+
+# -- CuPy (faked at its device, tests/fakes/fake_cupy.py) in a real kernel ------------------------
+CUPY = """
+import numpy as np
+from tests.fakes import fake_cupy
+cupy = fake_cupy.install_module()
+xs = [cupy.asarray(np.full(1 << 18, float(i), dtype=np.float32)) for i in range(4)]
+"""
+
+
+@pytest.mark.parametrize("gpushare_config", [FRAMEWORK], indirect=True)
+async def test_cupy_releases_copy_only_the_allocations_a_cell_wrote(
+    fake_nvml, jp_fetch, kernels, gpushare_app
+):
+    from .test_release_honest import FAKE, framework_kernel
+
+    k, _pid = await framework_kernel(gpushare_app, kernels, fake_nvml, FAKE + CUPY, 4 * MiB)
+    await release(jp_fetch, k.id)
+    await restore(jp_fetch, k.id)  # from the REST API: no code ran since
+    await copies_seen(jp_fetch, gpushare_app, k.id, 4 * MiB, 0)
+    second = await release(jp_fetch, k.id)
+    assert "copied 0 B of 4.0 MiB" in second["release_detail"]
+
+    assert not (await k.run("xs[1] += 1")).error  # restores first, then writes one array
+    third = await release(jp_fetch, k.id)  # the fingerprints say which one
+    assert "copied 1.0 MiB of 4.0 MiB" in third["release_detail"]
+    shown = await k.run("print([float(x.get()[7]) for x in xs])")
+    assert shown.stdout.strip() == "[0.0, 2.0, 2.0, 3.0]"
