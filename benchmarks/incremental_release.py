@@ -1,7 +1,9 @@
 """Incremental releases: a full release against a release that copies only what changed.
 
-In one run, for the simulated GPU and for the PyTorch adapter on CPU storages (its fast
-path with "device" storages that are CPU memory, as tests/test_offload_fast.py drives it):
+In one run, for the simulated GPU, for the PyTorch adapter on CPU storages (its fast
+path with "device" storages that are CPU memory, as tests/test_offload_fast.py drives it)
+and for the CuPy adapter on the CuPy the CPU tests fake at its device (tests/fakes/
+fake_cupy.py: its "GPU memory" is host memory, as PyTorch's CPU storages are):
 
 - full: a release of a state with no host copy (what every release did before);
 - unchanged after a pre-copy: the same state, copied ahead by a pre-copy while idle, then
@@ -241,6 +243,83 @@ def torch_run(total: int, device: str = "cpu") -> list[dict[str, Any]]:
     return out
 
 
+def cupy_run(total: int) -> list[dict[str, Any]]:
+    """The CuPy adapter's releases through the CuPy the CPU tests fake at its device
+    (tests/fakes/fake_cupy.py): its "GPU memory" is host memory, its copies ``memmove`` and
+    its fingerprints NumPy's, so, as for PyTorch's CPU storages, the bytes are the adapter's
+    and the times a CPU's. CuPy has no version counters: under ``counters`` only the epoch
+    saves a copy, so with code since the copy (no epoch here) every allocation is copied."""
+    name = "cupy (fake GPU, CPU)"
+    saved = {key: sys.modules.get(key) for key in ("cupy", "cupy.cuda")}
+    from tests.fakes import fake_cupy
+
+    cupy = fake_cupy.install_module()
+    from jupyter_gpushare.kernel.offload import cupy_adapter as ca
+    from jupyter_gpushare.kernel.offload import quiet
+    from jupyter_gpushare.kernel.offload.base import KEEP_HOST_COPY_ENV, KEPT_CHECK_ENV, KEPT_CHECKS
+
+    os.environ.pop(KEEP_HOST_COPY_ENV, None)
+    os.environ.pop(KEPT_CHECK_ENV, None)
+    ca.drop_kept()
+    size = total // ARRAYS // 4
+    ns = {f"x{i}": cupy.asarray(np.full(size, i, dtype=np.float32)) for i in range(ARRAYS)}
+
+    def release() -> tuple[Any, int, float]:
+        a = ca.CupyAdapter()
+        start = time.perf_counter()
+        report = a.offload(ns)
+        seconds = time.perf_counter() - start
+        if report.skipped or report.count != len(ns):
+            raise SystemExit(f"{name}: the release moved {report.count} of {len(ns)} arrays; "
+                             f"left on the device: {report.skipped}")
+        return a, report.copied, seconds
+
+    out: list[dict[str, Any]] = []
+    try:
+        a, copied, seconds = release()
+        full = (copied, seconds)
+        out.append(line(name, "full", *full, full))
+        a.reload()
+        quiet.watch()  # as quiet as an idle kernel: no code between the pre-copy and the release
+        ca.drop_kept()
+        ca.CupyAdapter().precopy(ns)
+        a, copied, seconds = release()
+        out.append(line(name, "unchanged, default, no code", copied, seconds, full))
+        a.reload()
+        quiet.unwatch()
+        changes_so_far = 0
+        for check in KEPT_CHECKS:  # with code since the copy: the check decides
+            os.environ[KEPT_CHECK_ENV] = check
+            ca.drop_kept()
+            ca.CupyAdapter().precopy(ns)
+            a, copied, seconds = release()
+            out.append(line(name, f"unchanged, {check} check", copied, seconds, full))
+            a.reload()
+            for i in range(ARRAYS // 10):  # a cell rewrites 10 % of the arrays (a step
+                ns[f"x{i}"][:] = i - changes_so_far - 1.0  # the "sampled" check sees)
+            changes_so_far += 1
+            a, copied, seconds = release()
+            out.append(line(name, f"10 % changed, {check} check", copied, seconds, full))
+            a.reload()
+            expected = full[0] if check == "counters" else full[0] // ARRAYS * (ARRAYS // 10)
+            assert copied == expected, f"{check}: 10 % changed copied {copied} bytes, not {expected}"
+        changes = len(KEPT_CHECKS)
+        assert all(float(ns[f"x{i}"].get()[0]) == (i - changes if i < ARRAYS // 10 else i)
+                   for i in range(ARRAYS))
+    finally:
+        os.environ.pop(KEPT_CHECK_ENV, None)
+        quiet.unwatch()
+        ca.drop_kept()
+        ns.clear()
+        for key, module in saved.items():
+            if module is None:
+                sys.modules.pop(key, None)
+            else:
+                sys.modules[key] = module
+        gc.collect()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=4.0, help="state size in GiB (default 4)")
@@ -260,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print(f"state: {total / GiB:.3f} GiB in {ARRAYS} arrays; simulated transfer rate: "
               f"{'host copy speed' if not args.rate else f'{args.rate / 1e9:g} GB/s'}", flush=True)
-        rows = simulated(total, args.rate) + torch_run(total)
+        rows = simulated(total, args.rate) + torch_run(total) + cupy_run(total)
     for row in rows:
         print(text(row))
     if args.json:
