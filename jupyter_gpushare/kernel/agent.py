@@ -399,7 +399,11 @@ class Agent:
         }
 
     def _reload(self, msg: dict[str, Any]) -> dict[str, Any]:
-        reports = [adapter.reload() for adapter in self._offloaded]
+        from .reload import reload_all
+
+        # all or nothing across frameworks: on a failure those already back are offloaded
+        # again and the list stays, so a later reload finds the state exactly as released
+        reports = reload_all(self._offloaded, self.shell.user_ns)
         self._offloaded.clear()
         return {"bytes": sum(r.bytes for r in reports)}
 

@@ -4,6 +4,12 @@
 Frees all but the CUDA context. For old drivers and MIG, where the driver checkpoint
 API is not available. ``reload`` moves back whatever is offloaded (nothing when nothing
 is), so it is both the restore and the undo of a failed or half-done offload.
+
+A reload is all or nothing across frameworks: when one runs out of GPU memory (another
+process took the room between the controller's grant and the reload: this method has no room
+check of its own), the agent offloads again what had come back and says so (``NO_ROOM_KIND``),
+and the restore refuses with ``ReclaimError.no_room``, so the controller waits for room again
+as it does for the driver's check.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from ..protocol import RemoteError
 from ..units import format_bytes
 from .base import (
     AGENT_ERRORS,
@@ -32,6 +39,9 @@ from .simulated import copied_note
 #: less is undone and fails, and ``auto`` picks the driver for that kernel from then on
 MIN_FREED_SHARE = 0.5
 SHOWN_LEFT = 5  # what was left on the GPU, named in the error (the rest counted)
+#: the kind of the agent's error reply when a reload ran out of GPU memory and everything
+#: went back to host memory (``kernel/reload.py``'s ``NoRoomToReload``; its text: why)
+NO_ROOM_KIND = "NoRoomToReload"
 
 
 def _int(reply: dict[str, Any], key: str) -> int | None:
@@ -131,5 +141,12 @@ class FrameworkMethod(ReclaimMethod):
         try:
             reply = await agent.request("reload", timeout=self.op_timeout)
         except AGENT_ERRORS as e:
+            if isinstance(e, RemoteError) and e.kind == NO_ROOM_KIND:
+                # another process took the room since the grant, and the agent put back
+                # in host memory whatever had moved: the controller waits for room again
+                short = str(e)[:300]
+                raise ReclaimError(f"reload failed: {short}; nothing stayed on the GPU, the "
+                                   "state is held in host memory as released",
+                                   no_room=short) from None
             raise ReclaimError(f"reload failed: {agent_failure(e)}") from None
         return ReclaimResult(reply_int(reply, "bytes"), time.monotonic() - started)
