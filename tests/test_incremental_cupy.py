@@ -227,6 +227,31 @@ def test_a_copy_failing_midway_into_a_kept_buffer_leaves_no_kept_copy(failing):
     assert np.array_equal(ns["w"].get(), np.zeros(300))
 
 
+def test_a_refusal_to_re_point_leaves_every_array_as_it_was_and_the_next_release_whole():
+    """A kept copy taken as it is, then an array refuses to be re-pointed: every array is
+    back on its GPU with its bytes, and the next release copies everything again."""
+    ns = {"w": put(np.arange(64, dtype=np.float32)), "b": put(np.ones(16), 1)}
+    ns["view"] = ns["w"][8:16]
+    released_and_restored(ns)
+    pointers = {name: a.data.ptr for name, a in ns.items()}
+    calls = []
+
+    def repoint(array, memptr):
+        calls.append(array)
+        if len(calls) == 2:
+            raise RuntimeError("simulated: this array refuses to be re-pointed")
+        ca._repoint(array, memptr)
+
+    with pytest.raises(RuntimeError, match="refuses"):
+        ca.CupyAdapter(repoint=repoint).offload(ns)
+    assert {name: a.data.ptr for name, a in ns.items()} == pointers
+    assert ns["view"].base is ns["w"] and np.array_equal(ns["view"].get(), np.arange(8, 16))
+    adapter = ca.CupyAdapter()
+    assert adapter.offload(ns).copied == 64 * 4 + 16 * 8
+    adapter.reload()
+    assert np.array_equal(ns["w"].get(), np.arange(64)) and on_device(ns["b"]) == 1
+
+
 BIG = (1 << 20) // 4 + 1024  # float32s: an allocation over 1 MiB, sampled under "sampled"
 
 
