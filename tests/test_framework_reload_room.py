@@ -217,3 +217,95 @@ async def test_the_framework_method_says_no_room_only_for_the_agents_no_room(err
     if no_room:
         assert str(e.value) == (f"reload failed: {no_room}; nothing stayed on the GPU, the state "
                                 "is held in host memory as released")
+
+
+# -- a real server and kernel: the framework method on NVML faked at its library ----------------
+OTHER = 1  # another process on the GPU: none of the server's kernels (init, always alive)
+CUPY = """
+import os
+import numpy as np
+from tests.fakes import fake_cupy
+cupy = fake_cupy.install_module()
+_alloc = cupy.cuda.alloc
+def _alloc_unless_taken(size):  # another process holds the GPU's memory while TAKEN exists
+    if os.path.exists({taken!r}):
+        raise fake_cupy.OutOfMemoryError(
+            f"Out of memory allocating {{size:,}} bytes (allocated so far: 0 bytes).")
+    return _alloc(size)
+cupy.cuda.alloc = _alloc_unless_taken
+xs = [cupy.asarray(np.full(1 << 18, float(i), dtype=np.float32)) for i in range(4)]
+"""
+
+
+@pytest.fixture
+def gpushare_config():
+    return {"backend": "nvml", "idle_timeout": 0, "release_method": "framework",
+            "precopy_after": 0}
+
+
+class Other:
+    """Another process that takes the GPU's memory (NVML sees it, the kernel's CuPy finds no
+    room) right as the framework method asks the kernel to reload, and leaves on ``leave``."""
+
+    def __init__(self, gpu, taken):
+        self.gpu, self.taken, self.held, self.times = gpu, taken, 0, 0
+
+    def take(self) -> None:
+        from .fakes.fake_pynvml import FakeProcess
+
+        self.times += 1
+        self.held = self.gpu.memory_total - self.gpu.memory_used - MiB  # 1 MiB left
+        self.gpu.processes = [*self.gpu.processes, FakeProcess(OTHER, self.held)]
+        self.gpu.memory_used += self.held
+        self.taken.write_text("taken")
+
+    def leave(self) -> None:
+        self.gpu.processes = [p for p in self.gpu.processes if p.pid != OTHER]
+        self.gpu.memory_used -= self.held
+        self.held = 0
+        self.taken.unlink(missing_ok=True)
+
+
+async def test_a_restore_whose_reload_runs_out_of_memory_waits_and_the_cell_runs_once_room_is_back(
+    fake_nvml, jp_fetch, kernels, gpushare_app, monkeypatch, tmp_path
+):
+    from .helpers import kernel_status, rest, wait_for
+    from .test_release_honest import FAKE, framework_kernel
+
+    taken = tmp_path / "taken"
+    k, _pid = await framework_kernel(gpushare_app, kernels, fake_nvml,
+                                     FAKE + CUPY.format(taken=str(taken)), 4 * MiB)
+    code, _ = await rest(jp_fetch, "POST", "kernels", k.id, "release")
+    assert code == 200
+    other = Other(fake_nvml.gpus[0], taken)
+    conn = gpushare_app.channel.connections[k.id]
+    request = conn.request
+
+    async def at_the_worst_moment(op, *args, **fields):
+        if op == "reload" and not other.times:  # after the grant, before the kernel moves
+            other.take()
+        return await request(op, *args, **fields)
+
+    monkeypatch.setattr(conn, "request", at_the_worst_moment)
+
+    async def waiting_again():
+        body = await kernel_status(jp_fetch, k.id)
+        return body if body and "taken" in (body["waiting"] or "") else None
+
+    try:
+        msg_id = k.send("print([float(x.get()[7]) for x in xs])")
+        body = await wait_for(waiting_again, what="status to say the restore waits again")
+        assert body["state"] == "released" and body["error"] is None, body
+        assert body["waiting"].endswith("; the room was taken right before the restore (CuPy "
+                                        "ran out of GPU memory allocating 1.0 MiB)"), body
+        other.leave()  # the other process goes: the restore finds its room, the cell runs
+        ex = await k.wait(msg_id, timeout=60)
+    finally:
+        other.leave()
+    assert ex.status == "ok" and ex.stdout.strip() == "[0.0, 1.0, 2.0, 3.0]", ex
+    assert other.times == 1
+    lines = [d.get("data", {}).get("text/plain", "") for d in ex.displays]
+    assert ("gpushare: the room was taken right before the restore (CuPy ran out of GPU memory "
+            "allocating 1.0 MiB): waiting for room again (interrupt to stop waiting)") in lines, lines
+    body = await kernel_status(jp_fetch, k.id)
+    assert body is not None and body["state"] == "active" and body["error"] is None, body
