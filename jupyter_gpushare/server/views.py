@@ -112,6 +112,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
                 released_per_gpu[g] = released_per_gpu.get(g, 0) + n
     returning = returning_bytes(controller)
     restoring = controller.reservations.snapshot()  # part of returning: restores in flight
+    placed = controller.room.load.promised(clock.now())  # placed, not allocated yet: expected
     gpus = [
         {
             "index": g.info.index,
@@ -123,6 +124,7 @@ def status_view(controller: Controller, backend: str, method: str, available: bo
             "released_bytes": released_per_gpu.get(g.info.index, 0),
             "returning_bytes": returning.get(g.info.index, 0),
             "restoring_bytes": restoring.get(g.info.index, 0),
+            "placed_bytes": placed.get(g.info.index, 0),
             "mig": g.info.mig,
             # SM demand against 100 % over the window, and who shares the GPU
             "load": controller.rebalancer.contention(g.info.index).load,

@@ -157,6 +157,13 @@ export interface IGPU {
    * server's restore. Absent from servers before it was added.
    */
   restoring_bytes?: number;
+  /**
+   * Bytes this server's kernels placed on this GPU that have not used it yet are expected to
+   * allocate there (each kernel's expected need: its kernelspec, else what its person's kernels
+   * held before, else context_bytes). The release policy counts them as wanted memory; the hub
+   * service tells the other servers on the node their sum. Absent from servers before it was added.
+   */
+  placed_bytes?: number;
   /** This entry is a MIG instance. */
   mig: boolean;
   /**
