@@ -477,7 +477,7 @@ class Coordinator:
             await self._discover()
             entry = self.entries.get((user, server))
         if entry is None:
-            return {"released": [], "waits": {}, "me": self.me(user)}
+            return {"released": [], "waits": {}, "me": self.me(user, server=server)}
         await self._read(entry)  # its own server, read now: its own time
         await self._measure()
         self._rebuild()
@@ -497,7 +497,7 @@ class Coordinator:
             released += done
             if why:
                 waits[kid] = why
-        return {"released": released, "waits": waits, "me": self.me(user)}
+        return {"released": released, "waits": waits, "me": self.me(user, server=server)}
 
     # -- placing new kernels and servers --------------------------------------------------------------
     def load(self, uuid: str) -> float:
@@ -732,8 +732,11 @@ class Coordinator:
         return code, body
 
     # -- what people see -------------------------------------------------------------------------
-    def me(self, user: str, admin: bool = False) -> dict[str, Any]:
-        """One person's share and usage, by GPU UUID."""
+    def me(self, user: str, admin: bool = False, server: str | None = None) -> dict[str, Any]:
+        """One person's share and usage, by GPU UUID; asked by one of their servers (``server``,
+        its name), also what the other servers' kernels placed on its node's GPUs and not
+        using them yet are expected to take there (``placed_elsewhere``: numbers only; the
+        servers' claims, see :meth:`NodeView.placed_elsewhere`)."""
         ledger = self.view.ledger(self.settings.shares, self.groups)
         shares = shares_of(user, self.groups.get(user, []), self.settings.shares)
         ledger.shares[user] = shares  # someone with no server or kernel yet
@@ -749,9 +752,12 @@ class Coordinator:
         if ledger.enabled and shares:
             share = " or ".join(f"{s.describe()} ({s.source})" for s in shares)
         cap = cap_of(user, self.groups.get(user, []), self.settings.caps)
-        return {"user": user, "admin": admin, "admin_url": self.settings.admin_url if admin else None,
-                "share": share, "usage": usage, "guaranteed": guaranteed, "over_share": over,
-                "cap": cap}
+        out = {"user": user, "admin": admin, "admin_url": self.settings.admin_url if admin else None,
+               "share": share, "usage": usage, "guaranteed": guaranteed, "over_share": over,
+               "cap": cap}
+        if server is not None:
+            out["placed_elsewhere"] = self.view.placed_elsewhere((user, server))
+        return out
 
     def admin_view(self) -> dict[str, Any]:
         """Everything the admin page shows."""

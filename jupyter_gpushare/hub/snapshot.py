@@ -32,6 +32,9 @@ class GPUSnap:
     #: of those, what its restores in flight reserved and has not landed yet (None: a server
     #: before the field; the service then counts none)
     restoring_bytes: int | None = None
+    #: what its kernels placed there and not using it yet are expected to allocate (None: a
+    #: server before the field; the service then tells others nothing of its placements)
+    placed_bytes: int | None = None
 
 
 @dataclass
@@ -129,7 +132,8 @@ def parse_status(raw: bytes, at: float) -> Snapshot:
             total=_count(g, "memory_total", nullable=True), used=_count(g, "memory_used", nullable=True),
             utilization=None if util is None else float(util), released_bytes=_count(g, "released_bytes") or 0,
             returning_bytes=_count(g, "returning_bytes", nullable=True),
-            restoring_bytes=_count(g, "restoring_bytes", nullable=True)))
+            restoring_bytes=_count(g, "restoring_bytes", nullable=True),
+            placed_bytes=_count(g, "placed_bytes", nullable=True)))
     kernels = _get(body, "kernels", list)
     if len(kernels) > MAX_KERNELS:
         raise ValueError(f"{len(kernels)} kernels: more than {MAX_KERNELS}")

@@ -93,6 +93,10 @@ class GPUState:
     kernels: int = 0  # kernels of every server there: resident, or placed and not yet using it
     pending: int = 0  # of those, placed there and not yet using it (placement counts their load)
     busy: int = 0  # kernels computing there at their servers' last reading
+    #: per server, the bytes its kernels counted in ``pending`` are expected to allocate
+    #: there (its ``placed_bytes``, at most the GPU's memory): a server that placed none there
+    #: claims nothing
+    placed_bytes: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def held(self) -> int:
@@ -148,6 +152,7 @@ class NodeView:
                 parent[root(gid)] = root(gids[0])
             names.setdefault(gids[0] if gids else -1, []).append(snap.node)
             older = {local[g.index] for g in snap.gpus if g.uuid and g.returning_bytes is None}
+            placed_on: set[int] = set()  # GPUs where this server has kernels placed, not using them
             for k in snap.kernels:
                 on = {local[i]: n for i, n in k.gpu_bytes.items() if i in local and n}
                 need = {local[i]: n for i, n in k.restore_need.items() if i in local and n}
@@ -159,7 +164,10 @@ class NodeView:
                     for gid, n in on.items():
                         by_user = self.gpus[gid].by_user
                         by_user[ref.user] = by_user.get(ref.user, 0) + n
-                self._count(k, on, [local[i] for i in k.released_gpus if i in local])
+                placed_on |= self._count(k, on, [local[i] for i in k.released_gpus if i in local])
+            for g in snap.gpus:
+                if g.uuid and g.placed_bytes and local[g.index] in placed_on:
+                    self.gpus[local[g.index]].placed_bytes[ref.key] = g.placed_bytes
         said: dict[int, list[str]] = {}
         for first_gid, node_said in names.items():
             if first_gid >= 0:
@@ -175,9 +183,10 @@ class NodeView:
                 gpu.total = _median([t for t, _ in readings.get(gid, [])])
                 gpu.used = _median([u for _, u in readings.get(gid, [])])
 
-    def _count(self, k: KernelSnap, on: dict[int, int], listed: list[int]) -> None:
+    def _count(self, k: KernelSnap, on: dict[int, int], listed: list[int]) -> set[int]:
         """A kernel's part in its GPUs' counts: where it holds memory, or where it was placed
-        and has not allocated yet (an untracked kernel whose GPUs its server lists)."""
+        and has not allocated yet (an untracked kernel whose GPUs its server lists); returns
+        the GPUs it is placed on and not using yet."""
         placed_only = k.state == "untracked" and not on
         for gid in (listed if placed_only else on):
             gpu = self.gpus.get(gid)
@@ -186,12 +195,32 @@ class NodeView:
             gpu.kernels += 1
             gpu.pending += placed_only
             gpu.busy += bool(on) and k.state in RESIDENT and (k.busy or k.utilization > BUSY_SM)
+        return {g for g in listed if g in self.gpus} if placed_only else set()
 
     def nodes(self) -> dict[str, list[GPUState]]:
         """The GPUs of each node, by node name."""
         out: dict[str, list[GPUState]] = {}
         for gpu in self.gpus.values():
             out.setdefault(gpu.node, []).append(gpu)
+        return out
+
+    def placed_elsewhere(self, key: tuple[str, str]) -> dict[str, int]:
+        """Per GPU UUID of server ``key``'s node, the bytes the *other* servers' kernels placed
+        there and not using it yet are expected to allocate (their claims, each at most the
+        GPU's memory; numbers only, nobody named). The server counts them as wanted memory: a
+        false claim can only have it release its idle kernels a little earlier, under its own
+        rules (pressure_idle_timeout, never a kernel at work)."""
+        mine = [g for g in self.gpus.values() if key in g.index]
+        node = {g.node for g in mine}
+        out: dict[str, int] = {}
+        for gpu in self.gpus.values():
+            if gpu.node not in node:
+                continue
+            ceiling = gpu.total
+            n = sum(b if ceiling is None else min(b, ceiling)
+                    for k, b in gpu.placed_bytes.items() if k != key)
+            if n > 0:
+                out[gpu.uuid] = n
         return out
 
     # -- people --------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 | ``/`` | JupyterHub admins (Hub OAuth) | the admin page |
 | ``api/status`` | admins | every GPU, person, kernel, wait and recent action (JSON) |
 | ``api/actions`` | admins | ``POST {"user", "server", "kernel", "action": release/pin/unpin}`` |
-| ``api/me`` | any Hub user or server token allowed to use the service | that user's share and usage |
+| ``api/me`` | any Hub user or server token allowed to use the service | that user's share and usage (``?server=NAME``: and what other servers placed on its node's GPUs) |
 | ``api/waiting`` | same (a single-user server's own token) | "a restore of mine waits": make room |
 | ``api/place`` | same | room, load and kernels per GPU, for placing a new kernel |
 | ``api/nodes`` | same (the spawner hook calls it with the new server's token) | the nodes, best first for a new server |
@@ -139,7 +139,10 @@ class Me(ServiceHandler):
     def get(self) -> None:
         if self.user is None or self.user.get("kind", "user") != "user":
             return self.refuse(403, "a Hub user's token is needed")
-        self.write_json(self.coordinator.me(self.user["name"], admin=self.is_admin))
+        server = self.get_query_argument("server", None)  # the caller's server, by its name
+        if server is not None and len(server) > 255:
+            return self.refuse(400, "server: a server name (at most 255 characters)")
+        self.write_json(self.coordinator.me(self.user["name"], admin=self.is_admin, server=server))
 
 
 class Waiting(ServiceHandler):
@@ -152,7 +155,8 @@ class Waiting(ServiceHandler):
                 or not all(isinstance(k, str) and len(k) <= 100 for k in body["kernels"]):
             return self.refuse(400, 'body must be {"server": NAME, "kernels": [KERNEL_ID, ...]}')
         answer = await self.coordinator.on_push(self.user["name"], body.get("server", ""), body["kernels"])
-        answer["me"] = self.coordinator.me(self.user["name"], admin=self.is_admin)
+        answer["me"] = self.coordinator.me(self.user["name"], admin=self.is_admin,
+                                           server=body.get("server", ""))
         self.write_json(answer)
 
 
