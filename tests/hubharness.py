@@ -358,12 +358,13 @@ def start_hub(directory: Path, users: list[str], admins: list[str], service_conf
         "port": port, "hub_port": hub_port, "proxy_api_port": free_port(), "dir": str(directory),
         "password": PASSWORD, "users": users + admins, "admins": admins, "admin_token": admin_token,
         "server_args": [
-            "--GPUShareApp.backend=simulated", "--GPUShareApp.poll_interval=0.2",
-            "--GPUShareApp.min_release_bytes=0", "--GPUShareApp.idle_timeout=3600",
-            "--GPUShareApp.pressure_free_fraction=0", "--GPUShareHubLink.refresh_interval=1",
-            "--GPUShareHubLink.push_interval=1",
-            *([] if any(a.startswith("--GPUShareApp.placement=") for a in server_args or [])
-              else ["--GPUShareApp.placement=off"]),  # the same option twice is refused
+            # a default a test names itself is left out: the same option twice is refused
+            *(a for a in ("--GPUShareApp.backend=simulated", "--GPUShareApp.poll_interval=0.2",
+                          "--GPUShareApp.min_release_bytes=0", "--GPUShareApp.idle_timeout=3600",
+                          "--GPUShareApp.pressure_free_fraction=0",
+                          "--GPUShareHubLink.refresh_interval=1",
+                          "--GPUShareHubLink.push_interval=1", "--GPUShareApp.placement=off")
+              if not any(b.startswith(a.split("=")[0] + "=") for b in server_args or [])),
             *(server_args or []),
         ],
         "server_env": {"PYTHONPATH": pythonpath, "JUPYTER_GPUSHARE_SIMULATED_NODE": node_path,

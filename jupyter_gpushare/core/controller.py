@@ -155,6 +155,9 @@ class Controller:
         #: the admin's default cap for this server's kernels, bytes per GPU (None: none);
         #: the server sets it (GPUShareApp.memory_limit, the hub service's caps)
         self.default_cap: Callable[[], int | None] = lambda: None
+        #: per GPU, bytes other servers' kernels placed there and not using it yet are expected
+        #: to take (the hub service's word; the server sets it when it has the service)
+        self.placed_elsewhere: Callable[[], dict[int, int]] = dict
         #: kernel -> (its held state, the cap in effect when it was released): a restore
         #: refuses a state over a cap set or lowered since (cap_refusal)
         self._cap_at_release: dict[str, tuple[Held, int | None]] = {}
@@ -287,10 +290,13 @@ class Controller:
     def wanted_free(self, now: float) -> dict[int, int]:
         """Free memory per GPU as the release policy weighs it: :meth:`seen_free` less what
         kernels this server placed there and that have not allocated yet are expected to
-        take. A kernel started on a GPU where idle kernels leave too little room for it
-        has them make way before its first allocation, not after it failed."""
+        take, and, with the hub service, what other servers' such kernels are
+        (:attr:`placed_elsewhere`). A kernel started on a GPU where idle kernels leave too
+        little room for it has them make way before its first allocation, not after it
+        failed, whoever's they are."""
         promised = self.room.load.promised(now)
-        return {g: f - promised.get(g, 0) for g, f in self.seen_free().items()}
+        others = self.placed_elsewhere()
+        return {g: f - promised.get(g, 0) - others.get(g, 0) for g, f in self.seen_free().items()}
 
     # -- the loop --------------------------------------------------------------------------
     async def tick(self) -> None:

@@ -14,7 +14,9 @@ Under JupyterHub, when ``GPUShareHubLink.url`` names the service, this server
   the node (other users' released kernels and waiting restores included) and whether the user
   is within their share there (:meth:`HubLink.rooms`);
 - **learns** its user's share and usage, and whether the user may open the admin page, for
-  the status API (``hub``), the lab panel and ``%gpushare``.
+  the status API (``hub``), the lab panel and ``%gpushare``; and what other servers' kernels
+  placed on this node's GPUs and not using them yet are expected to take there
+  (:meth:`HubLink.placed_elsewhere`), which the release policy counts as wanted memory.
 
 Requests carry the server's own Hub token (``JUPYTERHUB_API_TOKEN``); the Hub lets the service
 accept it only when the server's role has ``access:services!service=gpushare``. Failures
@@ -31,11 +33,13 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import quote
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets import Float, TraitError, Unicode, default, validate
 from traitlets.config import Configurable
 
+from .. import clock
 from ..events import KERNEL_SCHEMA_ID
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 URL_ENV = "JUPYTER_GPUSHARE_HUB_URL"
 PUSH_ANSWER_WITHIN = 600.0  # s: releases of tens of GB run at a few GB/s
 PLACE_ANSWER_WITHIN = 2.0  # s a kernel's start waits for the service's view of the node
+PLACED_KEPT = 3  # refresh intervals the service's word on others' placements is kept unanswered
 
 
 class GPUShareHubLink(Configurable):
@@ -108,6 +113,10 @@ class HubLink:
         #: per GPU UUID of the last place answer: kernels placed there that have not computed
         #: yet, by any server of the node (the service's ``pending``; placement weighs them)
         self.pending: dict[str, int] = {}
+        #: per GPU UUID of the last ``me`` answer: bytes other servers' kernels placed there and
+        #: not using it yet are expected to take, and when it came (clock.now())
+        self.placed_others: dict[str, int] = {}
+        self.placed_at: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._pushes: set[asyncio.Task[Any]] = set()
         self._following: set[str] = set()  # kernels whose waiting restore is pushed again
@@ -179,7 +188,7 @@ class HubLink:
             if not isinstance(answer, dict):
                 raise ValueError("the answer is not a JSON object")
         except Exception as e:
-            error = f"{method} {path}: {e}"[:300]
+            error = f"{method} {path.split('?')[0]}: {e}"[:300]
             # each failure once until the service answers again: the refresh and the pushes
             # of a waiting restore ask every few seconds
             (log.debug if error in self._said else log.warning)(
@@ -194,9 +203,29 @@ class HubLink:
         return answer
 
     async def fetch_me(self) -> None:
-        answer = await self._call("GET", "api/me")
+        answer = await self._call("GET", "api/me?server=" + quote(self.server_name, safe=""))
         if answer is not None:
-            self.me = answer
+            self._take_me(answer)
+
+    def _take_me(self, me: dict[str, Any]) -> None:
+        """Keep the service's ``me`` answer; of its ``placed_elsewhere``, byte counts on GPUs
+        this server knows, nothing else."""
+        self.me = me
+        raw = me.get("placed_elsewhere")
+        known = {g.info.uuid for g in self.controller.tracker.gpus.values() if g.info.uuid}
+        self.placed_others = {u: n for u, n in raw.items() if u in known and _count(n) and n > 0} \
+            if isinstance(raw, dict) else {}
+        self.placed_at = clock.now()
+
+    def placed_elsewhere(self) -> dict[int, int]:
+        """Per GPU index, the bytes other servers' kernels placed there and not using it yet are
+        expected to take, as the service last said; nothing once it has not said for
+        :data:`PLACED_KEPT` refresh intervals (those kernels have allocated by then, or not)."""
+        at = self.placed_at
+        if at is None or clock.now() - at > PLACED_KEPT * self.options.refresh_interval:
+            return {}
+        by_uuid = {g.info.uuid: g.info.index for g in self.controller.tracker.gpus.values() if g.info.uuid}
+        return {by_uuid[u]: n for u, n in self.placed_others.items() if u in by_uuid}
 
     async def push(self, kernel_ids: list[str]) -> dict[str, Any] | None:
         """Tell the service that restores of ``kernel_ids`` wait; note its answer."""
@@ -211,7 +240,7 @@ class HubLink:
             note = waits.get(kid)
             self.controller.note_waiting(kid, note[:300] if isinstance(note, str) else None)
         if isinstance(answer.get("me"), dict):
-            self.me = answer["me"]
+            self._take_me(answer["me"])
         if answer.get("released"):
             await self.refresh()  # see the freed memory now: the waiting restore goes on
         return answer

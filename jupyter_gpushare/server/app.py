@@ -184,6 +184,8 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             raise ExtensionOff(_off(f"cannot create the agent socket {self.socket_path}: {e}")) from e
         teardown.callback(self.channel.close_now)
         self.hub_link = hub_link.connect(self.config, self.controller, self.refresh)
+        if self.hub_link is not None:  # other servers' placed kernels count as wanted memory
+            self.controller.placed_elsewhere = self.hub_link.placed_elsewhere
         self.controller.default_cap = self.default_cap
         self.capwatch = CapWatch(self.controller, self._tell_over_cap, self.tell_cap)
         self.ahead = AheadRestores(self.controller, self.ahead_grace)
