@@ -67,8 +67,10 @@ class GPUShareHubLink(Configurable):
 
     refresh_interval = Float(
         30.0,
-        help="""Seconds between two updates of the user's share and usage from the service.
-        Default 30. Must be > 0. (A waiting restore is pushed at once, whatever this is.)""",
+        help="""Seconds between two updates of the user's share and usage, and of what other
+        servers' placed kernels are expected to take on this node's GPUs (kept 3 intervals
+        without an answer), from the service. Default 30. Must be > 0. (A waiting restore is
+        pushed at once, whatever this is.)""",
     ).tag(config=True)
 
     timeout = Float(
