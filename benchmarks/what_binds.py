@@ -171,7 +171,7 @@ def free_bucket(share: float) -> str:
     return f">={FREE_BUCKETS[-1]:.0%}"
 
 
-def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
+def at_count(w: Workload, s: Settings, gpus: int, policy: str = "gpushare") -> list[str]:
     released: dict[int, list[tuple[float, str, float]]] = {}
     starts: Counter[str] = Counter()  # kernels started, by how their GPU was judged
     sims: list[Simulation] = []
@@ -197,7 +197,7 @@ def at_count(w: Workload, s: Settings, gpus: int) -> list[str]:
             share = min((sim.node.free(g) - k.held) / sim.node.gpus[g].capacity for g in k.gpus)
             released.setdefault(k.index, []).append((t, kind, share))
 
-    sim = simulation(w, s, "gpushare", gpus, seen, run=False)
+    sim = simulation(w, s, policy, gpus, seen, run=False)
     sims.append(sim)
     sim.run()
     f = figures(sim)
@@ -290,6 +290,9 @@ def main() -> None:
     ap.add_argument("--every-server-machine", type=int, default=0, metavar="RUNS",
                     help="at each count, also put the users' servers on every combination of "
                          "the machines their widest kernel fits on (at most RUNS runs)")
+    ap.add_argument("--policy", choices=("gpushare", "gpushare-hub"), default="gpushare",
+                    help="the sharing policy run at each count (gpushare-hub: with the hub "
+                         "service; default gpushare)")
     ap.add_argument("simulate", nargs=argparse.REMAINDER,
                     help="after --: jupyter gpushare simulate's options")
     args = ap.parse_args()
@@ -305,7 +308,7 @@ def main() -> None:
     for line in bounds(w, s):
         print(line)
     for n in [int(c) for c in args.counts.split(",") if c.strip()]:
-        for line in at_count(w, s, n):
+        for line in at_count(w, s, n, args.policy):
             print(line)
         if args.every_server_machine:
             for line in every_assignment(w, s, n, args.every_server_machine):

@@ -66,3 +66,23 @@ def test_a_busy_kernel_of_another_user_is_never_taken():
                      10 * GiB, 1, TINY_TRANSFER).run()
     assert "making room" not in sim.counters.release_reasons
     assert max(r.delay for r in sim.cells) >= 455.0 - 200.0
+
+
+def test_with_the_service_another_users_placed_need_is_wanted_memory():
+    """One 10 GiB GPU. A's kernel holds 5 GiB, idle from 10 s. B's first kernel held 5 GiB
+    (what B's next one is expected to need); B's second starts at 100 and allocates 6 GiB at
+    300. With the service, A's server counts B's placed need as wanted (free 5 - 5 GiB: under
+    pressure) and releases A's idle kernel before B allocates; each server alone, A's server
+    sees 5 GiB free, and B's first allocation runs out of memory next to A's idle kernel."""
+    cfg = PolicyConfig(idle_timeout=1000, pressure_free_fraction=0.1, pressure_idle_timeout=50)
+    a = KernelWork("a", "A", 5 * GiB, (Session(0.0, (Cell(0, 10, 50),)),), shutdown_at=900.0)
+    b1 = KernelWork("b1", "B", 5 * GiB, (Session(0.0, (Cell(0, 10, 50),)),), shutdown_at=20.0)
+    b2 = KernelWork("b2", "B", 6 * GiB, (Session(100.0, (Cell(200, 10, 50),)),), shutdown_at=900.0)
+    w = Workload(1000.0, (a, b1, b2), "placed elsewhere", ("A", "B"))
+    settings = {"poll_interval": 1.0, "release_policy": "needs"}
+    hub = figures(Simulation(w, GPUShareHub(cfg, **settings), 10 * GiB, 1, TINY_TRANSFER).run())
+    assert hub["oom_failures"] == 0
+    assert hub["release_reasons"].get("memory pressure") == 1, hub["release_reasons"]
+    alone = figures(Simulation(w, GPUShare(cfg, **settings), 10 * GiB, 1, TINY_TRANSFER).run())
+    assert alone["oom_failures"] == 1
+    assert "memory pressure" not in alone["release_reasons"], alone["release_reasons"]

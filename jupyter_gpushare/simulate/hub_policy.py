@@ -8,7 +8,11 @@ plus fair shares from :mod:`jupyter_gpushare.policy.fairshare`), with candidates
 ``GPUShare.candidate`` builds them. The releases then run in turn, as the service's do.
 
 A restore ahead of a cell is not pushed: it takes room only from its own server's
-kernels, below every cell's restore. Registered in ``settings.POLICIES`` as ``gpushare-hub``.
+kernels, below every cell's restore. Each server's release policy counts the expected need of
+every user's placed, not-yet-allocated kernels on its machine as wanted memory (the service
+tells each server what the others placed, a service poll and a refresh later:
+:meth:`GPUShareHub.promised`), not only its own.
+Registered in ``settings.POLICIES`` as ``gpushare-hub``.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ class GPUShareHub(GPUShare):
 
     def __init__(self, config: Any, poll_interval: float = 2.0, seed: int = 0,
                  over_share_idle_timeout: float = 30.0, shares: dict[str, object] | None = None,
-                 service_poll: float = 10.0, **release: Any):
+                 service_poll: float = 10.0, hub_refresh: float = 30.0, **release: Any):
         """``release``: :class:`GPUShare`'s ``release_policy``, ``long_idle``, ``ahead_grace``,
         ``move_after`` (its own server moves a restore that has waited that long, before the
         service is asked)."""
@@ -36,6 +40,8 @@ class GPUShareHub(GPUShare):
         self.hub = crossuser.HubPolicy(config, over_share_idle_timeout)
         self.shares = parse_table(shares or {})  # keys "u0", "u1", ... (users by index)
         self.service_poll = service_poll  # the service's poll_interval (its default: 10 s)
+        self.hub_refresh = hub_refresh  # a server's refresh of the service's answer (default 30 s)
+        self.told: dict[int, float] = {}  # kernel index -> when other servers hear of its placement
 
     def on_idle(self, sim: Simulation, k: Kernel) -> None:
         """Besides its own server's checks: the service's poll serves waiting restores on
@@ -46,6 +52,35 @@ class GPUShareHub(GPUShare):
             tick = math.ceil(due / self.service_poll - 1e-9) * self.service_poll
             for g in k.gpus:
                 sim.schedule(max(tick, sim.now), partial(self._service_poll, sim, g))
+
+    def promised(self, sim: Simulation, user: int) -> dict[int, int]:
+        """Per GPU of ``user``'s machine, the bytes placed kernels that have not allocated yet
+        are expected to allocate there: ``user``'s own (:meth:`GPUShare.promised`) and, with
+        the service, other users' once its answer has told this server
+        (``Controller.wanted_free``: own + others')."""
+        out = super().promised(sim, user)
+        kernels = [o for o in sim.by_user[user] if o.alive]
+        if not kernels:
+            return out
+        for g in sim.node_gpus(kernels[0].gpu):
+            for i in sim.placed[g]:
+                o = sim.kernels[i]
+                if o.user_index != user and o.need is not None and self.told.get(i, math.inf) <= sim.now:
+                    out[g] = out.get(g, 0) + o.need.bytes
+        return out
+
+    def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
+        """Besides its own server's check: the service reads the placing server at its next
+        poll, and every other server on the machine hears of ``k``'s expected need at its
+        next refresh after that (``GPUShareHubLink.refresh_interval``), and checks then."""
+        gpus = super().place_at_start(sim, k)
+        told = math.ceil(sim.now / self.service_poll - 1e-9) * self.service_poll + self.hub_refresh
+        self.told[k.index] = told
+        machine = sim.node_gpus(gpus[0]) if gpus else range(0)
+        for user, on in sim.machine_of.items():
+            if user != k.user_index and on == machine and any(o.alive for o in sim.by_user[user]):
+                self.schedule_check(sim, user, told)
+        return gpus
 
     def _service_poll(self, sim: Simulation, gpu: int) -> None:
         for waiting in list(self.waiting.get(gpu, ())):
