@@ -296,7 +296,9 @@ async def test_a_restore_whose_reload_runs_out_of_memory_waits_and_the_cell_runs
         msg_id = k.send("print([float(x.get()[7]) for x in xs])")
         body = await wait_for(waiting_again, what="status to say the restore waits again")
         assert body["state"] == "released" and body["error"] is None, body
-        assert body["waiting"].endswith("; the room was taken right before the restore (CuPy "
+        # what it waits for comes first ("waiting for memory: ...", or a turn's or the room
+        # check's words on a loaded machine), the reason it waits again last
+        assert body["waiting"].endswith("the room was taken right before the restore (CuPy "
                                         "ran out of GPU memory allocating 1.0 MiB)"), body
         other.leave()  # the other process goes: the restore finds its room, the cell runs
         ex = await k.wait(msg_id, timeout=60)
