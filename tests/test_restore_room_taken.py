@@ -77,8 +77,12 @@ async def test_a_restore_whose_room_was_taken_waits_and_the_cell_runs_once_it_is
     t = taker(gpushare_app, monkeypatch)
     try:
         msg_id = k.send(intact())
-        waiting = await wait_for(lambda: _waiting(jp_fetch, k.id), timeout=30,
-                                 what="status to say the restore waits again")
+        async def said_what_it_needs():  # right after the refusal, the room wait's words follow
+            text = await _waiting(jp_fetch, k.id)
+            return text if text and "needs" in text else None
+
+        waiting = await wait_for(said_what_it_needs, timeout=30,
+                                 what="status to say the restore waits again, and for what")
         assert "the room was taken right before the restore (GPU 0 has 128 MiB free, " \
                "256 MiB needed)" in waiting, waiting
         assert waiting.startswith("waiting for memory: needs 256.0 MiB on GPU 0 (128.0 MiB free); "), waiting
