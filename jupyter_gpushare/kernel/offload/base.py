@@ -131,3 +131,17 @@ def kept_check(environ: dict[str, str] | None = None) -> str:
     value = (os.environ if environ is None else environ).get(KEPT_CHECK_ENV, "full")
     value = value.strip().lower()
     return value if value in KEPT_CHECKS else "full"
+
+
+def drop_oldest(kept: dict[Any, Any], lock: Any, wanted: int | None) -> int:
+    """Forget kept host copies (entries with ``at`` and ``nbytes``), oldest first, until
+    ``wanted`` bytes are freed (None: all), under ``lock``; the bytes forgotten. Each
+    adapter's ``drop_kept`` then frees what its framework caches."""
+    freed = 0
+    with lock:
+        for key, entry in sorted(kept.items(), key=lambda item: item[1].at):
+            if wanted is not None and freed >= wanted:
+                break
+            del kept[key]
+            freed += entry.nbytes
+    return freed

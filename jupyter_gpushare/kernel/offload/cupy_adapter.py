@@ -51,7 +51,7 @@ from typing import Any
 
 from ..walk import Child, Ref, walk_namespace
 from . import quiet
-from .base import OffloadAdapter, OffloadReport, keep_host_copies, kept_check
+from .base import OffloadAdapter, OffloadReport, drop_oldest, keep_host_copies, kept_check
 from .pinned import PinnedPool
 from .txn import Change, UndoIncomplete, apply_all
 
@@ -356,13 +356,7 @@ def kept_copies() -> dict[str, int]:
 
 def drop_kept(wanted: int | None = None) -> int:
     """Free kept host copies, oldest first, until ``wanted`` bytes are freed (None: all)."""
-    freed = 0
-    with _kept_lock:
-        for key, entry in sorted(_kept.items(), key=lambda item: item[1].at):
-            if wanted is not None and freed >= wanted:
-                break
-            del _kept[key]
-            freed += entry.nbytes
+    freed = drop_oldest(_kept, _kept_lock, wanted)
     if freed and "cupy" in sys.modules:
         _cupy().get_default_pinned_memory_pool().free_all_blocks()
     return freed

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..walk import Ref, namespace_roots, walk, walk_namespace
-from .base import KEEP_HOST_COPY_ENV, OffloadAdapter, OffloadReport, keep_host_copies
+from .base import KEEP_HOST_COPY_ENV, OffloadAdapter, OffloadReport, drop_oldest, keep_host_copies
 from .txn import Change, apply_all
 
 
@@ -162,13 +162,7 @@ def kept_copies() -> dict[str, int]:
 
 def drop_kept(wanted: int | None = None) -> int:
     """Free kept host copies, oldest first, until ``wanted`` bytes are freed (None: all)."""
-    freed = 0
-    with _kept_lock:
-        for key, entry in sorted(_kept.items(), key=lambda item: item[1].at):
-            if wanted is not None and freed >= wanted:
-                break
-            del _kept[key]
-            freed += entry.nbytes
+    freed = drop_oldest(_kept, _kept_lock, wanted)
     return freed
 
 

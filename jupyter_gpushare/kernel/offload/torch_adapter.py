@@ -53,6 +53,7 @@ from .base import (
     KEEP_HOST_COPY_ENV,
     OffloadAdapter,
     OffloadReport,
+    drop_oldest,
     keep_host_copies,
     kept_check,
 )
@@ -643,13 +644,7 @@ def _reusable(entry: _Kept) -> bool:
 
 def drop_kept(wanted: int | None = None) -> int:
     """Free kept host copies, oldest first, until ``wanted`` bytes are freed (None: all)."""
-    freed = 0
-    with _kept_lock:
-        for key, entry in sorted(_kept.items(), key=lambda item: item[1].at):
-            if wanted is not None and freed >= wanted:
-                break
-            del _kept[key]
-            freed += entry.nbytes
+    freed = drop_oldest(_kept, _kept_lock, wanted)
     if freed:
         _release_pinned_cache()
     return freed
