@@ -116,3 +116,15 @@ def fake_nvml(monkeypatch):
     fake = FakePynvml([FakeGPU(uuid="GPU-00000000-0000-0000-0000-000000000000")])
     monkeypatch.setitem(sys.modules, "pynvml", fake)
     return fake
+
+
+@pytest.fixture
+def watching():
+    """The kernel agent's epoch watched, as in a kernel (kernel/offload/quiet.py): the threads
+    alive now are "the kernel's"; tests bump it where a request would start and end
+    (helpers.a_cell)."""
+    from jupyter_gpushare.kernel.offload import quiet
+
+    quiet.watch()
+    yield
+    quiet.unwatch()

@@ -30,6 +30,7 @@ from jupyter_gpushare.kernel.offload.base import KEEP_HOST_COPY_ENV, KEPT_CHECK_
 
 from .fakes import fake_cupy
 from .fakes.fake_cupy import CopyFailed, OutOfMemoryError, on_device
+from .helpers import a_cell
 
 
 def fresh_adapter_state() -> None:
@@ -49,22 +50,6 @@ def cupy(monkeypatch):
     yield module
     fresh_adapter_state()
     quiet.unwatch()
-
-
-@pytest.fixture
-def watching():
-    quiet.watch()  # the threads alive now are "the kernel's"
-    yield
-    quiet.unwatch()
-
-
-def a_cell(run=lambda: None) -> None:
-    """What a request that runs code looks like to the epoch (the agent's wrapped handlers)."""
-    quiet.bump()
-    try:
-        run()
-    finally:
-        quiet.bump()
 
 
 def put(values, gpu: int = 0):

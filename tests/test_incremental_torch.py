@@ -33,6 +33,7 @@ from jupyter_gpushare.kernel.offload import quiet, torch_adapter  # noqa: E402
 from jupyter_gpushare.kernel.offload.base import KEPT_CHECK_ENV  # noqa: E402
 from jupyter_gpushare.kernel.offload.torch_adapter import drop_kept, kept_copies  # noqa: E402
 
+from .helpers import a_cell  # noqa: E402
 from .test_offload_fast import CopyFailed, FakeGPUs  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -176,22 +177,6 @@ def test_an_unseen_write_after_the_precopy_is_copied_at_release():
 # (the agent's epoch, kernel/offload/quiet.py; here the test bumps it where a request would
 # start and end, as the agent's wrapped request handlers do in a kernel:
 # tests/test_incremental_server.py drives it through a real kernel)
-@pytest.fixture
-def watching():
-    quiet.watch()  # the threads alive now are "the kernel's"
-    yield
-    quiet.unwatch()
-
-
-def a_cell(run=lambda: None) -> None:
-    """What a request that runs code looks like to the epoch."""
-    quiet.bump()
-    try:
-        run()
-    finally:
-        quiet.bump()
-
-
 def test_a_release_after_a_precopy_with_no_code_since_reads_no_byte(watching):
     gpus = FakeGPUs()
     ns = {"w": gpus.put(torch.randn(1000)), "b": gpus.put(torch.randn(10), "gpu1")}
