@@ -22,3 +22,11 @@ def torch_cuda() -> Any:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device visible to torch")
     return torch
+
+
+def cupy_cuda() -> Any:
+    """CuPy with a CUDA device, else the test is skipped."""
+    cupy = pytest.importorskip("cupy")
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        pytest.skip("no CUDA device visible to cupy")
+    return cupy

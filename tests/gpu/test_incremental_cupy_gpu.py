@@ -6,9 +6,9 @@ the devices first). The CPU twin: tests/test_incremental_cupy.py."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
+
+from .helpers import cupy_cuda
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(60)]
 
@@ -17,12 +17,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def cupy(monkeypatch):
-    if importlib.util.find_spec("cupy") is None:
-        pytest.skip("cupy is not installed")
-    import cupy
-
-    if cupy.cuda.runtime.getDeviceCount() == 0:
-        pytest.skip("no CUDA device visible to cupy")
+    cupy = cupy_cuda()
     from jupyter_gpushare.kernel.offload.base import KEEP_HOST_COPY_ENV, KEPT_CHECK_ENV
     from jupyter_gpushare.kernel.offload.cupy_adapter import drop_kept
 
