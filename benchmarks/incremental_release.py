@@ -23,6 +23,13 @@ copy; GPU figures come from the GPU proof's stage 2, which runs this with ``--de
 copy)`` lines time the fingerprints alone. Run: ``python benchmarks/incremental_release.py [--gib 4] [--rate BYTES_PER_S]``;
 ``--smoke`` runs tiny sizes in seconds (CI). Needs numpy; the PyTorch part needs torch.
 
+The PyTorch part's stand-in "device" storages (and its host copies) come from PyTorch's CPU
+allocator in 2 MiB pages (PyTorch's ``THP_MEM_ALLOC_ENABLE``, where the host offers
+transparent huge pages), as a GPU's memory is mapped: with 4 KiB pages, freeing a 4 GiB state
+costs the host's page tables half a second, which no GPU pays and which would be most of an
+unchanged release. ``--base-pages`` runs it with 4 KiB pages; the ``free the stand-ins`` line
+times freeing a state of the same size alone, in either case.
+
 ``--device cuda`` runs the PyTorch part alone, on GPU 0 with the adapter as a kernel uses it
 (CUDA copy streams, page-locked host buffers): there the full release is timed twice, first
 while it pins its host buffers, then into buffers pinned already (the reference of the
@@ -101,6 +108,22 @@ def simulated(total: int, rate: float | None) -> list[dict[str, Any]]:
     device_module._device = None
     gc.collect()
     return out
+
+
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # PyTorch's CPU allocator: 2 MiB pages from 2 MiB up
+
+
+def huge_pages_offered() -> bool:
+    """Whether the host gives transparent huge pages to memory that asks (madvise or always)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def pages() -> str:
+    return "2 MiB" if os.environ.get(THP_ENV) == "1" and huge_pages_offered() else "4 KiB"
 
 
 def torch_run(total: int, device: str = "cpu") -> list[dict[str, Any]]:
@@ -200,6 +223,12 @@ def torch_run(total: int, device: str = "cpu") -> list[dict[str, Any]]:
         os.environ.pop(KEEP_HOST_COPY_ENV, None)
     out.append(line(name, "full", *full, full, host_allocations=allocs))
     a.reload()
+    if not cuda:  # what freeing the stand-in "device" memory costs alone: part of every release
+        spare = [torch.full((size,), 1.0) for _ in range(ARRAYS)]
+        start = time.perf_counter()
+        del spare
+        out.append(line(name, "free the stand-ins (no copy)", 0, time.perf_counter() - start,
+                        full, pages=pages()))
     for check, take in (("full", fingerprint), ("sampled", sampled_fingerprint)):
         start = time.perf_counter()
         _read_fingerprints([take(t.untyped_storage()) for t in ns.values()])
@@ -329,16 +358,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu (default): the simulated GPU and PyTorch on CPU storages; "
                              "cuda: PyTorch alone, on GPU 0")
+    parser.add_argument("--base-pages", action="store_true",
+                        help="PyTorch's stand-in storages in 4 KiB pages (default: 2 MiB pages "
+                             "where the host offers transparent huge pages, as a GPU's memory)")
     parser.add_argument("--json", action="store_true",
                         help="end with one line of JSON: the state's size and every row")
     args = parser.parse_args(argv)
     total = (8 << 20) if args.smoke else int(args.gib * GiB)
+    if args.device == "cpu" and not args.base_pages:
+        # read once, at PyTorch's first allocation: set before it is imported
+        if "torch" in sys.modules:
+            print(f"torch is imported already: {THP_ENV} may not apply", flush=True)
+        os.environ[THP_ENV] = "1"
+    elif args.base_pages:
+        os.environ.pop(THP_ENV, None)
     if args.device == "cuda":
         print(f"state: {total / GiB:.3f} GiB in {ARRAYS} arrays on GPU 0", flush=True)
         rows = torch_run(total, "cuda")
     else:
         print(f"state: {total / GiB:.3f} GiB in {ARRAYS} arrays; simulated transfer rate: "
-              f"{'host copy speed' if not args.rate else f'{args.rate / 1e9:g} GB/s'}", flush=True)
+              f"{'host copy speed' if not args.rate else f'{args.rate / 1e9:g} GB/s'}; "
+              f"PyTorch's stand-in pages: {pages()}", flush=True)
         rows = simulated(total, args.rate) + torch_run(total) + cupy_run(total)
     for row in rows:
         print(text(row))
