@@ -7,6 +7,7 @@ below one with less room, and a server under the service took the smaller, wrong
 own placement. Servers now say what their kernels will still bring onto each GPU, each kernel
 once (``returning_bytes``). Real servers (the simulated node) answer the status the service's
 coordinator reads; the Hub's API is faked, the second node's status built from the contract.
+Kernels placed and not using their GPU yet count too, by their servers' ``placed_bytes``.
 """
 
 from __future__ import annotations
@@ -126,3 +127,39 @@ def test_a_server_before_returning_bytes_is_counted_as_it_says():
                       parse_status(json.dumps(older).encode(), 1.0)),
                      (ServerRef("bob", "", "/user/bob/"), parse_status(newer, 1.0))], ids, now=2.0)
     assert view.gpus[ids("GPU-a")].returning == 4 * GiB + 3 * GiB
+
+
+#: a kernel placed on the server's only GPU (2 GiB) is expected to need 512 MiB there
+PLACED = {"simulated_gpus": [2048 * MiB], "poll_interval": 3600, "placement": "room",
+          "context_bytes": 512 * MiB}
+
+
+@pytest.mark.parametrize("gpushare_config", [PLACED])
+async def test_a_placed_kernels_expected_bytes_are_not_offered_to_another(
+    jp_fetch, kernels, gpushare_app, monkeypatch
+):
+    """A kernel placed and not using its GPU yet leaves its expected need out of the room the
+    service offers others, on this node and across nodes (before: the whole free memory)."""
+    monkeypatch.setenv("JUPYTER_GPUSHARE_NODE", "node-z")
+    a = await kernels.start()  # placed on GPU 0; nothing allocated yet
+    await gpushare_app.poll_once()
+    body = await server_status(jp_fetch)
+    (g,) = json.loads(body)["gpus"]
+    (k,) = json.loads(body)["kernels"]
+    assert k["id"] == a.id and k["gpu_memory_bytes"] == 0, k
+    assert g["placed_bytes"] == 512 * MiB and g["memory_used"] == 0, g
+    api = FakeAPI({"alice": body, "bob": other_node(1792 * MiB)}, {})
+    coord = coordinator(api)
+    await coord.poll_once()
+    rooms = await coord.rooms("carol", [g["uuid"]])
+    assert rooms[g["uuid"]]["room"] == 1536 * MiB
+    # a server expecting 1600 MiB fits node-b (1.75 GiB free), not node-z (2 GiB less a's 512 MiB)
+    ranked = await coord.rank_nodes("carol", memory=1600 * MiB)
+    assert [(n["node"], n["fits"], n["room"]) for n in ranked] == [
+        ("node-b", True, 1792 * MiB), ("node-z", False, 1536 * MiB)]
+    # a claim larger than the GPU counts as the GPU's memory at most: no room, never negative
+    claim = json.loads(body)
+    claim["gpus"][0]["placed_bytes"] = 99 * GiB
+    api.bodies["alice"] = json.dumps(claim).encode()
+    await coord.poll_once()
+    assert (await coord.rooms("carol", [g["uuid"]]))[g["uuid"]]["room"] == 0

@@ -515,14 +515,20 @@ class Coordinator:
         """Every GPU as the placement rule sees it for a new kernel of ``user``: room (free
         memory less what every server's kernels will still bring there, each kernel once: a
         released kernel's held state, or a waiting restore's need; a restoring kernel's bytes
-        not landed yet), load over the window, kernels placed there by any server and not yet computing
-        (their expected load), kernels there, kernels computing, and the user's share."""
+        not landed yet; and what kernels placed there and not using it yet are expected to
+        allocate, each server's claim at most the GPU's memory), load over the window, kernels
+        placed there by any server and not yet computing (their expected load), kernels there,
+        kernels computing, and the user's share. A placed kernel that allocated since its
+        server was last read counts twice until the next read: placement then looks elsewhere a
+        little early, which the asking server's own, fresher room does not repeat."""
         ledger = self.view.ledger(self.settings.shares, self.groups)
         ledger.shares[user] = shares_of(user, self.groups.get(user, []), self.settings.shares)
         out = {}
         for gid, gpu in self.view.gpus.items():
             free = gpu.free
-            room = None if free is None else free - gpu.returning
+            placed = sum(b if gpu.total is None else min(b, gpu.total)
+                         for b in gpu.placed_bytes.values())
+            room = None if free is None else free - gpu.returning - placed
             out[gid] = rule.GpuView(gid, room, self.load(gpu.uuid), gpu.pending * rule.PENDING_LOAD,
                                     gpu.kernels, gpu.busy, not ledger.over(user, gid))
         return out
@@ -558,8 +564,8 @@ class Coordinator:
     async def rooms(self, user: str, uuids: Iterable[str]) -> dict[str, dict[str, Any]]:
         """Room for a new kernel of ``user`` on each GPU of ``uuids`` the service knows, as it
         sees the node: free memory (its own reading where it measures) less what every
-        server's kernels will still bring there, each kernel once (:meth:`gpu_views`); and
-        whether ``user`` is within their share there. Numbers only: nothing names anyone.
+        server's kernels will still bring there, each kernel once, placed ones included
+        (:meth:`gpu_views`); and whether ``user`` is within their share there. Numbers only: nothing names anyone.
 
         Those bytes are the servers' claims; a false one can only steer placement away from a
         GPU (never release or refuse anything), and placement reads free memory too."""
