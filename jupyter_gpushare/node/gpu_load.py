@@ -20,8 +20,9 @@ The callers' room counts what released kernels will take back once (:func:`comin
 
 Kernels placed by other servers of the node and not yet allocated are not in this server's
 records (the simulated node's ledger and NVML know only allocations): the hub service's view,
-where there is one, counts them (``seen_pending``); without it their memory and load count
-once they use the GPU. A placement is forgotten when its kernel has ended (a kernel not listed yet
+where there is one, counts their load (``seen_pending``) and their expected bytes (its room,
+which the caller's room is narrowed by); without it their memory and load count once they use
+the GPU. A placement is forgotten when its kernel has ended (a kernel not listed yet
 may still be starting: forgotten after a grace) and follows its kernel when a restore moves
 it.
 """
