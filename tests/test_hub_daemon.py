@@ -203,7 +203,10 @@ async def test_a_fabricated_wait_releases_nobody_and_the_refusal_is_logged_with_
                    (await seen(hub, "mallory", lambda u: len(u["kernels"]) == 2, ""))["kernels"]}
         assert refused["m-self"].startswith("it needs 320.0 MiB on GPU 0, but its processes hold only "), refused
         assert refused["m-other"] == "the processes its server names are not mallory's", refused
-        said = answers(hub, "mallory")
+        # the answers to pushes made before the refusal was decided say nothing of m-other:
+        # wait for one made after it (a push a second)
+        said = await until(lambda: asyncio.sleep(0, answers(hub, "mallory")),
+                           lambda a: "m-other" in a[-1].get("waits", {}), "an answer with the refusal")
         assert all(a["released"] == [] for a in said), said[-1]
         assert said[-1]["waits"]["m-other"].startswith("no room is made for it from other people's kernels")
         log = (hub.dir / "hub.log").read_text(errors="replace")
