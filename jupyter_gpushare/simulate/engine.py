@@ -730,7 +730,8 @@ class Simulation:
 
     def views(self, gpus: Iterable[int], exclude: Kernel | None = None,
               window: float | None = None,
-              taken_back: dict[int, int] | None = None) -> dict[int, rule.GpuView]:
+              taken_back: dict[int, int] | None = None,
+              seen_by: Kernel | None = None) -> dict[int, rule.GpuView]:
         """The placement rule's view of ``gpus``, built as the product builds it
         (:class:`jupyter_gpushare.node.gpu_load.GpuLoad`): room = free memory less
         ``taken_back`` (default :meth:`coming_back`: the placer's and the rebalancer's; a
@@ -740,7 +741,9 @@ class Simulation:
         state, released too) or resident; kernels that computed there within the window and
         hold memory there now. ``exclude``: a kernel left out of every count (the one being
         placed or restored). ``window``: s (the load window where None; rebalance judges over
-        its own)."""
+        its own). ``seen_by``: the view of that kernel's server, which knows other servers'
+        placed kernels only as the policy says (:meth:`Policy.sees_placed`; the product's
+        server knows its own, and others' through the hub service)."""
         gpus = list(gpus)
         back = self.coming_back(exclude) if taken_back is None else taken_back
         promised = {g: back.get(g, 0) for g in gpus}
@@ -751,13 +754,16 @@ class Simulation:
                 o = self.kernels[i]
                 if o is exclude or o.need is None:
                     continue
+                if seen_by is not None and not self.policy.sees_placed(self, seen_by, o):
+                    continue
                 promised[g] += o.need.bytes
                 pending[g] += o.need.load
         for o in self.kernels:
             if o is exclude or o.state in (NEW, CULLED, ENDED):
                 continue
+            unseen = seen_by is not None and not self.policy.sees_placed(self, seen_by, o)
             for g in o.gpus:
-                if g in count:
+                if g in count and not (unseen and o.index in self.placed[g]):
                     count[g] += 1
         return {g: rule.GpuView(g, self.node.free(g) - promised[g],
                                 self.node.load(g, self.now, window), pending[g], count[g],

@@ -69,6 +69,12 @@ class GPUShareHub(GPUShare):
                     out[g] = out.get(g, 0) + o.need.bytes
         return out
 
+    def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """Its own, and other users' once the service has told this server (their load as the
+        service's pending count, their bytes in the service's room)."""
+        return (other.user_index == k.user_index
+                or self.told.get(other.index, math.inf) <= sim.now)
+
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
         """Besides its own server's check: the service reads the placing server at its next
         poll, and every other server on the machine hears of ``k``'s expected need at its

@@ -103,7 +103,7 @@ class Policy:
             return k.gpus
         assert k.need is not None
         machine = self.machine(sim, k)
-        views = sim.views(machine, exclude=k)
+        views = sim.views(machine, exclude=k, seen_by=k)
         return [cast(int, v.gpu) for v in rule.choose(views.values(), k.need, k.work.gpus)]
 
     def machine(self, sim: Simulation, k: Kernel) -> range:
@@ -123,6 +123,11 @@ class Policy:
                 m = sim.node_gpus(int(rule.rank_groups(groups, k.need, width)[0]))
             sim.machine_of[k.user_index] = m
         return m
+
+    def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """Whether ``k``'s server, placing or restoring ``k``, knows that ``other`` is placed
+        and has not allocated yet (its expected bytes and load count in its view)."""
+        return True
 
     def history_seconds(self, load_window: float) -> float:
         """Seconds of SM history the policy judges GPUs over, at most (placement's
@@ -367,6 +372,11 @@ class GPUShare(Policy):
                     out[g] = out.get(g, 0) + o.need.bytes
         return out
 
+    def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """A server knows its own placed kernels only (``GpuLoad``: the node's ledger and NVML
+        know allocations, not other servers' placements)."""
+        return other.user_index == k.user_index
+
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
         gpus = super().place_at_start(sim, k)
         self.schedule_check(sim, k.user_index, sim.now)  # its expected need may want room
@@ -558,7 +568,7 @@ class GPUShare(Policy):
         for g, n in coming_back(o for o in self.server_kernels(sim, k)
                                 if o is not k and o.state == RELEASED).items():
             taken_back[g] = taken_back.get(g, 0) + n
-        return sim.views(sim.node_gpus(k.gpu), exclude=k, taken_back=taken_back)
+        return sim.views(sim.node_gpus(k.gpu), exclude=k, taken_back=taken_back, seen_by=k)
 
     def floor(self, sim: Simulation, gpus: Iterable[int]) -> dict[int, int]:
         """Bytes a move leaves free on each of ``gpus``: the pressure threshold (the rule's
