@@ -11,7 +11,8 @@ A restore ahead of a cell is not pushed: it takes room only from its own server'
 kernels, below every cell's restore. Each server's release policy counts the expected need of
 every user's placed, not-yet-allocated kernels on its machine as wanted memory (the service
 tells each server what the others placed, a service poll and a refresh later:
-:meth:`GPUShareHub.promised`), not only its own.
+:meth:`GPUShareHub.promised`), not only its own; from then its placement and restore views
+count them too (:meth:`GPUShareHub.sees_placed`: the service's room and pending count).
 Registered in ``settings.POLICIES`` as ``gpushare-hub``.
 """
 
