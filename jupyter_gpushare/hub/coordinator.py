@@ -526,9 +526,7 @@ class Coordinator:
         out = {}
         for gid, gpu in self.view.gpus.items():
             free = gpu.free
-            placed = sum(b if gpu.total is None else min(b, gpu.total)
-                         for b in gpu.placed_bytes.values())
-            room = None if free is None else free - gpu.returning - placed
+            room = None if free is None else free - gpu.returning - gpu.placed_claims()
             out[gid] = rule.GpuView(gid, room, self.load(gpu.uuid), gpu.pending * rule.PENDING_LOAD,
                                     gpu.kernels, gpu.busy, not ledger.over(user, gid))
         return out

@@ -115,6 +115,12 @@ class GPUState:
             return None
         return self.total - self.used
 
+    def placed_claims(self, but: tuple[str, str] | None = None) -> int:
+        """The bytes servers' placed kernels are expected to allocate here, each server's
+        claim at most the GPU's memory; ``but``: a server left out."""
+        return sum(b if self.total is None else min(b, self.total)
+                   for k, b in self.placed_bytes.items() if k != but)
+
 
 class NodeView:
     def __init__(self, snaps: list[tuple[ServerRef, Snapshot]], ids: GpuIds, now: float,
@@ -216,9 +222,7 @@ class NodeView:
         for gpu in self.gpus.values():
             if gpu.node not in node:
                 continue
-            ceiling = gpu.total
-            n = sum(b if ceiling is None else min(b, ceiling)
-                    for k, b in gpu.placed_bytes.items() if k != key)
+            n = gpu.placed_claims(but=key)
             if n > 0:
                 out[gpu.uuid] = n
         return out

@@ -761,9 +761,9 @@ class Simulation:
         for o in self.kernels:
             if o is exclude or o.state in (NEW, CULLED, ENDED):
                 continue
-            unseen = seen_by is not None and not self.policy.sees_placed(self, seen_by, o)
             for g in o.gpus:
-                if g in count and not (unseen and o.index in self.placed[g]):
+                if g in count and not (seen_by is not None and o.index in self.placed[g]
+                                       and not self.policy.sees_placed(self, seen_by, o)):
                     count[g] += 1
         return {g: rule.GpuView(g, self.node.free(g) - promised[g],
                                 self.node.load(g, self.now, window), pending[g], count[g],

@@ -73,7 +73,7 @@ class GPUShareHub(GPUShare):
     def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
         """Its own, and other users' once the service has told this server (their load as the
         service's pending count, their bytes in the service's room)."""
-        return (other.user_index == k.user_index
+        return (super().sees_placed(sim, k, other)
                 or self.told.get(other.index, math.inf) <= sim.now)
 
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
