@@ -156,8 +156,10 @@ class Controller:
         #: the server sets it (GPUShareApp.memory_limit, the hub service's caps)
         self.default_cap: Callable[[], int | None] = lambda: None
         #: per GPU, bytes other servers' kernels placed there and not using it yet are expected
-        #: to take (the hub service's word; the server sets it when it has the service)
+        #: to take, and how many they are (the node daemon's or the hub service's word; the
+        #: server sets them when it has either)
         self.placed_elsewhere: Callable[[], dict[int, int]] = dict
+        self.pending_elsewhere: Callable[[], dict[int, int]] = dict
         #: kernel -> (its held state, the cap in effect when it was released): a restore
         #: refuses a state over a cap set or lowered since (cap_refusal)
         self._cap_at_release: dict[str, tuple[Held, int | None]] = {}

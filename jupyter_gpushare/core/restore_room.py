@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from .. import clock
 from ..node.gpu_load import GpuLoad, coming_back
 from ..policy import Candidate
-from ..policy.placement import GpuView, contended, pressure_floor, restore_target
+from ..policy.placement import PENDING_LOAD, GpuView, contended, pressure_floor, restore_target
 from ..policy.room import UNKNOWN_GPU, lacking, narrow
 from ..units import format_bytes
 from . import ahead
@@ -284,8 +284,10 @@ class RestoreRoom:
             log.warning("gpushare: cannot read free GPU memory: %s", e)
             return None
         back = self.others_coming_back(st)
+        others = self.c.placed_elsewhere()  # other servers' placed kernels, as placement counts
         room = {g: None if f is None else f - self.c.reservations.reserved(g)
-                - self.releases_may_take_back(g) - back.get(g, 0) for g, f in free.items()}
+                - self.releases_may_take_back(g) - back.get(g, 0) - others.get(g, 0)
+                for g, f in free.items()}
         # the node-wide view narrows the targets; none where the person is over their share
         # (a GPU this server cannot read stays out, whatever the service reads there)
         unread = {g for g, f in room.items() if f is None}
@@ -294,7 +296,8 @@ class RestoreRoom:
         if op.trigger == ahead.AHEAD:
             room.update({g: None for g in ahead.cells_wait_for(self.c, st) - set(want)})
         room.update({g: None for g in want})
-        return self.load.views(room, exclude=st.kernel_id)
+        return self.load.views(room, exclude=st.kernel_id, others_pending={
+            g: n * PENDING_LOAD for g, n in self.c.pending_elsewhere().items()})
 
     async def onto(self, st: Lifecycle, op: Operation, held: Held, want: dict[int, int],
                    plan: dict[int, int], why: str, shown: CellProgress) -> Grant | None:

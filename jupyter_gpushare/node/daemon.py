@@ -35,6 +35,11 @@ reply with ``"ok"`` and the ``"op"`` it answers (an optional ``"id"`` is echoed 
   wait) given back. Closing the connection does the same, at once.
 - ``{"op": "free", "gpus": [uuid, ...]}`` (``gpus`` optional: all) -> ``{"ok": true, "op":
   "free", "free": {uuid: bytes or null}}``: the daemon's own reading of free memory.
+- ``{"op": "placed", "gpus": {uuid: {"bytes": n, "kernels": n}, ...}}`` -> ``{"ok": true,
+  "op": "placed", "others": {uuid: {"bytes": n, "kernels": n}}, "ttl": s}``: the caller's
+  kernels placed and not using their GPUs yet (what they are expected to take) replace its
+  previous claim (``{}`` withdraws it; a claim not renewed within ``ttl`` s is dropped), and the
+  answer sums every other server process's (:mod:`.placed_claims`).
 - A turn held past the timeout: ``{"event": "revoked", "gpus": [...], "held_s": s,
   "reason": ...}``, unasked.
 - Anything else (not JSON, not an object, an unknown op, a field of the wrong type, a line over
@@ -70,6 +75,8 @@ from typing import Any
 from .._version import __version__
 from .daemon_service import DEFAULT_PORT, ServiceDoor, load_secret, parse_address
 from .measure import Meter, encode
+from .placed_claims import CLAIM_TTL, ClaimError, PlacedClaims, parse_claim
+from .placed_claims import encode as encode_claims
 
 log = logging.getLogger("jupyter_gpushare.node.daemon")
 
@@ -363,8 +370,10 @@ class RequestError(ValueError):
 class Daemon:
     def __init__(self, socket_path: str, turn_timeout: float = DEFAULT_TURN_TIMEOUT,
                  free: Free | None = None, per_user: int = DEFAULT_PER_USER,
-                 socket_mode: int = 0o666, door: ServiceDoor | None = None):
+                 socket_mode: int = 0o666, door: ServiceDoor | None = None,
+                 claim_ttl: float = CLAIM_TTL):
         self.door = door
+        self.claims = PlacedClaims(claim_ttl)
         self.socket_path = socket_path
         self.turns = Turns(turn_timeout)
         self.free = free or Free("none")
@@ -528,9 +537,26 @@ class Daemon:
             gpus = _gpus(msg, required=False)
             return {"ok": True, "op": "free", "free": await self.free.read(gpus),
                     **({"reason": self.free.reason} if self.free.reason else {})}
+        if op == "placed":
+            try:
+                claimed = parse_claim(msg.get("gpus"), MAX_GPUS)
+            except ClaimError as e:
+                raise RequestError(str(e)) from None
+            for uuid in claimed:
+                if not 0 < len(uuid) <= MAX_KEY or not KEY.match(uuid):
+                    raise RequestError(f'"gpus" must be keyed by GPU UUIDs, got {uuid[:60]!r}')
+            unknown = await self.free.unknown(tuple(sorted(claimed)))
+            if unknown:
+                raise RequestError(f"not a GPU of this node: {', '.join(unknown)}")
+            try:
+                self.claims.put(conn.peer.pid, conn.peer.uid, claimed)
+            except ClaimError as e:
+                raise RequestError(str(e)) from None
+            return {"ok": True, "op": "placed", "ttl": self.claims.ttl,
+                    "others": encode_claims(self.claims.others(conn.peer.pid))}
         if not isinstance(op, str):
-            raise RequestError('a request needs "op": "hello", "turn", "done" or "free"')
-        raise RequestError(f"unknown op {op[:40]!r} (known: hello, turn, done, free)")
+            raise RequestError('a request needs "op": "hello", "turn", "done", "free" or "placed"')
+        raise RequestError(f"unknown op {op[:40]!r} (known: hello, turn, done, free, placed)")
 
 
 class _Say:
@@ -608,6 +634,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="SECONDS",
                         help="seconds one restore may hold a GPU's turn before it is revoked "
                              f"(default: {DEFAULT_TURN_TIMEOUT:g})")
+    parser.add_argument("--claim-ttl", type=_positive, default=CLAIM_TTL, metavar="SECONDS",
+                        help="seconds a server's claim of placed kernels (the placed op) counts "
+                             "without being renewed; servers renew it every poll (default: "
+                             f"{CLAIM_TTL:g})")
     parser.add_argument("--backend", choices=BACKENDS, default="nvml",
                         help="where the daemon reads free memory (the free op): nvml (default), "
                              "simulated (with --simulated-node), none")
@@ -695,7 +725,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         log.warning("free memory cannot be read (%s): the free op answers null; turns are "
                     "served all the same", why)
     daemon = Daemon(args.socket, args.turn_timeout, free, args.max_connections_per_user,
-                    args.socket_mode, door)
+                    args.socket_mode, door, args.claim_ttl)
     try:
         return asyncio.run(_main(daemon))
     except ValueError as e:

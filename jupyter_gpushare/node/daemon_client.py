@@ -28,6 +28,8 @@ from typing import Any
 
 from .daemon import MAX_LINE, peer_of
 from .node_locks import WAIT_NOTICE, NodeGrant, NodeLocks, OnWait
+from .placed_claims import Claimed, ClaimError, parse_others
+from .placed_claims import encode as encode_claims
 
 log = logging.getLogger(__name__)
 
@@ -238,23 +240,37 @@ class NodeDaemonTurns(NodeLocks):
     async def free(self, keys: list[str] | None = None) -> dict[str, int | None]:
         """The daemon's own reading of free bytes per GPU (all of its GPUs without ``keys``).
         Raises OSError / ValueError when it cannot be had."""
+        ask: dict[str, Any] = {"op": "free"}
+        if keys is not None:
+            ask["gpus"] = keys
+        free = (await self._ask(ask)).get("free")
+        if not isinstance(free, dict):
+            raise ValueError("the node daemon's free reply has no free map")
+        return {str(k): v if isinstance(v, int) else None for k, v in free.items()}
+
+    async def placed(self, mine: Claimed, timeout: float = ANSWER_TIMEOUT) -> Claimed:
+        """Tell the daemon what this server's placed kernels not using their GPUs yet are
+        expected to take (GPU UUID -> (bytes, kernels); this server's claim from now on) and
+        hear the other servers' claims, summed per GPU. Raises OSError / ValueError when it
+        cannot be had (a daemon of an older version refuses the op)."""
+        answer = await self._ask({"op": "placed", "gpus": encode_claims(mine)}, timeout)
+        try:
+            return parse_others(answer.get("others"))
+        except ClaimError as e:
+            raise ValueError(f"the node daemon's placed reply: {e}") from None
+
+    async def _ask(self, msg: dict[str, Any], timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
+        """One request on a connection of its own, and its reply."""
         reader, writer = await asyncio.wait_for(
-            asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE + 2), ANSWER_TIMEOUT)
+            asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE + 2), timeout)
         try:
             self._trusted(writer.get_extra_info("socket"))
-            ask: dict[str, Any] = {"op": "free"}
-            if keys is not None:
-                ask["gpus"] = keys
-            writer.write(json.dumps(ask).encode() + b"\n")
-            reply = await self._read(reader, ANSWER_TIMEOUT)
+            writer.write(json.dumps(msg).encode() + b"\n")
+            return await self._read(reader, timeout)
         except DaemonRefused as e:
             raise ValueError(str(e)) from None
         finally:
             writer.close()
-        free = reply.get("free")
-        if not isinstance(free, dict):
-            raise ValueError("the node daemon's free reply has no free map")
-        return {str(k): v if isinstance(v, int) else None for k, v in free.items()}
 
 
 class _NotGranted(DaemonRefused):

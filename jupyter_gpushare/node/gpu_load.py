@@ -19,10 +19,11 @@ numbers.
 The callers' room counts what released kernels will take back once (:func:`coming_back`).
 
 Kernels placed by other servers of the node and not yet allocated are not in this server's
-records (the simulated node's ledger and NVML know only allocations): the hub service's view,
-where there is one, counts their load (``seen_pending``) and their expected bytes (its room,
-which the caller's room is narrowed by); without it their memory and load count once they use
-the GPU. A placement is forgotten when its kernel has ended (a kernel not listed yet
+records (the simulated node's ledger and NVML know only allocations): the node daemon, where
+there is one, tells them (``others_pending``, and their bytes out of the caller's room); the
+hub service's view, where there is one, counts their load (``seen_pending``) and their
+expected bytes (its room, which the caller's room is narrowed by); without either their memory
+and load count once they use the GPU. A placement is forgotten when its kernel has ended (a kernel not listed yet
 may still be starting: forgotten after a grace) and follows its kernel when a restore moves
 it.
 """
@@ -207,27 +208,35 @@ class GpuLoad:
         expected to allocate there: memory that is wanted, though no one waits for it yet
         (the release policy counts it as taken, so that idle kernels make way before the
         first allocation fails)."""
+        return {g: n for g, (n, _) in self.unused(now).items()}
+
+    def unused(self, now: float | None = None) -> dict[int, tuple[int, int]]:
+        """Per GPU, (bytes, kernels) of this server's placed kernels that have not used it
+        yet: :meth:`promised`, with how many they are (what the node daemon is told)."""
         now = clock.now() if now is None else now
         records = self.kernels()
         self.forget(records, now)
-        out: dict[int, int] = {}
+        out: dict[int, tuple[int, int]] = {}
         for kid, p in self.placed.items():
             for g in p.gpus:
                 if not _used(records.get(kid), g):
-                    out[g] = out.get(g, 0) + p.need.bytes
+                    n, k = out.get(g, (0, 0))
+                    out[g] = (n + p.need.bytes, k + 1)
         return out
 
     # -- views ------------------------------------------------------------------------------
     def views(self, room: Mapping[int, int | None], within: Mapping[int, bool] | None = None,
               exclude: str | None = None, now: float | None = None,
-              seen_pending: Mapping[int, float] | None = None) -> dict[int, GpuView]:
+              seen_pending: Mapping[int, float] | None = None,
+              others_pending: Mapping[int, float] | None = None) -> dict[int, GpuView]:
         """A view of each GPU of ``room`` (bytes a new state may take there, None: unknown;
         less what placed kernels that have not used the GPU yet are expected to take);
         ``within``: per GPU, whether the person is within their share (default: yes);
         ``exclude``: a kernel left out of every count (the one being restored);
         ``seen_pending``: per GPU, the pending load a node-wide view counts (the hub
         service's, every server's placed kernels, this one's among them): the larger of it
-        and this server's own counts."""
+        and this server's own counts; ``others_pending``: per GPU, the pending load of other
+        servers' placed kernels alone (the node daemon's), added to this server's own."""
         now = clock.now() if now is None else now
         busy_since = now - max(self.window, BUSY_FLOOR)
         records = self.kernels()
@@ -259,8 +268,9 @@ class GpuLoad:
             record = gpus.get(g)
             load = record.recent_load(self.window) if record is not None else 0.0
             seen = (seen_pending or {}).get(g, 0.0)
+            own = pending.get(g, 0.0) + (others_pending or {}).get(g, 0.0)
             room_left = None if r is None else r - promised.get(g, 0)
-            out[g] = GpuView(g, room_left, load=load, pending=max(pending.get(g, 0.0), seen),
+            out[g] = GpuView(g, room_left, load=load, pending=max(own, seen),
                              kernels=len(there.get(g, ())), busy=busy.get(g, 0),
                              within_share=(within or {}).get(g, True))
         return out

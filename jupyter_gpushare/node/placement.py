@@ -14,6 +14,10 @@ to need; qualifying GPUs rank by SM load, then by kernels there, then by room, t
 - load (:mod:`.gpu_load`): SM busy over ``load_window`` seconds from the tracker's history,
   plus the expected load of kernels this server placed there that have not used the GPU
   yet, so two kernels started back to back land on different GPUs;
+- with the node daemon (``node_daemon_socket``), kernels other servers of the node placed and
+  that have not used their GPUs yet: their expected bytes are out of the room and their
+  expected load is pending, as for this server's own (asked before the placement; this
+  server's placements are told right after);
 - with the hub service (``GPUShareHubLink.url``), the service's view of each GPU counts too:
   what other users' released kernels will take back and what waiting restores need there
   (the smaller room of the two views counts), kernels other servers placed there and that
@@ -33,6 +37,7 @@ with the most, and carries a note its agent prints before its first cell.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -48,6 +53,7 @@ from ..policy.room import narrow
 from ..telemetry import GPUInfo
 from ..units import format_bytes
 from .gpu_load import GpuLoad, coming_back
+from .node_placed import NodePlaced
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 SAMPLE_WAIT = 10.0  # s a kernel start waits for a reading of the GPUs before the first poll
@@ -172,12 +178,14 @@ class Placer:
         recent: Callable[[str], list[int]] | None = None,
         default_cap: Callable[[], int | None] | None = None,
         service_pending: Callable[[], Mapping[str, int]] | None = None,
+        node_placed: NodePlaced | None = None,
     ):
         """load: the GPUs' load and this server's placements (shared with the restore room;
         default: the last sample's SM utilization of ``devices``); recent(kernelspec name):
         the most bytes per GPU its recent kernels held; service_pending: per GPU UUID, the
         kernels the hub service saw placed there by any server of the node and not computing
-        yet (asked with ``service_room``)."""
+        yet (asked with ``service_room``); node_placed: the other servers' placed kernels as
+        the node daemon tells them (asked before each placement, told after it)."""
         self.devices = devices
         self.read_free = read_free
         self.held = held
@@ -188,6 +196,8 @@ class Placer:
         self.sample = sample
         self.service_room = service_room
         self.service_pending = service_pending
+        self.node_placed = node_placed
+        self._telling: set[asyncio.Task[None]] = set()
         self.recent = recent or (lambda name: [])
         self.default_cap = default_cap or (lambda: None)  # the admin's cap per GPU
         self.log = log or logging.getLogger(__name__)
@@ -220,6 +230,7 @@ class Placer:
             recent=app.tracker.recent_peaks_of,
             default_cap=app.default_cap,
             service_pending=lambda: app.hub_link.pending if app.hub_link is not None else {},
+            node_placed=app.node_placed,
         )
 
     async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:
@@ -251,14 +262,20 @@ class Placer:
                 return None  # no GPU to choose: the environment decides
         if count == 0:
             return Placement([], "", {})  # a kernel that asked for no GPU sees none
+        others = await self._node_others()
         room = await self._room(gpus, [g.index for g, _ in candidates])
+        for g, (n, _) in others.items():
+            r = room.get(g)
+            if r is not None:
+                room[g] = r - n
         within = await self._service_view([g for g, _ in candidates], room, kernel_id)
         # a capped kernel can hold no more than its cap: that is what it is expected to need
         cap = caps.ceiling(requested_cap(kernel_spec), self.default_cap())
         need = expected_need(memory, cap, self.recent(spec_name(kernel_spec)), self.min_room)
         self.load.forget(self.kernel_ids())
         views = self.load.views(room, within, seen_pending=self._service_pending(
-            [g for g, _ in candidates]) if within else None)
+            [g for g, _ in candidates]) if within else None,
+            others_pending={g: k * PENDING_LOAD for g, (_, k) in others.items()})
         by_index = {g.index: (g, token) for g, token in candidates}
         chosen = [by_index[v.gpu] for v in choose(views.values(), need, count)]  # type: ignore[index]
         # real GPUs: an entry as written where there was one, else the UUID (CUDA's own
@@ -271,6 +288,7 @@ class Placer:
         if short:
             note = _no_room_note(indices, short, room)
         self.load.place(kernel_id, indices, need)
+        self._tell_node()
         self.log.info("gpushare: kernel %s placed on GPU %s (%s=%s; expected %s per GPU; %s%s)%s",
                       kernel_id, ", ".join(map(str, indices)), VISIBLE_ENV, value,
                       format_bytes(need.bytes), _views(views),
@@ -292,6 +310,23 @@ class Placer:
                              "be read (%s); placed by this server's", kernel_id, e or type(e).__name__)
             seen = None
         return narrow(room, {by_uuid[u]: v for u, v in (seen or {}).items() if u in by_uuid})
+
+    async def _node_others(self) -> dict[int, tuple[int, int]]:
+        """Per GPU, (bytes, kernels) of other servers' placed kernels, as the node daemon says
+        now (none without it, or when it does not answer: placed by this server's view)."""
+        if self.node_placed is None:
+            return {}
+        await self.node_placed.exchange()
+        return self.node_placed.by_gpu()
+
+    def _tell_node(self) -> None:
+        """Tell the node daemon of the placement at once, not at the next poll: another
+        server may place a kernel in between."""
+        if self.node_placed is None:
+            return
+        task = asyncio.ensure_future(self.node_placed.exchange())
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
 
     def _service_pending(self, gpus: list[GPUInfo]) -> dict[int, float]:
         """Per GPU, the load the hub service's placed-not-computing kernels are expected to

@@ -34,6 +34,7 @@ from ..events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from ..node import hub_link
 from ..node.daemon_client import NodeDaemonTurns
 from ..node.node_locks import NodeLocks, ServerTurnsOnly
+from ..node.node_placed import NodePlaced
 from ..node.options import NodeOptions
 from ..node.placement import Placer
 from ..policy.caps import ceiling, parse_cap
@@ -53,6 +54,8 @@ from .views import kernel_view, status_view
 
 BACKEND_ENV = selection.BACKEND_ENV
 
+#: polls the node daemon's word on other servers' placements counts unrenewed
+PLACED_KEPT_POLLS = 3
 _instances = itertools.count(1)  # extensions initialized in this process (socket names)
 _active: GPUShareApp | None = None  # the one whose hooks are installed now
 
@@ -143,6 +146,7 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
     def _build(self, teardown: ExitStack) -> None:
         """Everything that can fail, each piece closed by ``teardown``."""
         self.hub_link: hub_link.HubLink | None = None
+        self.node_placed: NodePlaced | None = None
         self.auto_pick: AutoPick | None = None  # release_method "auto" per kernel (_auto_pick)
         self.poller = Poller(self._poll_step, self.poll_interval)
         self._open_telemetry(teardown)
@@ -184,13 +188,30 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             raise ExtensionOff(_off(f"cannot create the agent socket {self.socket_path}: {e}")) from e
         teardown.callback(self.channel.close_now)
         self.hub_link = hub_link.connect(self.config, self.controller, self.refresh)
-        if self.hub_link is not None:  # other servers' placed kernels count as wanted memory
-            self.controller.placed_elsewhere = self.hub_link.placed_elsewhere
+        if daemon:  # the node daemon tells other servers' placements at once
+            self.node_placed = NodePlaced(
+                NodeDaemonTurns(self.node_daemon_socket).placed,
+                gpus=lambda: [rec.info for rec in list(self.tracker.gpus.values())],
+                mine=self.controller.room.load.unused,
+                keep=lambda: PLACED_KEPT_POLLS * self.poll_interval,
+                where=f"the node daemon at {self.node_daemon_socket}", log=self.log)
+        # other servers' placed kernels count as wanted memory, and in restores' targets
+        self.controller.placed_elsewhere = self._placed_elsewhere
+        if self.node_placed is not None:
+            self.controller.pending_elsewhere = self.node_placed.pending
         self.controller.default_cap = self.default_cap
         self.capwatch = CapWatch(self.controller, self._tell_over_cap, self.tell_cap)
         self.ahead = AheadRestores(self.controller, self.ahead_grace)
         self.precopies = Precopies(self.controller, lambda: self.precopy_after,
                                    lambda: self.host_memory_reserve)
+
+    def _placed_elsewhere(self) -> dict[int, int]:
+        """Per GPU, what other servers' placed kernels are expected to take: the larger of the
+        node daemon's word and the hub service's (both count the same kernels)."""
+        out = self.node_placed.placed_elsewhere() if self.node_placed is not None else {}
+        for g, n in (self.hub_link.placed_elsewhere() if self.hub_link is not None else {}).items():
+            out[g] = max(out.get(g, 0), n)
+        return out
 
     def _open_telemetry(self, teardown: ExitStack) -> None:
         settings = TelemetrySettings(tuple(self.simulated_gpus), self.simulated_node)
@@ -390,6 +411,8 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         await self.agent_ops.refresh_reports()
         await self.tracker.poll()
         metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
+        if self.node_placed is not None:  # before the policy weighs wanted memory
+            await self.node_placed.exchange()
         await self.controller.tick()
         self.capwatch.tick()
         self.ahead.tick()

@@ -1,0 +1,88 @@
+"""This server's side of the placements shared through the node daemon (:mod:`.placed_claims`).
+
+Every poll, and right after the server places a kernel, :meth:`NodePlaced.exchange` tells the
+daemon what this server's placed kernels that have not used their GPUs yet are expected to take
+and keeps what the daemon says the other servers' take. Placement counts the others' as taken
+room and pending load, as it counts this server's own; the release policy counts their bytes as
+wanted memory. An answer older than ``keep`` seconds counts for nothing (those kernels have
+allocated by then, or not); a daemon that does not answer is said once in the log, and the
+server places by its own view until it answers again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+from .. import clock
+from .placed_claims import Claimed
+
+#: s one exchange may take: it runs in the poll and before a kernel's placement
+EXCHANGE_TIMEOUT = 1.0
+
+Ask = Callable[[Claimed, float], Awaitable[Claimed]]
+
+
+class GPU(Protocol):
+    index: int
+    uuid: str
+    memory_total: int | None
+
+
+class NodePlaced:
+    def __init__(self, ask: Ask, gpus: Callable[[], Iterable[GPU]],
+                 mine: Callable[[], Mapping[int, tuple[int, int]]], keep: Callable[[], float],
+                 where: str = "the node daemon", log: logging.Logger | Any = None):
+        """ask: one exchange with the daemon (this server's claim -> the others');
+        gpus: the GPUs polled; mine: per GPU index, (bytes, kernels) this server's placed
+        kernels not using it yet are expected to take; keep: seconds an answer counts."""
+        self.ask = ask
+        self.gpus = gpus
+        self.mine = mine
+        self.keep = keep
+        self.where = where
+        self.log = log or logging.getLogger(__name__)
+        self.others: Claimed = {}
+        self.at: float | None = None  # clock.now() of the last answer
+        self.error: str | None = None
+
+    async def exchange(self, timeout: float = EXCHANGE_TIMEOUT) -> None:
+        """Tell the daemon this server's claim, keep the others'. Never raises."""
+        uuids = {g.index: g.uuid for g in self.gpus() if g.uuid}
+        claim = {uuids[g]: v for g, v in self.mine().items() if g in uuids and any(v)}
+        try:
+            others = await self.ask(claim, timeout)
+        except Exception as e:
+            why = str(e) or type(e).__name__
+            if self.error is None:
+                self.log.warning("gpushare: %s did not share the node's placements (%s): kernels "
+                                 "other servers placed and that have not allocated yet are not "
+                                 "counted until it does", self.where, why)
+            self.error = why
+            return
+        if self.error is not None:
+            self.log.info("gpushare: %s shares the node's placements again", self.where)
+        self.error = None
+        self.others = others
+        self.at = clock.now()
+
+    def by_gpu(self) -> dict[int, tuple[int, int]]:
+        """Per GPU index: (bytes, kernels) of the other servers' placed kernels; bytes at most
+        the GPU's memory."""
+        if self.at is None or clock.now() - self.at > self.keep():
+            return {}
+        out = {}
+        for g in self.gpus():
+            n, k = self.others.get(g.uuid, (0, 0)) if g.uuid else (0, 0)
+            if n or k:
+                out[g.index] = (n if g.memory_total is None else min(n, g.memory_total), k)
+        return out
+
+    def placed_elsewhere(self) -> dict[int, int]:
+        """Per GPU index, the bytes other servers' placed kernels are expected to take."""
+        return {g: n for g, (n, _) in self.by_gpu().items() if n}
+
+    def pending(self) -> dict[int, int]:
+        """Per GPU index, how many kernels other servers placed there have not used it yet."""
+        return {g: k for g, (_, k) in self.by_gpu().items() if k}

@@ -1,0 +1,129 @@
+"""Kernels placed and not using their GPU yet, shared by the servers of one node through the
+node daemon.
+
+A server places a new kernel on the GPU(s) with room and the least load, but until the kernel
+allocates, neither free memory nor SM load shows it: another user's server placing a kernel a
+minute later sees the same GPU as empty and puts its kernel there too. With the hub service
+the servers learn of each other's placements from it (a poll later); with the node daemon they
+tell it at once: each server sends the daemon what its placed kernels are expected to take per
+GPU (``{"op": "placed", "gpus": {uuid: {"bytes": B, "kernels": n}}}``, every poll and right
+after a placement) and hears back the other servers' sums (``"others"``).
+
+:class:`PlacedClaims` is the daemon's book: one claim per server process (the connection's
+``SO_PEERCRED`` pid, so nobody replaces another's claim), replaced by its next ``placed``
+request, dropped when not renewed for ``ttl`` seconds (a server that died or stopped placing).
+A user can make others' servers think a GPU is more wanted than it is, never less; each
+claim's bytes are bounded by :data:`MAX_BYTES` and the reader caps the sum at the GPU's memory,
+and one user holds at most :data:`MAX_CLAIMS_PER_USER` claims.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+#: s a claim lives without being renewed (servers renew theirs every poll: seconds)
+CLAIM_TTL = 60.0
+MAX_BYTES = 1 << 50  # bytes one claim may name on one GPU (1 PiB: larger is no GPU's)
+MAX_KERNELS = 1024  # kernels one claim may name on one GPU
+MAX_CLAIMS_PER_USER = 64  # live claims (server processes) of one uid
+
+#: GPU UUID -> (bytes, kernels)
+Claimed = dict[str, tuple[int, int]]
+
+
+class ClaimError(ValueError):
+    """A ``placed`` request the daemon refuses; the message says why."""
+
+
+def parse_claim(value: Any, max_gpus: int) -> Claimed:
+    """The ``gpus`` of a ``placed`` request, checked: an object of GPU UUID -> {"bytes": int,
+    "kernels": int}, both >= 0 and bounded. Raises :class:`ClaimError`."""
+    if not isinstance(value, dict):
+        raise ClaimError('"gpus" must be an object of GPU UUID -> {"bytes": n, "kernels": n}')
+    if len(value) > max_gpus:
+        raise ClaimError(f'"gpus" names {len(value)} GPUs (at most {max_gpus})')
+    out: Claimed = {}
+    for uuid, entry in value.items():
+        if not isinstance(entry, dict) or set(entry) - {"bytes", "kernels"}:
+            raise ClaimError(f'"gpus" entry {uuid[:60]!r} must be {{"bytes": n, "kernels": n}}')
+        n = _count(entry.get("bytes", 0), MAX_BYTES, "bytes", uuid)
+        k = _count(entry.get("kernels", 0), MAX_KERNELS, "kernels", uuid)
+        if n or k:
+            out[uuid] = (n, k)
+    return out
+
+
+def parse_others(value: Any) -> Claimed:
+    """The ``others`` of the daemon's answer: sums, so unbounded; entries that are not
+    counts are left out."""
+    out: Claimed = {}
+    if not isinstance(value, dict):
+        raise ClaimError("the answer has no others map")
+    for uuid, entry in value.items():
+        if not isinstance(uuid, str) or not isinstance(entry, dict):
+            continue
+        n, k = entry.get("bytes"), entry.get("kernels")
+        if isinstance(n, int) and isinstance(k, int) and not isinstance(n, bool) \
+                and not isinstance(k, bool) and n >= 0 and k >= 0:
+            out[uuid] = (n, k)
+    return out
+
+
+def _count(value: Any, most: int, name: str, uuid: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ClaimError(f'"{name}" of GPU {uuid[:60]!r} must be an integer from 0 to {most}, '
+                         f"got {str(value)[:40]}")
+    return value
+
+
+@dataclass
+class Claim:
+    uid: int
+    gpus: Claimed
+    at: float
+
+
+class PlacedClaims:
+    """The daemon's book of claims: per server process, what its placed kernels take."""
+
+    def __init__(self, ttl: float = CLAIM_TTL, now: Callable[[], float] = time.monotonic):
+        self.ttl = ttl
+        self.now = now
+        self.claims: dict[int, Claim] = {}  # pid -> its latest claim
+
+    def put(self, pid: int, uid: int, gpus: Claimed) -> None:
+        """``pid``'s claim is ``gpus`` from now on (empty: it has none). Raises
+        :class:`ClaimError` when its user holds too many claims already."""
+        self._expire()
+        if not gpus:
+            self.claims.pop(pid, None)
+            return
+        if pid not in self.claims and \
+                sum(c.uid == uid for c in self.claims.values()) >= MAX_CLAIMS_PER_USER:
+            raise ClaimError(f"uid {uid} holds {MAX_CLAIMS_PER_USER} claims already (one per "
+                             "server process): withdraw one first")
+        self.claims[pid] = Claim(uid, dict(gpus), self.now())
+
+    def others(self, pid: int) -> Claimed:
+        """The live claims of every process but ``pid``, summed per GPU."""
+        self._expire()
+        out: dict[str, tuple[int, int]] = {}
+        for who, claim in self.claims.items():
+            if who == pid:
+                continue
+            for uuid, (n, k) in claim.gpus.items():
+                b, c = out.get(uuid, (0, 0))
+                out[uuid] = (b + n, c + k)
+        return out
+
+    def _expire(self) -> None:
+        cutoff = self.now() - self.ttl
+        for pid in [p for p, c in self.claims.items() if c.at < cutoff]:
+            del self.claims[pid]
+
+
+def encode(claimed: Claimed) -> dict[str, dict[str, int]]:
+    return {uuid: {"bytes": n, "kernels": k} for uuid, (n, k) in sorted(claimed.items())}

@@ -1,0 +1,154 @@
+"""Servers of one node share their placed kernels through the node daemon: the daemon's
+``placed`` op on a real Unix socket (a real daemon subprocess on a shared simulated node), and
+two real Jupyter servers placing kernels started back to back, before either allocates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from benchmarks._server import Server
+from jupyter_gpushare.node.daemon_client import NodeDaemonTurns
+from jupyter_gpushare.node.placed_claims import MAX_BYTES, ClaimError, PlacedClaims
+from jupyter_gpushare.sim.node import GiB
+from jupyter_gpushare.sim.shared import SharedSimNode
+
+from .test_node_daemon import Client, Daemon
+
+MiB = 1 << 20
+PROBE = "import os\nprint(os.environ.get('CUDA_VISIBLE_DEVICES'))"
+
+
+@pytest.fixture
+def node(tmp_path) -> str:
+    path = str(tmp_path / "node.sqlite")
+    SharedSimNode(path, (2 * GiB, 2 * GiB)).close()
+    return path
+
+
+@pytest.fixture
+def uuids(node) -> list[str]:
+    n = SharedSimNode(node)
+    try:
+        return [n.uuid(0), n.uuid(1)]
+    finally:
+        n.close()
+
+
+@pytest.fixture
+def daemon(node):
+    d = Daemon(node, "--claim-ttl", "2").start()
+    yield d
+    d.stop()
+
+
+def claim(uuid: str, n: int, k: int = 1) -> dict:
+    return {"op": "placed", "gpus": {uuid: {"bytes": n, "kernels": k}}}
+
+
+async def test_a_servers_claim_is_told_to_the_others_not_back_to_itself(daemon, uuids):
+    g0, g1 = uuids
+    # the daemon keys claims by the peer's pid: this process is one server, a subprocess another
+    me = NodeDaemonTurns(daemon.socket)
+    assert await me.placed({g0: (512 * MiB, 1)}) == {}  # nobody else placed anything
+    # a second process of the node (another server): sees this one's claim
+    answer = await _from_another_process(daemon.socket, claim(g1, 256 * MiB, 2))
+    assert answer["ok"] is True and answer["ttl"] == 2, answer
+    assert answer["others"] == {g0: {"bytes": 512 * MiB, "kernels": 1}}, answer
+    # and this one sees its claim, not its own
+    assert await me.placed({g0: (512 * MiB, 1)}) == {g1: (256 * MiB, 2)}
+    assert await me.placed({}) == {g1: (256 * MiB, 2)}  # withdrawn: nothing of its own
+    answer = await _from_another_process(daemon.socket, claim(g1, 256 * MiB, 2))
+    assert answer["others"] == {g1: {"bytes": 256 * MiB, "kernels": 2}}, answer  # the first one's only
+    time.sleep(2.5)  # the other process's claim was not renewed within the ttl
+    assert await me.placed({}) == {}
+
+
+async def _from_another_process(path: str, msg: dict) -> dict:
+    """One request from a process of its own (its pid is another server's)."""
+    code = ("import json, socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.connect(sys.argv[1])\n"
+            "s.sendall(sys.argv[2].encode() + b'\\n')\nbuf = b''\n"
+            "while not buf.endswith(b'\\n'):\n    buf += s.recv(65536)\nprint(buf.decode())")
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, path, json.dumps(msg),
+                                                stdout=asyncio.subprocess.PIPE)
+    out, _ = await proc.communicate()
+    return json.loads(out)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"op": "placed"}, '"gpus" must be an object'),
+    ({"op": "placed", "gpus": ["x"]}, '"gpus" must be an object'),
+    ({"op": "placed", "gpus": {"G": 5}}, "must be {"),
+    ({"op": "placed", "gpus": {"G": {"bytes": -1}}}, '"bytes" of GPU'),
+    ({"op": "placed", "gpus": {"G": {"bytes": True}}}, '"bytes" of GPU'),
+    ({"op": "placed", "gpus": {"G": {"bytes": MAX_BYTES + 1}}}, '"bytes" of GPU'),
+    ({"op": "placed", "gpus": {"G": {"kernels": 1.5}}}, '"kernels" of GPU'),
+    ({"op": "placed", "gpus": {"G": {"bytes": 1, "owner": "x"}}}, "must be {"),
+    ({"op": "placed", "gpus": {"GPU-not-here": {"bytes": 1}}}, "not a GPU of this node"),
+    ({"op": "placed", "gpus": {"bad uuid!": {"bytes": 1}}}, "keyed by GPU UUIDs"),
+])
+async def test_a_bad_claim_is_refused_and_changes_nothing(daemon, uuids, bad, why):
+    g0, _ = uuids
+    bad = {**bad}
+    if isinstance(bad.get("gpus"), dict) and "G" in bad["gpus"]:
+        bad["gpus"] = {g0: bad["gpus"]["G"]}
+    c = await Client.open(daemon.socket)
+    try:
+        assert (await c.ask(claim(g0, 100)))["ok"] is True  # a claim of 100 bytes
+        reply = await c.ask({**bad, "id": 3})
+        assert reply["ok"] is False and reply["op"] == "placed" and reply["id"] == 3, reply
+        assert why in reply["error"], reply
+        seen = await _from_another_process(daemon.socket, {"op": "placed", "gpus": {}})
+        assert seen["others"] == {g0: {"bytes": 100, "kernels": 1}}, seen  # unchanged
+    finally:
+        c.close()
+
+
+def test_one_user_holds_a_bounded_number_of_claims():
+    clock = [0.0]
+    book = PlacedClaims(ttl=10, now=lambda: clock[0])
+    for pid in range(64):
+        book.put(pid, 1000, {"G": (1, 1)})
+    with pytest.raises(ClaimError, match="64 claims already"):
+        book.put(99, 1000, {"G": (1, 1)})
+    book.put(5, 1000, {"G": (7, 1)})  # a process renews its own
+    book.put(100, 1001, {"G": (1, 1)})  # another user is not held back
+    assert book.others(100) == {"G": (64 - 1 + 7, 64)}
+    clock[0] = 11.0
+    book.put(99, 1000, {"G": (1, 1)})  # the old ones expired
+    assert book.others(100) == {"G": (1, 1)}
+
+
+async def _gpu_of(kernel) -> str:
+    return (await kernel.run(PROBE)).text.strip()
+
+
+async def test_two_servers_place_kernels_started_back_to_back_on_different_gpus(tmp_path):
+    """Server A places a kernel that has not allocated yet; server B, another user's on the
+    node, places its next kernel elsewhere, though A's GPU has more room to the byte and no
+    load yet."""
+    node_path = str(tmp_path / "node.sqlite")
+    SharedSimNode(node_path, (2 * GiB, 2 * GiB)).close()
+    node = SharedSimNode(node_path)
+    d = Daemon(node_path).start()
+    config = {"simulated_node": node_path, "node_daemon_socket": d.socket, "placement": "room",
+              "poll_interval": 0.5}
+    node.alloc(os.getpid(), 0, 16 * MiB)  # another process on GPU 0: GPU 1 has more room
+    try:
+        async with Server("placed-a", gpushare=config) as a, Server("placed-b", gpushare=config) as b:
+            ka = await a.start_kernel()
+            assert await _gpu_of(ka) == "1"
+            kb = await b.start_kernel()  # before ka allocates anything
+            assert await _gpu_of(kb) == "0", b.log_tail()
+            with open(b.log_path, errors="replace") as f:
+                text = f.read()
+            assert "did not share the node's placements" not in text, text[-3000:]
+    finally:
+        node.release(os.getpid(), 0, 16 * MiB)
+        node.close()
+        d.stop()
