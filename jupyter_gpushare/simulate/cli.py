@@ -98,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--load-window", type=float, default=defaults.LOAD_WINDOW, metavar="SECONDS",
                     help="s of SM history a GPU's load is the mean of, for placement, "
                          f"restores and rebalance (default {defaults.LOAD_WINDOW:g}, the product's)")
+    ap.add_argument("--node-daemon", action="store_true",
+                    help="every machine runs the node daemon (GPUShareApp.node_daemon_socket): "
+                         "its servers tell each other their placed kernels at once (as the hub "
+                         "service does a poll and a refresh later); default: not run, as a "
+                         "server's default is")
     ap.add_argument("--no-rebalance", action="store_true",
                     help="never move idle kernels off GPUs whose SMs are contended (a "
                          "baseline; the product rebalances by default)")
@@ -256,7 +261,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     seed=args.seed, ahead_lead=args.ahead_lead, ahead_share=args.ahead_share,
                     ahead_grace=args.ahead_grace, release_policy=args.release_policy,
                     long_idle=args.long_idle, move_after=args.move_after,
-                    release_copies=args.release_copies, precopy_after=args.precopy_after)
+                    release_copies=args.release_copies, precopy_after=args.precopy_after,
+                    node_daemon=args.node_daemon)
 
 
 def moves_state(policy: str, s: Settings) -> bool:

@@ -61,7 +61,7 @@ class GPUShareHub(GPUShare):
         (``Controller.wanted_free``: own + others')."""
         out = super().promised(sim, user)
         kernels = [o for o in sim.by_user[user] if o.alive]
-        if not kernels:
+        if not kernels or self.node_daemon:  # the daemon told every placement already
             return out
         for g in sim.node_gpus(kernels[0].gpu):
             for i in sim.placed[g]:

@@ -238,7 +238,9 @@ class GPUShare(Policy):
                  release_policy: str = RELEASE_POLICY, long_idle: float = LONG_IDLE,
                  ahead_grace: float = AHEAD_GRACE, move_after: float = MOVE_AFTER,
                  rebalance: bool = REBALANCE, rebalance_idle: float = REBALANCE_IDLE,
-                 rebalance_per_hour: int = REBALANCE_PER_HOUR):
+                 rebalance_per_hour: int = REBALANCE_PER_HOUR, node_daemon: bool = False):
+        """``node_daemon``: the machines run the node daemon, through which every server hears
+        of the others' placed kernels at once (a server's next poll weighs them)."""
         if release_policy not in RELEASE_POLICIES:
             raise ValueError(f"release policy {release_policy!r}: one of "
                              f"{', '.join(RELEASE_POLICIES)}")
@@ -254,6 +256,7 @@ class GPUShare(Policy):
         self.rebalance = rebalance
         self.rebalance_idle = rebalance_idle
         self.rebalance_per_hour = rebalance_per_hour
+        self.node_daemon = node_daemon
 
     @property
     def idle_utilization(self) -> float:
@@ -362,7 +365,8 @@ class GPUShare(Policy):
     def promised(self, sim: Simulation, user: int) -> dict[int, int]:
         """Per GPU, the bytes ``user``'s placed kernels that have not allocated yet are
         expected to allocate there (the product's ``GpuLoad.promised``: a server knows its
-        own placements)."""
+        own placements); with the node daemon, every user's on its machine
+        (``Controller.wanted_free``: own + others')."""
         out: dict[int, int] = {}
         for o in sim.by_user[user]:
             if o.need is None:
@@ -370,16 +374,29 @@ class GPUShare(Policy):
             for g in o.gpus:
                 if o.index in sim.placed[g]:
                     out[g] = out.get(g, 0) + o.need.bytes
+        kernels = [o for o in sim.by_user[user] if o.alive]
+        if self.node_daemon and kernels:
+            for g in sim.node_gpus(kernels[0].gpu):
+                for i in sim.placed[g]:
+                    o = sim.kernels[i]
+                    if o.user_index != user and o.need is not None:
+                        out[g] = out.get(g, 0) + o.need.bytes
         return out
 
     def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
         """A server knows its own placed kernels only (``GpuLoad``: the node's ledger and NVML
-        know allocations, not other servers' placements)."""
-        return other.user_index == k.user_index
+        know allocations, not other servers' placements), and with the node daemon every
+        server's on its machine (the daemon is asked before each placement)."""
+        return other.user_index == k.user_index or self.node_daemon
 
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
         gpus = super().place_at_start(sim, k)
         self.schedule_check(sim, k.user_index, sim.now)  # its expected need may want room
+        if self.node_daemon and gpus:  # told at once; the others weigh it at their next poll
+            machine = sim.node_gpus(gpus[0])
+            for user, on in sim.machine_of.items():
+                if user != k.user_index and on == machine and any(o.alive for o in sim.by_user[user]):
+                    self.schedule_check(sim, user, sim.now)
         return gpus
 
     def releases(self, sim: Simulation, kernels: list[Kernel], cands: list[product.Candidate],

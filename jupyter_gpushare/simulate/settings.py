@@ -46,6 +46,7 @@ class Settings:
     load_window: float = defaults.LOAD_WINDOW  # s of SM history a GPU's load is judged over
     release_copies: str = "changed"  # changed | all (engine.RELEASE_COPIES)
     precopy_after: float = defaults.PRECOPY_AFTER  # s idle before a pre-copy (0: never)
+    node_daemon: bool = False  # servers of a machine share their placements through it
 
     @property
     def total_gpus(self) -> int:
@@ -65,4 +66,4 @@ def _release(s: Settings) -> dict:
     return {"release_policy": s.release_policy, "long_idle": s.long_idle,
             "ahead_grace": s.ahead_grace, "move_after": s.move_after,
             "rebalance": s.rebalance, "rebalance_idle": s.rebalance_idle,
-            "rebalance_per_hour": s.rebalance_per_hour}
+            "rebalance_per_hour": s.rebalance_per_hour, "node_daemon": s.node_daemon}
