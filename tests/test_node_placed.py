@@ -18,7 +18,8 @@ from jupyter_gpushare.node.placed_claims import MAX_BYTES, ClaimError, PlacedCla
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import SharedSimNode
 
-from .test_node_daemon import Client, Daemon
+from .test_node_daemon import Client, Daemon, _same
+from .test_node_locks import hold_one
 
 MiB = 1 << 20
 PROBE = "import os\nprint(os.environ.get('CUDA_VISIBLE_DEVICES'))"
@@ -55,16 +56,16 @@ async def test_a_servers_claim_is_told_to_the_others_not_back_to_itself(daemon, 
     g0, g1 = uuids
     # the daemon keys claims by the peer's pid: this process is one server, a subprocess another
     me = NodeDaemonTurns(daemon.socket)
-    assert await me.placed({g0: (512 * MiB, 1)}) == {}  # nobody else placed anything
+    assert await me.placed({g0: (512 * MiB, 1, 64 * MiB)}) == {}  # nobody else placed anything
     # a second process of the node (another server): sees this one's claim
     answer = await _from_another_process(daemon.socket, claim(g1, 256 * MiB, 2))
     assert answer["ok"] is True and answer["ttl"] == 2, answer
-    assert answer["others"] == {g0: {"bytes": 512 * MiB, "kernels": 1}}, answer
+    assert answer["others"] == {g0: {"bytes": 512 * MiB, "kernels": 1, "returning": 64 * MiB}}, answer
     # and this one sees its claim, not its own
-    assert await me.placed({g0: (512 * MiB, 1)}) == {g1: (256 * MiB, 2)}
-    assert await me.placed({}) == {g1: (256 * MiB, 2)}  # withdrawn: nothing of its own
+    assert await me.placed({g0: (512 * MiB, 1, 0)}) == {g1: (256 * MiB, 2, 0)}
+    assert await me.placed({}) == {g1: (256 * MiB, 2, 0)}  # withdrawn: nothing of its own
     answer = await _from_another_process(daemon.socket, claim(g1, 256 * MiB, 2))
-    assert answer["others"] == {g1: {"bytes": 256 * MiB, "kernels": 2}}, answer  # the first one's only
+    assert answer["others"] == {g1: {"bytes": 256 * MiB, "kernels": 2, "returning": 0}}, answer
     time.sleep(2.5)  # the other process's claim was not renewed within the ttl
     assert await me.placed({}) == {}
 
@@ -88,6 +89,7 @@ async def _from_another_process(path: str, msg: dict) -> dict:
     ({"op": "placed", "gpus": {"G": {"bytes": True}}}, '"bytes" of GPU'),
     ({"op": "placed", "gpus": {"G": {"bytes": MAX_BYTES + 1}}}, '"bytes" of GPU'),
     ({"op": "placed", "gpus": {"G": {"kernels": 1.5}}}, '"kernels" of GPU'),
+    ({"op": "placed", "gpus": {"G": {"returning": "1G"}}}, '"returning" of GPU'),
     ({"op": "placed", "gpus": {"G": {"bytes": 1, "owner": "x"}}}, "must be {"),
     ({"op": "placed", "gpus": {"GPU-not-here": {"bytes": 1}}}, "not a GPU of this node"),
     ({"op": "placed", "gpus": {"bad uuid!": {"bytes": 1}}}, "keyed by GPU UUIDs"),
@@ -104,7 +106,7 @@ async def test_a_bad_claim_is_refused_and_changes_nothing(daemon, uuids, bad, wh
         assert reply["ok"] is False and reply["op"] == "placed" and reply["id"] == 3, reply
         assert why in reply["error"], reply
         seen = await _from_another_process(daemon.socket, {"op": "placed", "gpus": {}})
-        assert seen["others"] == {g0: {"bytes": 100, "kernels": 1}}, seen  # unchanged
+        assert seen["others"] == {g0: {"bytes": 100, "kernels": 1, "returning": 0}}, seen
     finally:
         c.close()
 
@@ -113,15 +115,15 @@ def test_one_user_holds_a_bounded_number_of_claims():
     clock = [0.0]
     book = PlacedClaims(ttl=10, now=lambda: clock[0])
     for pid in range(64):
-        book.put(pid, 1000, {"G": (1, 1)})
+        book.put(pid, 1000, {"G": (1, 1, 2)})
     with pytest.raises(ClaimError, match="64 claims already"):
-        book.put(99, 1000, {"G": (1, 1)})
-    book.put(5, 1000, {"G": (7, 1)})  # a process renews its own
-    book.put(100, 1001, {"G": (1, 1)})  # another user is not held back
-    assert book.others(100) == {"G": (64 - 1 + 7, 64)}
+        book.put(99, 1000, {"G": (1, 1, 0)})
+    book.put(5, 1000, {"G": (7, 1, 0)})  # a process renews its own
+    book.put(100, 1001, {"G": (1, 1, 0)})  # another user is not held back
+    assert book.others(100) == {"G": (64 - 1 + 7, 64, 2 * 63)}
     clock[0] = 11.0
-    book.put(99, 1000, {"G": (1, 1)})  # the old ones expired
-    assert book.others(100) == {"G": (1, 1)}
+    book.put(99, 1000, {"G": (1, 1, 0)})  # the old ones expired
+    assert book.others(100) == {"G": (1, 1, 0)}
 
 
 async def _gpu_of(kernel) -> str:
@@ -148,6 +150,36 @@ async def test_two_servers_place_kernels_started_back_to_back_on_different_gpus(
             with open(b.log_path, errors="replace") as f:
                 text = f.read()
             assert "did not share the node's placements" not in text, text[-3000:]
+    finally:
+        node.release(os.getpid(), 0, 16 * MiB)
+        node.close()
+        d.stop()
+
+
+async def test_another_servers_released_kernel_keeps_its_room_from_a_new_placement(tmp_path):
+    """Server A's kernel holds 768 MiB on GPU 1 and is released: GPU 1 looks emptier than GPU
+    0 (16 MiB of another process there), but A's state comes back to GPU 1 at its restore.
+    Server B, told by the node daemon, places its next kernel on GPU 0; A's state comes back
+    whole to GPU 1."""
+    node_path = str(tmp_path / "node.sqlite")
+    SharedSimNode(node_path, (2 * GiB, 2 * GiB)).close()
+    node = SharedSimNode(node_path)
+    d = Daemon(node_path).start()
+    config = {"simulated_node": node_path, "node_daemon_socket": d.socket, "placement": "room",
+              "poll_interval": 0.5, "idle_timeout": 0, "pressure_idle_timeout": 3600}
+    node.alloc(os.getpid(), 0, 16 * MiB)
+    try:
+        async with Server("back-a", gpushare=config) as a, Server("back-b", gpushare=config) as b:
+            ka = await a.start_kernel()
+            assert await _gpu_of(ka) == "1"
+            await ka.run(hold_one(768, "x"))
+            await a.wait_kernel(ka.id, lambda v: v["gpu_memory_bytes"] >= 768 * MiB, "memory seen")
+            await a.api("POST", f"/api/gpushare/kernels/{ka.id}/release")
+            await a.wait_kernel(ka.id, lambda v: v["state"] == "released", "released")
+            await asyncio.sleep(1.5)  # A's next polls tell the daemon what comes back
+            kb = await b.start_kernel()
+            assert await _gpu_of(kb) == "0", b.log_tail()
+            assert await ka.value(_same("x")) is True  # restored by its cell, every byte
     finally:
         node.release(os.getpid(), 0, 16 * MiB)
         node.close()

@@ -615,20 +615,24 @@ def test_exclusive_is_charged_only_while_a_users_kernels_live():
 def test_room_placement_counts_reserved_bytes_and_load():
     """Two GPUs of 10 GiB. A holds 5 GiB on GPU 0; B, placed while A was, on GPU 1 (and
     round-robin's turn), 3 GiB; both are released at 110 (idle 100 s): their bytes are
-    reserved where they were. C starts at 200: round-robin puts it on GPU 0 (its turn); the
-    product's rule on GPU 1 (both idle and empty, 10 - 3 reserved = 7 of room against 5).
-    D starts at 300 while C computes on GPU 1 (50 % SM): GPU 0, the idle one."""
+    reserved where they were, each by its own server (the product's placer counts its own
+    released states; other servers' only through the node daemon or the hub service). C, A's
+    second kernel, starts at 200: round-robin puts it on A's GPU 0 (and D on GPU 0, the third
+    user's turn); the product's rule on GPU
+    1 (both idle and empty, 10 - 5 A reserved = 5 of room against 10: B's 3 GiB are not A's
+    server's to know). D starts at 300 while C computes on GPU 1 (50 % SM): GPU 0, the idle
+    one."""
     def kernel(name, user, gib, start, cell):
         return KernelWork(name, user, int(gib * GiB), (Session(start, (cell,)),))
 
     w = Workload(600.0, (kernel("a", "A", 5, 0.0, Cell(0, 10, 50)),
                          kernel("b", "B", 3, 0.0, Cell(0, 10, 50)),
-                         kernel("c", "C", 2, 200.0, Cell(0, 200, 50)),
+                         kernel("c", "A", 2, 200.0, Cell(0, 200, 50)),
                          kernel("d", "D", 2, 300.0, Cell(0, 10, 50))), "placement",
-                 ("A", "B", "C", "D"))
+                 ("A", "B", "D"))
     policy = baseline(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
     rr = by_hand(w, policy, gpus=2)
-    assert [k.gpus for k in rr.kernels] == [[0], [1], [0], [1]]
+    assert [k.gpus for k in rr.kernels] == [[0], [1], [0], [0]]  # D: the third user's turn
     policy = baseline(PolicyConfig(idle_timeout=100, pressure_free_fraction=0), poll_interval=0.001)
     room = by_hand(w, policy, gpus=2, placement="room")
     assert [k.gpus for k in room.kernels] == [[0], [1], [1], [0]]

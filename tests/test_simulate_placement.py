@@ -123,6 +123,24 @@ def test_a_server_knows_other_servers_placed_kernels_only_through_the_hub_servic
     assert made.node_daemon is True
 
 
+def test_a_server_counts_other_servers_released_states_only_through_the_daemon_or_hub():
+    """A's 6 GiB kernel on GPU 0 is released after 100 s idle; A's other kernel (1 GiB)
+    computes on GPU 1 throughout. At 300 s B's kernel starts: GPU 0 looks emptier, but A's state comes
+    back there. B's server alone counts only its own released states (as the product's placer
+    does): GPU 0. Told by the node daemon or the hub service: GPU 1."""
+    w = Workload(600.0, (kernel("a", "A", 6, 0.0, Cell(1, 10, 50)),
+                         kernel("c", "A", 1, 0.5, Cell(1, 500, 5)),
+                         kernel("b", "B", 1, 300.0, Cell(10, 10, 50))), "released", ("A", "B"))
+    hub = pytest.importorskip("jupyter_gpushare.simulate.hub_policy")
+    made = {"alone": GPUShare(PROACTIVE, poll_interval=0.5, release_policy="proactive"),
+            "daemon": GPUShare(PROACTIVE, poll_interval=0.5, release_policy="proactive",
+                               node_daemon=True),
+            "hub": hub.GPUShareHub(PROACTIVE, poll_interval=0.5, release_policy="proactive")}
+    placed = {name: gpus_of(run(w, policy)) for name, policy in made.items()}
+    assert {name: (p["a"], p["c"]) for name, p in placed.items()} == dict.fromkeys(made, ([0], [1]))
+    assert {name: p["b"] for name, p in placed.items()} == {"alone": [0], "daemon": [1], "hub": [1]}
+
+
 def test_a_gpu_at_full_sm_with_more_room_loses_to_an_idle_one_with_enough():
     """A computes on GPU 0 at 100 % SM from 0 to 1000 holding 1 GiB; C holds 6 GiB on GPU 1
     (placed there: GPU 0 already had A), idle after 15 s. D starts at 300: GPU 0 has 9 GiB

@@ -2,9 +2,9 @@
 
 Every poll, and right after the server places a kernel, :meth:`NodePlaced.exchange` tells the
 daemon what this server's placed kernels that have not used their GPUs yet are expected to take
-and keeps what the daemon says the other servers' take. Placement counts the others' as taken
-room and pending load, as it counts this server's own; the release policy counts their bytes as
-wanted memory. An answer older than ``keep`` seconds counts for nothing (those kernels have
+and what its released kernels' states will take back, and keeps what the daemon says of the
+other servers'. Placement counts the others' as taken room (both) and pending load, as it
+counts this server's own; the release policy counts their placed bytes as wanted memory. An answer older than ``keep`` seconds counts for nothing (those kernels have
 allocated by then, or not); a daemon that does not answer is said once in the log, and the
 server places by its own view until it answers again.
 """
@@ -32,11 +32,12 @@ class GPU(Protocol):
 
 class NodePlaced:
     def __init__(self, ask: Ask, gpus: Callable[[], Iterable[GPU]],
-                 mine: Callable[[], Mapping[int, tuple[int, int]]], keep: Callable[[], float],
+                 mine: Callable[[], Mapping[int, tuple[int, int, int]]], keep: Callable[[], float],
                  where: str = "the node daemon", log: logging.Logger | Any = None):
         """ask: one exchange with the daemon (this server's claim -> the others');
-        gpus: the GPUs polled; mine: per GPU index, (bytes, kernels) this server's placed
-        kernels not using it yet are expected to take; keep: seconds an answer counts."""
+        gpus: the GPUs polled; mine: per GPU index, (bytes, kernels, returning): what this
+        server's placed kernels not using it yet are expected to take, how many they are, and
+        what its released kernels' states will take back; keep: seconds an answer counts."""
         self.ask = ask
         self.gpus = gpus
         self.mine = mine
@@ -67,22 +68,23 @@ class NodePlaced:
         self.others = others
         self.at = clock.now()
 
-    def by_gpu(self) -> dict[int, tuple[int, int]]:
-        """Per GPU index: (bytes, kernels) of the other servers' placed kernels; bytes at most
-        the GPU's memory."""
+    def by_gpu(self) -> dict[int, tuple[int, int, int]]:
+        """Per GPU index: (bytes, kernels, returning) of the other servers; bytes at most the
+        GPU's memory."""
         if self.at is None or clock.now() - self.at > self.keep():
             return {}
         out = {}
         for g in self.gpus():
-            n, k = self.others.get(g.uuid, (0, 0)) if g.uuid else (0, 0)
-            if n or k:
-                out[g.index] = (n if g.memory_total is None else min(n, g.memory_total), k)
+            n, k, r = self.others.get(g.uuid, (0, 0, 0)) if g.uuid else (0, 0, 0)
+            if n or k or r:
+                cap = g.memory_total
+                out[g.index] = (n if cap is None else min(n, cap), k, r if cap is None else min(r, cap))
         return out
 
     def placed_elsewhere(self) -> dict[int, int]:
         """Per GPU index, the bytes other servers' placed kernels are expected to take."""
-        return {g: n for g, (n, _) in self.by_gpu().items() if n}
+        return {g: n for g, (n, _, _) in self.by_gpu().items() if n}
 
     def pending(self) -> dict[int, int]:
         """Per GPU index, how many kernels other servers placed there have not used it yet."""
-        return {g: k for g, (_, k) in self.by_gpu().items() if k}
+        return {g: k for g, (_, k, _) in self.by_gpu().items() if k}

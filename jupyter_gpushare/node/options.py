@@ -54,9 +54,10 @@ class NodeOptions(Configurable):
         --turn-timeout, so no user stalls the others' restores for longer. When set,
         node_lock_dir is not used (no lock files). Room checks read free GPU memory from the
         daemon too (this server's own reading when it does not answer within 1 s). The servers
-        also tell each other their placed kernels through it (every poll and right after a
-        placement: what kernels placed and not using their GPUs yet are expected to take),
-        which placement counts as taken room and pending load and the release policy as
+        also tell each other their placed kernels and released states through it (every poll
+        and right after a placement: what kernels placed and not using their GPUs yet are
+        expected to take, and what released kernels' states take back at their restores),
+        which placement counts as taken room (and pending load) and the release policy as
         wanted memory; a daemon that does not answer within 1 s leaves placement to this
         server's own view, said once in the log. The daemon
         is used only when its process runs as root or as this server's user. When it cannot

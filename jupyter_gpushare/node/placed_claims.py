@@ -3,11 +3,13 @@ node daemon.
 
 A server places a new kernel on the GPU(s) with room and the least load, but until the kernel
 allocates, neither free memory nor SM load shows it: another user's server placing a kernel a
-minute later sees the same GPU as empty and puts its kernel there too. With the hub service
-the servers learn of each other's placements from it (a poll later); with the node daemon they
-tell it at once: each server sends the daemon what its placed kernels are expected to take per
-GPU (``{"op": "placed", "gpus": {uuid: {"bytes": B, "kernels": n}}}``, every poll and right
-after a placement) and hears back the other servers' sums (``"others"``).
+minute later sees the same GPU as empty and puts its kernel there too; nor do they show the
+states of another server's released kernels, which come back to that GPU at their restores.
+With the hub service the servers learn of both from it; with the node daemon they tell each
+other at once: each server sends the daemon what its placed kernels are expected to take per
+GPU and what its released kernels' states will take back there (``{"op": "placed", "gpus":
+{uuid: {"bytes": B, "kernels": n, "returning": R}}}``, every poll and right after a placement)
+and hears back the other servers' sums (``"others"``).
 
 :class:`PlacedClaims` is the daemon's book: one claim per server process (the connection's
 ``SO_PEERCRED`` pid, so nobody replaces another's claim), replaced by its next ``placed``
@@ -30,8 +32,9 @@ MAX_BYTES = 1 << 50  # bytes one claim may name on one GPU (1 PiB: larger is no 
 MAX_KERNELS = 1024  # kernels one claim may name on one GPU
 MAX_CLAIMS_PER_USER = 64  # live claims (server processes) of one uid
 
-#: GPU UUID -> (bytes, kernels)
-Claimed = dict[str, tuple[int, int]]
+#: GPU UUID -> (bytes, kernels, returning): placed kernels' expected bytes, how many they are,
+#: and the bytes released kernels' states take back at their restores
+Claimed = dict[str, tuple[int, int, int]]
 
 
 class ClaimError(ValueError):
@@ -40,19 +43,23 @@ class ClaimError(ValueError):
 
 def parse_claim(value: Any, max_gpus: int) -> Claimed:
     """The ``gpus`` of a ``placed`` request, checked: an object of GPU UUID -> {"bytes": int,
-    "kernels": int}, both >= 0 and bounded. Raises :class:`ClaimError`."""
+    "kernels": int, "returning": int} (each optional, default 0), >= 0 and bounded. Raises
+    :class:`ClaimError`."""
     if not isinstance(value, dict):
-        raise ClaimError('"gpus" must be an object of GPU UUID -> {"bytes": n, "kernels": n}')
+        raise ClaimError('"gpus" must be an object of GPU UUID -> {"bytes": n, "kernels": n, '
+                         '"returning": n}')
     if len(value) > max_gpus:
         raise ClaimError(f'"gpus" names {len(value)} GPUs (at most {max_gpus})')
     out: Claimed = {}
     for uuid, entry in value.items():
-        if not isinstance(entry, dict) or set(entry) - {"bytes", "kernels"}:
-            raise ClaimError(f'"gpus" entry {uuid[:60]!r} must be {{"bytes": n, "kernels": n}}')
+        if not isinstance(entry, dict) or set(entry) - {"bytes", "kernels", "returning"}:
+            raise ClaimError(f'"gpus" entry {uuid[:60]!r} must be {{"bytes": n, "kernels": n, '
+                             '"returning": n}')
         n = _count(entry.get("bytes", 0), MAX_BYTES, "bytes", uuid)
         k = _count(entry.get("kernels", 0), MAX_KERNELS, "kernels", uuid)
-        if n or k:
-            out[uuid] = (n, k)
+        r = _count(entry.get("returning", 0), MAX_BYTES, "returning", uuid)
+        if n or k or r:
+            out[uuid] = (n, k, r)
     return out
 
 
@@ -65,10 +72,9 @@ def parse_others(value: Any) -> Claimed:
     for uuid, entry in value.items():
         if not isinstance(uuid, str) or not isinstance(entry, dict):
             continue
-        n, k = entry.get("bytes"), entry.get("kernels")
-        if isinstance(n, int) and isinstance(k, int) and not isinstance(n, bool) \
-                and not isinstance(k, bool) and n >= 0 and k >= 0:
-            out[uuid] = (n, k)
+        counts = (entry.get("bytes", 0), entry.get("kernels", 0), entry.get("returning", 0))
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts):
+            out[uuid] = (int(counts[0]), int(counts[1]), int(counts[2]))
     return out
 
 
@@ -110,13 +116,13 @@ class PlacedClaims:
     def others(self, pid: int) -> Claimed:
         """The live claims of every process but ``pid``, summed per GPU."""
         self._expire()
-        out: dict[str, tuple[int, int]] = {}
+        out: Claimed = {}
         for who, claim in self.claims.items():
             if who == pid:
                 continue
-            for uuid, (n, k) in claim.gpus.items():
-                b, c = out.get(uuid, (0, 0))
-                out[uuid] = (b + n, c + k)
+            for uuid, (n, k, r) in claim.gpus.items():
+                b, c, t = out.get(uuid, (0, 0, 0))
+                out[uuid] = (b + n, c + k, t + r)
         return out
 
     def _expire(self) -> None:
@@ -126,4 +132,5 @@ class PlacedClaims:
 
 
 def encode(claimed: Claimed) -> dict[str, dict[str, int]]:
-    return {uuid: {"bytes": n, "kernels": k} for uuid, (n, k) in sorted(claimed.items())}
+    return {uuid: {"bytes": n, "kernels": k, "returning": r}
+            for uuid, (n, k, r) in sorted(claimed.items())}

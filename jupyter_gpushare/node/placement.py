@@ -15,9 +15,9 @@ to need; qualifying GPUs rank by SM load, then by kernels there, then by room, t
   plus the expected load of kernels this server placed there that have not used the GPU
   yet, so two kernels started back to back land on different GPUs;
 - with the node daemon (``node_daemon_socket``), kernels other servers of the node placed and
-  that have not used their GPUs yet: their expected bytes are out of the room and their
-  expected load is pending, as for this server's own (asked before the placement; this
-  server's placements are told right after);
+  that have not used their GPUs yet, and their released kernels' states: their expected bytes
+  and the states are out of the room and their expected load is pending, as for this
+  server's own (asked before the placement; this server's placements are told right after);
 - with the hub service (``GPUShareHubLink.url``), the service's view of each GPU counts too:
   what other users' released kernels will take back and what waiting restores need there
   (the smaller room of the two views counts), kernels other servers placed there and that
@@ -264,10 +264,10 @@ class Placer:
             return Placement([], "", {})  # a kernel that asked for no GPU sees none
         others = await self._node_others()
         room = await self._room(gpus, [g.index for g, _ in candidates])
-        for g, (n, _) in others.items():
+        for g, (n, _, back) in others.items():
             r = room.get(g)
             if r is not None:
-                room[g] = r - n
+                room[g] = r - n - back
         within = await self._service_view([g for g, _ in candidates], room, kernel_id)
         # a capped kernel can hold no more than its cap: that is what it is expected to need
         cap = caps.ceiling(requested_cap(kernel_spec), self.default_cap())
@@ -275,7 +275,7 @@ class Placer:
         self.load.forget(self.kernel_ids())
         views = self.load.views(room, within, seen_pending=self._service_pending(
             [g for g, _ in candidates]) if within else None,
-            others_pending={g: k * PENDING_LOAD for g, (_, k) in others.items()})
+            others_pending={g: k * PENDING_LOAD for g, (_, k, _) in others.items()})
         by_index = {g.index: (g, token) for g, token in candidates}
         chosen = [by_index[v.gpu] for v in choose(views.values(), need, count)]  # type: ignore[index]
         # real GPUs: an entry as written where there was one, else the UUID (CUDA's own
@@ -311,9 +311,10 @@ class Placer:
             seen = None
         return narrow(room, {by_uuid[u]: v for u, v in (seen or {}).items() if u in by_uuid})
 
-    async def _node_others(self) -> dict[int, tuple[int, int]]:
-        """Per GPU, (bytes, kernels) of other servers' placed kernels, as the node daemon says
-        now (none without it, or when it does not answer: placed by this server's view)."""
+    async def _node_others(self) -> dict[int, tuple[int, int, int]]:
+        """Per GPU, (bytes, kernels, returning) of other servers' placed kernels and released
+        states, as the node daemon says now (none without it, or when it does not answer:
+        placed by this server's view)."""
         if self.node_placed is None:
             return {}
         await self.node_placed.exchange()

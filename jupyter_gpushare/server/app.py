@@ -33,6 +33,7 @@ from ..core.tracker import Tracker
 from ..events import KERNEL_SCHEMA_ID, KERNEL_SCHEMA_PATH
 from ..node import hub_link
 from ..node.daemon_client import NodeDaemonTurns
+from ..node.gpu_load import coming_back
 from ..node.node_locks import NodeLocks, ServerTurnsOnly
 from ..node.node_placed import NodePlaced
 from ..node.options import NodeOptions
@@ -192,7 +193,7 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             self.node_placed = NodePlaced(
                 NodeDaemonTurns(self.node_daemon_socket).placed,
                 gpus=lambda: [rec.info for rec in list(self.tracker.gpus.values())],
-                mine=self.controller.room.load.unused,
+                mine=self._node_claim,
                 keep=lambda: PLACED_KEPT_POLLS * self.poll_interval,
                 where=f"the node daemon at {self.node_daemon_socket}", log=self.log)
         # other servers' placed kernels count as wanted memory, and in restores' targets
@@ -204,6 +205,15 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         self.ahead = AheadRestores(self.controller, self.ahead_grace)
         self.precopies = Precopies(self.controller, lambda: self.precopy_after,
                                    lambda: self.host_memory_reserve)
+
+    def _node_claim(self) -> dict[int, tuple[int, int, int]]:
+        """Per GPU, what this server tells the node daemon: its placed kernels' expected bytes,
+        how many they are, and what its released kernels' states will take back."""
+        out = {g: (n, k, 0) for g, (n, k) in self.controller.room.load.unused().items()}
+        for g, back in coming_back(self.controller.lifecycles()).items():
+            n, k, _ = out.get(g, (0, 0, 0))
+            out[g] = (n, k, back)
+        return out
 
     def _placed_elsewhere(self) -> dict[int, int]:
         """Per GPU, what other servers' placed kernels are expected to take: the larger of the

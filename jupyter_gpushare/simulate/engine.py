@@ -742,10 +742,17 @@ class Simulation:
         hold memory there now. ``exclude``: a kernel left out of every count (the one being
         placed or restored). ``window``: s (the load window where None; rebalance judges over
         its own). ``seen_by``: the view of that kernel's server, which knows other servers'
-        placed kernels only as the policy says (:meth:`Policy.sees_placed`; the product's
-        server knows its own, and others' through the hub service)."""
+        placed kernels and released states only as the policy says
+        (:meth:`Policy.sees_placed`, :meth:`Policy.sees_returning`; the product's server knows
+        its own, and others' through the node daemon or the hub service)."""
         gpus = list(gpus)
-        back = self.coming_back(exclude) if taken_back is None else taken_back
+        if taken_back is not None:
+            back = taken_back
+        elif seen_by is None:
+            back = self.coming_back(exclude)
+        else:  # the released states its server knows of
+            back = coming_back(o for o in self.kernels if o.state in HELD and o is not exclude
+                               and self.policy.sees_returning(self, seen_by, o))
         promised = {g: back.get(g, 0) for g in gpus}
         pending = dict.fromkeys(gpus, 0.0)
         count = dict.fromkeys(gpus, 0)

@@ -76,6 +76,11 @@ class GPUShareHub(GPUShare):
         return (super().sees_placed(sim, k, other)
                 or self.told.get(other.index, math.inf) <= sim.now)
 
+    def sees_returning(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """Every server's: the service's room, asked at each placement, counts every released
+        kernel's state on the node."""
+        return True
+
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
         """Besides its own server's check: the service reads the placing server at its next
         poll, and every other server on the machine hears of ``k``'s expected need at its

@@ -129,6 +129,11 @@ class Policy:
         and has not allocated yet (its expected bytes and load count in its view)."""
         return True
 
+    def sees_returning(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """Whether ``k``'s server, placing ``k``, counts ``other``'s released state as coming
+        back to its GPUs (out of their room)."""
+        return True
+
     def history_seconds(self, load_window: float) -> float:
         """Seconds of SM history the policy judges GPUs over, at most (placement's
         ``load_window``; a rebalancing policy's window may be longer)."""
@@ -387,6 +392,12 @@ class GPUShare(Policy):
         """A server knows its own placed kernels only (``GpuLoad``: the node's ledger and NVML
         know allocations, not other servers' placements), and with the node daemon every
         server's on its machine (the daemon is asked before each placement)."""
+        return other.user_index == k.user_index or self.node_daemon
+
+    def sees_returning(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """A server counts its own released kernels' states as coming back (``coming_back``
+        of its lifecycles), and with the node daemon every server's on its machine (the
+        daemon's claims carry them)."""
         return other.user_index == k.user_index or self.node_daemon
 
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
