@@ -157,7 +157,8 @@ def _check_restore_turns(p: NVMLProbe) -> Check:
     daemon = os.environ.get(NODE_DAEMON_ENV, "")
     if daemon:
         return Check(name, True, f"the node daemon at {daemon} ({NODE_DAEMON_ENV}) runs every "
-                                 "server's restore turns")
+                                 "server's restore turns and tells each server the others' "
+                                 "placed kernels and released states")
     advice = ("set GPUShareApp.node_lock_dir to a root-owned directory every server shares, "
               "or GPUShareApp.node_daemon_socket (see the admin guide)")
     others: dict[int, set[int]] = {}
@@ -180,8 +181,8 @@ def _check_restore_turns(p: NVMLProbe) -> Check:
         gpus = ", ".join(f"GPU {g}" for g in sorted(others))
         return Check(name, None, f"restores on {gpus} share it with other users' processes and "
                                  "the default node_lock_dir (this user's servers only) does not "
-                                 "cover them: such restores need room for twice their state; "
-                                 + advice)
+                                 "cover them: such restores need room for twice their state, and "
+                                 "placement does not see those users' new kernels; " + advice)
     return Check(name, None, "the default node_lock_dir serializes this user's servers only; "
                              "for several users' servers on a node, " + advice)
 

@@ -11,6 +11,7 @@ server places by its own view until it answers again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
@@ -45,11 +46,18 @@ class NodePlaced:
         self.where = where
         self.log = log or logging.getLogger(__name__)
         self.others: Claimed = {}
+        # one exchange at a time: a claim read before a placement must not reach the daemon
+        # after the one read after it
+        self._one = asyncio.Lock()
         self.at: float | None = None  # clock.now() of the last answer
         self.error: str | None = None
 
     async def exchange(self, timeout: float = EXCHANGE_TIMEOUT) -> None:
         """Tell the daemon this server's claim, keep the others'. Never raises."""
+        async with self._one:
+            await self._exchange(timeout)
+
+    async def _exchange(self, timeout: float) -> None:
         uuids = {g.index: g.uuid for g in self.gpus() if g.uuid}
         claim = {uuids[g]: v for g, v in self.mine().items() if g in uuids and any(v)}
         try:
