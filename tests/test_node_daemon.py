@@ -457,7 +457,7 @@ async def test_an_unreachable_daemon_leaves_restores_unguarded_and_says_why(tmp_
     SharedSimNode(node_path, (2 * GiB,)).close()
     gone = str(tmp_path / "no-daemon.sock")
     config = {"simulated_node": node_path, "node_daemon_socket": gone, "idle_timeout": 0,
-              "pressure_idle_timeout": 3600, "poll_interval": 0.5}
+              "pressure_idle_timeout": 3600, "poll_interval": 0.5, "placement": "room"}
     async with Server("daemon-gone", gpushare=config) as srv:
         k = await srv.start_kernel()
         await k.run(hold_one(256, "x"))
@@ -470,6 +470,10 @@ async def test_an_unreachable_daemon_leaves_restores_unguarded_and_says_why(tmp_
             text = f.read()
     assert f"the node daemon at {gone} cannot be used" in text, text[-3000:]
     assert "stricter room check" in text and "node_daemon_socket" in text
+    # the kernel was placed by the server's own view; the daemon's silence said once, not
+    # at every poll
+    assert "kernel " in text and " placed on GPU " in text, text[-3000:]
+    assert text.count("did not share the node's placements") == 1, text[-3000:]
 
 
 def test_the_option_defaults_to_the_environment_and_else_to_unused(monkeypatch):
