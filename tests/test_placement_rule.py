@@ -171,6 +171,23 @@ def test_nodes_rank_by_their_best_gpus():
     assert rank_groups(nodes, need, count=2) == ["b", "a"]
 
 
+def test_a_kernel_of_several_gpus_takes_the_smallest_node_it_fits_and_one_gpu_the_best():
+    """An idle 8-GPU node and an idle 5-GPU node: a 4-GPU kernel takes the 5-GPU node and
+    leaves the 8-GPU one to a kernel of 8, which fits nowhere else; a 1-GPU kernel goes by the
+    GPUs' keys (equal here: then the name); where the small node lacks room, or its SMs are
+    contended, the large one."""
+    need = Need(10 * GiB)
+    idle = {"big": [GpuView(f"b{i}", room=80 * GiB) for i in range(8)],
+            "small": [GpuView(f"s{i}", room=80 * GiB) for i in range(5)]}
+    assert rank_groups(idle, need, count=4) == ["small", "big"]
+    assert rank_groups(idle, need, count=8) == ["big", "small"]
+    assert rank_groups(idle, need, count=1) == ["big", "small"]
+    short = {**idle, "small": [GpuView(f"s{i}", room=5 * GiB) for i in range(5)]}
+    assert rank_groups(short, need, count=4) == ["big", "small"]
+    busy = {**idle, "small": [GpuView(f"s{i}", room=80 * GiB, load=95, busy=2) for i in range(5)]}
+    assert rank_groups(busy, need, count=4) == ["big", "small"]  # its SMs are contended
+
+
 views_st = st.dictionaries(
     st.integers(0, 7),
     st.tuples(st.one_of(st.none(), st.integers(0, 16)), st.floats(0, 100), st.integers(0, 3)),

@@ -305,15 +305,23 @@ def expected_need(asked: int | None, cap: int | None, recent: Sequence[int], flo
 
 def rank_groups(groups: Mapping[str, Sequence[GpuView]], need: Need, count: int = 1) -> list[str]:
     """Groups of GPUs (the nodes of a cluster), best first for a new kernel of ``need`` on
-    ``count`` GPUs: each group by its ``count`` best GPUs' keys (a group with fewer GPUs
-    than ``count`` ranks last), then by name. The keys leave out each GPU's own name: an index
-    or UUID says nothing across groups, and would let a group's first GPU outrank another's
-    as good one before their second GPUs were compared."""
+    ``count`` GPUs: groups whose ``count`` best GPUs all have room for it first; for a kernel
+    of several GPUs, among those, groups where none of them is contended, and of those the
+    group of fewest GPUs first (best fit: a larger group is left to kernels wider than this
+    one, which fit nowhere else; a kernel of one GPU fits every group, and this would only
+    crowd the smallest); then by those GPUs' keys (a group
+    with fewer GPUs than ``count`` ranks last), then by name. The keys leave out each GPU's
+    own name: an index or UUID says nothing across groups, and would let a group's first GPU
+    outrank another's as good one before their second GPUs were compared."""
     def group_key(name: str) -> tuple:
         best = rank(groups[name], need)[:count]
         if len(best) < count or not best:
-            return (True, (), name)
-        return (False, tuple(sorted(key(v, need)[:-1] for v in best)), name)
+            return (True, True, True, 0, (), name)
+        fit = all(fits(v, need) for v in best)
+        quiet = fit and not any(contended(v) for v in best)
+        size = len(groups[name]) if count > 1 and quiet else 0
+        return (False, not fit, not quiet and count > 1, size,
+                tuple(sorted(key(v, need)[:-1] for v in best)), name)
     return sorted(groups, key=group_key)
 
 
