@@ -120,20 +120,29 @@ class Client:
         self.writer.close()
 
 
-@pytest.fixture
-def node(tmp_path) -> str:
+def two_gpu_node(tmp_path: Any) -> str:
+    """A shared simulated node of two 2 GiB GPUs; its file's path."""
     path = str(tmp_path / "node.sqlite")
     SharedSimNode(path, (2 * GiB, 2 * GiB)).close()
     return path
 
 
-@pytest.fixture
-def uuids(node) -> list[str]:
-    n = SharedSimNode(node)
+def uuids_of(path: str) -> list[str]:
+    n = SharedSimNode(path)
     try:
         return [n.uuid(0), n.uuid(1)]
     finally:
         n.close()
+
+
+@pytest.fixture
+def node(tmp_path) -> str:
+    return two_gpu_node(tmp_path)
+
+
+@pytest.fixture
+def uuids(node) -> list[str]:
+    return uuids_of(node)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from jupyter_gpushare.node.placed_claims import MAX_BYTES, ClaimError, PlacedCla
 from jupyter_gpushare.sim.node import GiB
 from jupyter_gpushare.sim.shared import SharedSimNode
 
-from .test_node_daemon import Client, Daemon, _same
+from .test_node_daemon import Client, Daemon, _same, two_gpu_node, uuids_of
 from .test_node_locks import hold_one
 
 MiB = 1 << 20
@@ -26,24 +26,11 @@ PROBE = "import os\nprint(os.environ.get('CUDA_VISIBLE_DEVICES'))"
 
 
 @pytest.fixture
-def node(tmp_path) -> str:
-    path = str(tmp_path / "node.sqlite")
-    SharedSimNode(path, (2 * GiB, 2 * GiB)).close()
-    return path
-
-
-@pytest.fixture
-def uuids(node) -> list[str]:
-    n = SharedSimNode(node)
-    try:
-        return [n.uuid(0), n.uuid(1)]
-    finally:
-        n.close()
-
-
-@pytest.fixture
-def daemon(node):
-    d = Daemon(node, "--claim-ttl", "2").start()
+def daemon(tmp_path):
+    """A daemon whose claims live 2 s, on a node of two GPUs (their UUIDs: ``uuids``)."""
+    path = two_gpu_node(tmp_path)
+    d = Daemon(path, "--claim-ttl", "2").start()
+    d.uuids = uuids_of(path)  # type: ignore[attr-defined]
     yield d
     d.stop()
 
@@ -52,8 +39,8 @@ def claim(uuid: str, n: int, k: int = 1) -> dict:
     return {"op": "placed", "gpus": {uuid: {"bytes": n, "kernels": k}}}
 
 
-async def test_a_servers_claim_is_told_to_the_others_not_back_to_itself(daemon, uuids):
-    g0, g1 = uuids
+async def test_a_servers_claim_is_told_to_the_others_not_back_to_itself(daemon):
+    g0, g1 = daemon.uuids
     # the daemon keys claims by the peer's pid: this process is one server, a subprocess another
     me = NodeDaemonTurns(daemon.socket)
     assert await me.placed({g0: (512 * MiB, 1, 64 * MiB)}) == {}  # nobody else placed anything
@@ -94,8 +81,8 @@ async def _from_another_process(path: str, msg: dict) -> dict:
     ({"op": "placed", "gpus": {"GPU-not-here": {"bytes": 1}}}, "not a GPU of this node"),
     ({"op": "placed", "gpus": {"bad uuid!": {"bytes": 1}}}, "keyed by GPU UUIDs"),
 ])
-async def test_a_bad_claim_is_refused_and_changes_nothing(daemon, uuids, bad, why):
-    g0, _ = uuids
+async def test_a_bad_claim_is_refused_and_changes_nothing(daemon, bad, why):
+    g0, _ = daemon.uuids
     bad = {**bad}
     if isinstance(bad.get("gpus"), dict) and "G" in bad["gpus"]:
         bad["gpus"] = {g0: bad["gpus"]["G"]}
