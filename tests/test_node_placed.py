@@ -102,15 +102,35 @@ def test_one_user_holds_a_bounded_number_of_claims():
     clock = [0.0]
     book = PlacedClaims(ttl=10, now=lambda: clock[0])
     for pid in range(64):
-        book.put(pid, 1000, {"G": (1, 1, 2)})
+        book.put((1000, pid, ""), {"G": (1, 1, 2)})
     with pytest.raises(ClaimError, match="64 claims already"):
-        book.put(99, 1000, {"G": (1, 1, 0)})
-    book.put(5, 1000, {"G": (7, 1, 0)})  # a process renews its own
-    book.put(100, 1001, {"G": (1, 1, 0)})  # another user is not held back
-    assert book.others(100) == {"G": (64 - 1 + 7, 64, 2 * 63)}
+        book.put((1000, 99, ""), {"G": (1, 1, 0)})
+    book.put((1000, 5, ""), {"G": (7, 1, 0)})  # a server renews its own
+    other = (1001, 100, "")
+    book.put(other, {"G": (1, 1, 0)})  # another user is not held back
+    assert book.others(other) == {"G": (64 - 1 + 7, 64, 2 * 63)}
     clock[0] = 11.0
-    book.put(99, 1000, {"G": (1, 1, 0)})  # the old ones expired
-    assert book.others(100) == {"G": (1, 1, 0)}
+    book.put((1000, 99, ""), {"G": (1, 1, 0)})  # the old ones expired
+    assert book.others(other) == {"G": (1, 1, 0)}
+
+
+async def test_servers_the_daemon_sees_as_one_pid_are_told_apart_by_their_tokens(daemon):
+    """A daemon in another pid namespace (a Kubernetes DaemonSet) sees pid 0 for every pod's
+    server, and every pod runs as one uid: two servers of one process here stand for them,
+    each with its own token."""
+    g0, g1 = daemon.uuids
+    a, b = NodeDaemonTurns(daemon.socket), NodeDaemonTurns(daemon.socket)
+    assert a.server_token != b.server_token
+    assert await a.placed({g0: (100, 1, 0)}) == {}
+    assert await b.placed({g1: (200, 1, 0)}) == {g0: (100, 1, 0)}
+    assert await a.placed({g0: (100, 1, 0)}) == {g1: (200, 1, 0)}  # not replaced by b's
+    c = await Client.open(daemon.socket)
+    try:
+        reply = await c.ask({**claim(g0, 1), "server": "not a token!"})
+        assert reply["ok"] is False and '"server" must be a token' in reply["error"], reply
+    finally:
+        c.close()
+    assert await b.placed({g1: (200, 1, 0)}) == {g0: (100, 1, 0)}  # nothing changed
 
 
 async def _gpu_of(kernel) -> str:

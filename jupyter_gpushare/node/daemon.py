@@ -35,11 +35,12 @@ reply with ``"ok"`` and the ``"op"`` it answers (an optional ``"id"`` is echoed 
   wait) given back. Closing the connection does the same, at once.
 - ``{"op": "free", "gpus": [uuid, ...]}`` (``gpus`` optional: all) -> ``{"ok": true, "op":
   "free", "free": {uuid: bytes or null}}``: the daemon's own reading of free memory.
-- ``{"op": "placed", "gpus": {uuid: {"bytes": n, "kernels": n}, ...}}`` -> ``{"ok": true,
-  "op": "placed", "others": {uuid: {"bytes": n, "kernels": n}}, "ttl": s}``: the caller's
-  kernels placed and not using their GPUs yet (what they are expected to take) replace its
-  previous claim (``{}`` withdraws it; a claim not renewed within ``ttl`` s is dropped), and the
-  answer sums every other server process's (:mod:`.placed_claims`).
+- ``{"op": "placed", "server": token, "gpus": {uuid: {"bytes": n, "kernels": n, "returning":
+  n}, ...}}`` -> ``{"ok": true, "op": "placed", "others": {uuid: {...}}, "ttl": s}``: the
+  caller's kernels placed and not using their GPUs yet (what they are expected to take, how
+  many) and its released kernels' states replace its previous claim (``{}`` withdraws it; a
+  claim not renewed within ``ttl`` s is dropped), and the answer sums every other server's
+  (:mod:`.placed_claims`; a server is its uid, pid and token).
 - A turn held past the timeout: ``{"event": "revoked", "gpus": [...], "held_s": s,
   "reason": ...}``, unasked.
 - Anything else (not JSON, not an object, an unknown op, a field of the wrong type, a line over
@@ -75,7 +76,7 @@ from typing import Any
 from .._version import __version__
 from .daemon_service import DEFAULT_PORT, ServiceDoor, load_secret, parse_address
 from .measure import Meter, encode
-from .placed_claims import CLAIM_TTL, ClaimError, PlacedClaims, parse_claim
+from .placed_claims import CLAIM_TTL, ClaimError, PlacedClaims, parse_claim, parse_token
 from .placed_claims import encode as encode_claims
 
 log = logging.getLogger("jupyter_gpushare.node.daemon")
@@ -549,11 +550,12 @@ class Daemon:
             if unknown:
                 raise RequestError(f"not a GPU of this node: {', '.join(unknown)}")
             try:
-                self.claims.put(conn.peer.pid, conn.peer.uid, claimed)
+                server = (conn.peer.uid, conn.peer.pid, parse_token(msg.get("server")))
+                self.claims.put(server, claimed)
             except ClaimError as e:
                 raise RequestError(str(e)) from None
             return {"ok": True, "op": "placed", "ttl": self.claims.ttl,
-                    "others": encode_claims(self.claims.others(conn.peer.pid))}
+                    "others": encode_claims(self.claims.others(server))}
         if not isinstance(op, str):
             raise RequestError('a request needs "op": "hello", "turn", "done", "free" or "placed"')
         raise RequestError(f"unknown op {op[:40]!r} (known: hello, turn, done, free, placed)")

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from typing import Any
@@ -71,6 +72,9 @@ class NodeDaemonTurns(NodeLocks):
         super().__init__("", timeout)
         self.socket_path = socket_path
         self._reachable: bool | None = None
+        # this server's name in its placed claims, which nobody else sees (the daemon may not
+        # tell servers apart by pid: another pid namespace sees 0 for all)
+        self.server_token = secrets.token_hex(16)
 
     def covers_every_user(self) -> bool:
         return True  # the daemon runs the turns of every server on the node, whoever runs it
@@ -253,7 +257,8 @@ class NodeDaemonTurns(NodeLocks):
         expected to take (GPU UUID -> (bytes, kernels); this server's claim from now on) and
         hear the other servers' claims, summed per GPU. Raises OSError / ValueError when it
         cannot be had (a daemon of an older version refuses the op)."""
-        answer = await self._ask({"op": "placed", "gpus": encode_claims(mine)}, timeout)
+        answer = await self._ask({"op": "placed", "server": self.server_token,
+                                  "gpus": encode_claims(mine)}, timeout)
         try:
             return parse_others(answer.get("others"))
         except ClaimError as e:

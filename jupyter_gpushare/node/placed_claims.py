@@ -11,9 +11,13 @@ GPU and what its released kernels' states will take back there (``{"op": "placed
 {uuid: {"bytes": B, "kernels": n, "returning": R}}}``, every poll and right after a placement)
 and hears back the other servers' sums (``"others"``).
 
-:class:`PlacedClaims` is the daemon's book: one claim per server process (the connection's
-``SO_PEERCRED`` pid, so nobody replaces another's claim), replaced by its next ``placed``
-request, dropped when not renewed for ``ttl`` seconds (a server that died or stopped placing).
+:class:`PlacedClaims` is the daemon's book: one claim per server, replaced by its next
+``placed`` request, dropped when not renewed for ``ttl`` seconds (a server that died or stopped
+placing). A server is the connection's ``SO_PEERCRED`` uid and pid, and the random token it
+sends (``"server"``): the pid alone does not tell servers apart where the daemon runs in
+another pid namespace (a Kubernetes DaemonSet sees pid 0 for every pod's process), and a token
+nobody else sees keeps another user of the same uid (every pod's ``jovyan``) from replacing
+it.
 A user can make others' servers think a GPU is more wanted than it is, never less; each
 claim's bytes are bounded by :data:`MAX_BYTES` and the reader caps the sum at the GPU's memory,
 and one user holds at most :data:`MAX_CLAIMS_PER_USER` claims.
@@ -30,7 +34,8 @@ from typing import Any
 CLAIM_TTL = 60.0
 MAX_BYTES = 1 << 50  # bytes one claim may name on one GPU (1 PiB: larger is no GPU's)
 MAX_KERNELS = 1024  # kernels one claim may name on one GPU
-MAX_CLAIMS_PER_USER = 64  # live claims (server processes) of one uid
+MAX_CLAIMS_PER_USER = 64  # live claims (servers) of one uid
+MAX_TOKEN = 64  # characters of a server's token
 
 #: GPU UUID -> (bytes, kernels, returning): placed kernels' expected bytes, how many they are,
 #: and the bytes released kernels' states take back at their restores
@@ -92,33 +97,50 @@ class Claim:
     at: float
 
 
+#: who a claim is: (uid, pid, the server's token)
+Server = tuple[int, int, str]
+
+
+def parse_token(value: Any) -> str:
+    """A ``placed`` request's ``server`` token: letters, digits, ``-`` and ``_``, at most
+    :data:`MAX_TOKEN`; "" when not sent."""
+    if value is None:
+        return ""
+    if not isinstance(value, str) or len(value) > MAX_TOKEN or \
+            not all(ch.isascii() and (ch.isalnum() or ch in "-_") for ch in value):
+        raise ClaimError(f'"server" must be a token of at most {MAX_TOKEN} letters, digits, - '
+                         "or _")
+    return value
+
+
 class PlacedClaims:
-    """The daemon's book of claims: per server process, what its placed kernels take."""
+    """The daemon's book of claims: per server, what its placed kernels take."""
 
     def __init__(self, ttl: float = CLAIM_TTL, now: Callable[[], float] = time.monotonic):
         self.ttl = ttl
         self.now = now
-        self.claims: dict[int, Claim] = {}  # pid -> its latest claim
+        self.claims: dict[Server, Claim] = {}  # server -> its latest claim
 
-    def put(self, pid: int, uid: int, gpus: Claimed) -> None:
-        """``pid``'s claim is ``gpus`` from now on (empty: it has none). Raises
+    def put(self, server: Server, gpus: Claimed) -> None:
+        """``server``'s claim is ``gpus`` from now on (empty: it has none). Raises
         :class:`ClaimError` when its user holds too many claims already."""
         self._expire()
         if not gpus:
-            self.claims.pop(pid, None)
+            self.claims.pop(server, None)
             return
-        if pid not in self.claims and \
+        uid = server[0]
+        if server not in self.claims and \
                 sum(c.uid == uid for c in self.claims.values()) >= MAX_CLAIMS_PER_USER:
             raise ClaimError(f"uid {uid} holds {MAX_CLAIMS_PER_USER} claims already (one per "
-                             "server process): withdraw one first")
-        self.claims[pid] = Claim(uid, dict(gpus), self.now())
+                             "server): withdraw one first")
+        self.claims[server] = Claim(uid, dict(gpus), self.now())
 
-    def others(self, pid: int) -> Claimed:
-        """The live claims of every process but ``pid``, summed per GPU."""
+    def others(self, server: Server) -> Claimed:
+        """The live claims of every server but ``server``, summed per GPU."""
         self._expire()
         out: Claimed = {}
         for who, claim in self.claims.items():
-            if who == pid:
+            if who == server:
                 continue
             for uuid, (n, k, r) in claim.gpus.items():
                 b, c, t = out.get(uuid, (0, 0, 0))
@@ -127,8 +149,8 @@ class PlacedClaims:
 
     def _expire(self) -> None:
         cutoff = self.now() - self.ttl
-        for pid in [p for p, c in self.claims.items() if c.at < cutoff]:
-            del self.claims[pid]
+        for who in [w for w, c in self.claims.items() if c.at < cutoff]:
+            del self.claims[who]
 
 
 def encode(claimed: Claimed) -> dict[str, dict[str, int]]:
