@@ -112,6 +112,10 @@ def test_one_user_holds_a_bounded_number_of_claims():
     clock[0] = 11.0
     book.put((1000, 99, ""), {"G": (1, 1, 0)})  # the old ones expired
     assert book.others(other) == {"G": (1, 1, 0)}
+    pods = PlacedClaims(per_user=256)  # a DaemonSet's: every pod one uid, more connections
+    for n in range(100):
+        pods.put((1000, 0, f"t{n}"), {"G": (1, 1, 0)})
+    assert pods.others((1000, 0, "t0")) == {"G": (99, 99, 0)}
 
 
 async def test_servers_the_daemon_sees_as_one_pid_are_told_apart_by_their_tokens(daemon):

@@ -76,7 +76,14 @@ from typing import Any
 from .._version import __version__
 from .daemon_service import DEFAULT_PORT, ServiceDoor, load_secret, parse_address
 from .measure import Meter, encode
-from .placed_claims import CLAIM_TTL, ClaimError, PlacedClaims, parse_claim, parse_token
+from .placed_claims import (
+    CLAIM_TTL,
+    MAX_CLAIMS_PER_USER,
+    ClaimError,
+    PlacedClaims,
+    parse_claim,
+    parse_token,
+)
 from .placed_claims import encode as encode_claims
 
 log = logging.getLogger("jupyter_gpushare.node.daemon")
@@ -374,7 +381,9 @@ class Daemon:
                  socket_mode: int = 0o666, door: ServiceDoor | None = None,
                  claim_ttl: float = CLAIM_TTL):
         self.door = door
-        self.claims = PlacedClaims(claim_ttl)
+        # as many claims per uid as connections, at least MAX_CLAIMS_PER_USER: a DaemonSet
+        # sees every pod as one uid and raises the connections for it
+        self.claims = PlacedClaims(claim_ttl, per_user=max(MAX_CLAIMS_PER_USER, per_user))
         self.socket_path = socket_path
         self.turns = Turns(turn_timeout)
         self.free = free or Free("none")

@@ -34,7 +34,7 @@ from typing import Any
 CLAIM_TTL = 60.0
 MAX_BYTES = 1 << 50  # bytes one claim may name on one GPU (1 PiB: larger is no GPU's)
 MAX_KERNELS = 1024  # kernels one claim may name on one GPU
-MAX_CLAIMS_PER_USER = 64  # live claims (servers) of one uid
+MAX_CLAIMS_PER_USER = 64  # live claims (servers) of one uid, at least
 MAX_TOKEN = 64  # characters of a server's token
 
 #: GPU UUID -> (bytes, kernels, returning): placed kernels' expected bytes, how many they are,
@@ -116,9 +116,13 @@ def parse_token(value: Any) -> str:
 class PlacedClaims:
     """The daemon's book of claims: per server, what its placed kernels take."""
 
-    def __init__(self, ttl: float = CLAIM_TTL, now: Callable[[], float] = time.monotonic):
+    def __init__(self, ttl: float = CLAIM_TTL, now: Callable[[], float] = time.monotonic,
+                 per_user: int = MAX_CLAIMS_PER_USER):
+        """per_user: live claims one uid may hold (where every pod runs as one uid, every
+        server of the node's)."""
         self.ttl = ttl
         self.now = now
+        self.per_user = per_user
         self.claims: dict[Server, Claim] = {}  # server -> its latest claim
 
     def put(self, server: Server, gpus: Claimed) -> None:
@@ -130,8 +134,8 @@ class PlacedClaims:
             return
         uid = server[0]
         if server not in self.claims and \
-                sum(c.uid == uid for c in self.claims.values()) >= MAX_CLAIMS_PER_USER:
-            raise ClaimError(f"uid {uid} holds {MAX_CLAIMS_PER_USER} claims already (one per "
+                sum(c.uid == uid for c in self.claims.values()) >= self.per_user:
+            raise ClaimError(f"uid {uid} holds {self.per_user} claims already (one per "
                              "server): withdraw one first")
         self.claims[server] = Claim(uid, dict(gpus), self.now())
 
