@@ -17,6 +17,9 @@ starting; the GPUs' history then filled as a server that has run for ``history_s
   includes bringing every GPU's load up to date (the first decision after a poll: each
   GPU's record keeps a running sum over the window, one new sample to fold in), and again
   without (a later decision before the next poll: nothing new to fold in);
+- placement with the node daemon: the same decision by a placer told of other servers'
+  placements through a real node daemon (``jupyter gpushare node-daemon`` in a subprocess, on
+  a Unix socket): an exchange before the decision and the one right after it, awaited;
 - rebalance pass: the views of every GPU (``GpuLoad.views``) and the rule's ``rebalance``
   over every resident kernel, with a quarter of the GPUs contended; and the rule alone.
 
@@ -33,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from typing import Any
@@ -45,7 +50,9 @@ from tracker_poll import PER_KERNEL, FakeKernelManager, node_gpus, spawn_kernels
 
 from jupyter_gpushare import clock
 from jupyter_gpushare.core.tracker import Tracker
+from jupyter_gpushare.node.daemon_client import NodeDaemonTurns
 from jupyter_gpushare.node.gpu_load import GpuLoad
+from jupyter_gpushare.node.node_placed import NodePlaced
 from jupyter_gpushare.node.placement import Placer
 from jupyter_gpushare.policy.placement import Need, Resident, rebalance
 from jupyter_gpushare.sim.node import SimNode
@@ -137,8 +144,24 @@ async def timed_polls(tracker: Tracker, n: int) -> Times:
     return wall, cpu
 
 
+def start_daemon(directory: str) -> tuple[subprocess.Popen, str]:
+    """A node daemon on a Unix socket of its own (free memory not read: claims only)."""
+    path = os.path.join(directory, "node.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "jupyter_gpushare.cli", "node-daemon",
+                             "--socket", path, "--backend", "none", "--log-level", "ERROR"],
+                            stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the node daemon did not start")
+        time.sleep(0.05)
+    return proc, path
+
+
 async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], str]:
     children = spawn_kernels(kernels)
+    directory = tempfile.mkdtemp(prefix="gpushare-cost-")
+    daemon, socket_path = start_daemon(directory)
     try:
         pids = [c.pid for c in children]
         node = SimNode(node_gpus(kernels, gpus))
@@ -176,6 +199,22 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
             assert got is not None and got.gpus
             load.placed.pop("new-kernel")
 
+        told = NodePlaced(NodeDaemonTurns(socket_path).placed,
+                          lambda: [r.info for r in tracker.gpus.values()],
+                          lambda: {g: (n, k, 0) for g, (n, k) in load.unused().items()},
+                          keep=lambda: 3 * POLL)
+        other = NodeDaemonTurns(socket_path)  # another server's claim on every GPU
+        await other.placed({r.info.uuid: (PER_KERNEL, 1, 0) for r in tracker.gpus.values()})
+        told_placer = Placer(lambda: [r.info for r in tracker.gpus.values()], read_free, dict,
+                             dict, lambda: ids, min_room=512 << 20, load=load,
+                             recent=tracker.recent_peaks_of, node_placed=told)
+
+        async def place_told() -> None:
+            got = await told_placer.place("new-kernel", Spec(), {})
+            assert got is not None and got.gpus and told.error is None, told.error
+            await asyncio.gather(*told_placer._telling)  # the exchange right after it
+            load.placed.pop("new-kernel")
+
         residents = [Resident(kid, dict(rec.gpu_bytes), i % 2 == 0, idle_seconds=float(i))
                      for i, (kid, rec) in enumerate(tracker.kernels.items())]
         room = {g: telemetry.free_bytes(g) for g in range(gpus)}
@@ -188,7 +227,7 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
 
         seen = views()
         moves = rebalance(residents, seen)
-        keys = ("poll", "place", "place_kept", "pass", "pass_kept", "rule")
+        keys = ("poll", "place", "place_kept", "place_told", "pass", "pass_kept", "rule")
         results: dict[str, Times] = {k: ([], []) for k in keys}
 
         def add(key: str, got: Times) -> None:
@@ -201,11 +240,15 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
             add("place", await timed_async(place, repeat // rounds, tracker, load))
             add("pass", timed(pass_, repeat // rounds, tracker, load))
             add("place_kept", await timed_async(place, repeat // rounds, tracker, load, False))
+            add("place_told", await timed_async(place_told, repeat // rounds, tracker, load,
+                                                False))
             add("pass_kept", timed(pass_, repeat // rounds, tracker, load, False))
             add("rule", timed(lambda: rebalance(residents, seen), repeat // rounds, tracker,
                               load, False))
         assert len(tracker.kernels) == kernels
     finally:
+        daemon.terminate()
+        daemon.wait(timeout=30)
         for c in children:
             c.stdin.close()  # type: ignore[union-attr]
         for c in children:  # a loaded machine may take a while to even start them
@@ -220,6 +263,7 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
     for key, label in (("poll", f"baseline: one tracker poll, {kernels} kernels"),
                        ("place", "one placement decision (Placer.place)"),
                        ("place_kept", "  the same, loads already up to date this poll"),
+                       ("place_told", "  the same, with the node daemon (two exchanges)"),
                        ("pass", "one rebalance pass (views + rebalance)"),
                        ("pass_kept", "  the same, loads already up to date this poll"),
                        ("rule", "  the rule alone (rebalance)")):
