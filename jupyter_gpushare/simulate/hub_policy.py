@@ -11,8 +11,8 @@ A restore ahead of a cell is not pushed: it takes room only from its own server'
 kernels, below every cell's restore. Each server's release policy counts the expected need of
 every user's placed, not-yet-allocated kernels on its machine as wanted memory (the service
 tells each server what the others placed, a service poll and a refresh later:
-:meth:`GPUShareHub.promised`), not only its own; from then its placement and restore views
-count them too (:meth:`GPUShareHub.sees_placed`: the service's room and pending count).
+:meth:`GPUShareHub.knows_placed`), not only its own; from then its placement and restore
+views count them too (the service's room and pending count).
 Registered in ``settings.POLICIES`` as ``gpushare-hub``.
 """
 
@@ -54,26 +54,10 @@ class GPUShareHub(GPUShare):
             for g in k.gpus:
                 sim.schedule(max(tick, sim.now), partial(self._service_poll, sim, g))
 
-    def promised(self, sim: Simulation, user: int) -> dict[int, int]:
-        """Per GPU of ``user``'s machine, the bytes placed kernels that have not allocated yet
-        are expected to allocate there: ``user``'s own (:meth:`GPUShare.promised`) and, with
-        the service, other users' once its answer has told this server
-        (``Controller.wanted_free``: own + others')."""
-        out = super().promised(sim, user)
-        kernels = [o for o in sim.by_user[user] if o.alive]
-        if not kernels or self.node_daemon:  # the daemon told every placement already
-            return out
-        for g in sim.node_gpus(kernels[0].gpu):
-            for i in sim.placed[g]:
-                o = sim.kernels[i]
-                if o.user_index != user and o.need is not None and self.told.get(i, math.inf) <= sim.now:
-                    out[g] = out.get(g, 0) + o.need.bytes
-        return out
-
-    def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
-        """Its own, and other users' once the service has told this server (their load as the
-        service's pending count, their bytes in the service's room)."""
-        return (super().sees_placed(sim, k, other)
+    def knows_placed(self, sim: Simulation, user: int, other: Kernel) -> bool:
+        """Its own, and other users' once the service has told this server (its answer's
+        ``placed_elsewhere``, the service's room and pending count)."""
+        return (super().knows_placed(sim, user, other)
                 or self.told.get(other.index, math.inf) <= sim.now)
 
     def sees_returning(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
@@ -88,10 +72,8 @@ class GPUShareHub(GPUShare):
         gpus = super().place_at_start(sim, k)
         told = math.ceil(sim.now / self.service_poll - 1e-9) * self.service_poll + self.hub_refresh
         self.told[k.index] = told
-        machine = sim.node_gpus(gpus[0]) if gpus else range(0)
-        for user, on in sim.machine_of.items():
-            if user != k.user_index and on == machine and any(o.alive for o in sim.by_user[user]):
-                self.schedule_check(sim, user, told)
+        for user in self.neighbours(sim, k.user_index, sim.node_gpus(gpus[0]) if gpus else range(0)):
+            self.schedule_check(sim, user, told)
         return gpus
 
     def _service_poll(self, sim: Simulation, gpu: int) -> None:

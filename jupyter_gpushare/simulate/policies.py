@@ -368,31 +368,36 @@ class GPUShare(Policy):
                 self._try_restore(sim, o)
 
     def promised(self, sim: Simulation, user: int) -> dict[int, int]:
-        """Per GPU, the bytes ``user``'s placed kernels that have not allocated yet are
-        expected to allocate there (the product's ``GpuLoad.promised``: a server knows its
-        own placements); with the node daemon, every user's on its machine
-        (``Controller.wanted_free``: own + others')."""
-        out: dict[int, int] = {}
-        for o in sim.by_user[user]:
-            if o.need is None:
-                continue
-            for g in o.gpus:
-                if o.index in sim.placed[g]:
-                    out[g] = out.get(g, 0) + o.need.bytes
+        """Per GPU of ``user``'s machine, the bytes placed kernels that have not allocated yet
+        are expected to allocate there, of those ``user``'s server knows
+        (:meth:`knows_placed`): the product's ``Controller.wanted_free`` (its own
+        ``GpuLoad.promised``, plus others' where it is told of them)."""
         kernels = [o for o in sim.by_user[user] if o.alive]
-        if self.node_daemon and kernels:
-            for g in sim.node_gpus(kernels[0].gpu):
-                for i in sim.placed[g]:
-                    o = sim.kernels[i]
-                    if o.user_index != user and o.need is not None:
-                        out[g] = out.get(g, 0) + o.need.bytes
+        out: dict[int, int] = {}
+        if not kernels:
+            return out
+        for g in sim.node_gpus(kernels[0].gpu):
+            for i in sim.placed[g]:
+                o = sim.kernels[i]
+                if o.need is not None and self.knows_placed(sim, user, o):
+                    out[g] = out.get(g, 0) + o.need.bytes
         return out
 
+    def knows_placed(self, sim: Simulation, user: int, other: Kernel) -> bool:
+        """Whether ``user``'s server knows that ``other`` is placed and has not allocated yet:
+        its own (``GpuLoad``: the node's ledger and NVML know allocations, not other servers'
+        placements), and with the node daemon every server's on its machine (told at once)."""
+        return other.user_index == user or self.node_daemon
+
     def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
-        """A server knows its own placed kernels only (``GpuLoad``: the node's ledger and NVML
-        know allocations, not other servers' placements), and with the node daemon every
-        server's on its machine (the daemon is asked before each placement)."""
-        return other.user_index == k.user_index or self.node_daemon
+        """What ``k``'s server knows (:meth:`knows_placed`), as its placement and restore views
+        count it."""
+        return self.knows_placed(sim, k.user_index, other)
+
+    def neighbours(self, sim: Simulation, user: int, machine: range) -> list[int]:
+        """The other users whose servers run on ``machine`` with a kernel alive."""
+        return [u for u, on in sim.machine_of.items()
+                if u != user and on == machine and any(o.alive for o in sim.by_user[u])]
 
     def sees_returning(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
         """A server counts its own released kernels' states as coming back (``coming_back``
@@ -404,10 +409,8 @@ class GPUShare(Policy):
         gpus = super().place_at_start(sim, k)
         self.schedule_check(sim, k.user_index, sim.now)  # its expected need may want room
         if self.node_daemon and gpus:  # told at once; the others weigh it at their next poll
-            machine = sim.node_gpus(gpus[0])
-            for user, on in sim.machine_of.items():
-                if user != k.user_index and on == machine and any(o.alive for o in sim.by_user[user]):
-                    self.schedule_check(sim, user, sim.now)
+            for user in self.neighbours(sim, k.user_index, sim.node_gpus(gpus[0])):
+                self.schedule_check(sim, user, sim.now)
         return gpus
 
     def releases(self, sim: Simulation, kernels: list[Kernel], cands: list[product.Candidate],
