@@ -499,6 +499,13 @@ class Coordinator:
                 waits[kid] = why
         return {"released": released, "waits": waits, "me": self.me(user, server=server)}
 
+    async def on_placed(self, user: str, server: str) -> None:
+        """A server of ``user`` placed a kernel that has not used its GPUs yet: that server is
+        read now, not at the next poll, so that a kernel placed next on its node, by any
+        server, counts it (room and pending). Only the caller's own server is read, and
+        nothing is released: what it says is what its status says, as at a poll."""
+        await self.on_push(user, server, ())
+
     # -- placing new kernels and servers --------------------------------------------------------------
     def load(self, uuid: str) -> float:
         """A GPU's SM load (%): the mean of its history over ``load_window``."""

@@ -7,6 +7,7 @@
 | ``api/actions`` | admins | ``POST {"user", "server", "kernel", "action": release/pin/unpin}`` |
 | ``api/me`` | any Hub user or server token allowed to use the service | that user's share and usage (``?server=NAME``: and what other servers placed on its node's GPUs) |
 | ``api/waiting`` | same (a single-user server's own token) | "a restore of mine waits": make room |
+| ``api/placed`` | same | "I placed a kernel": read my server now |
 | ``api/place`` | same | room, load and kernels per GPU, for placing a new kernel |
 | ``api/nodes`` | same (the spawner hook calls it with the new server's token) | the nodes, best first for a new server |
 | ``metrics`` | admins, tokens with ``read:metrics``, or anyone if ``metrics_public`` | Prometheus |
@@ -160,6 +161,19 @@ class Waiting(ServiceHandler):
         self.write_json(answer)
 
 
+class Placed(ServiceHandler):
+    async def post(self) -> None:
+        if self.user is None or self.user.get("kind", "user") != "user":
+            return self.refuse(403, "a Hub user's token is needed")
+        body = self.body_object()
+        if body is None or set(body) - {"server"} or not isinstance(body.get("server", ""), str) \
+                or len(body.get("server", "")) > 255:
+            return self.refuse(400, 'body must be {"server": NAME} (the caller\'s own server)')
+        await self.coordinator.on_placed(self.user["name"], body.get("server", ""))
+        self.write_json({"me": self.coordinator.me(self.user["name"], admin=self.is_admin,
+                                                   server=body.get("server", ""))})
+
+
 class Place(ServiceHandler):
     async def post(self) -> None:
         if self.user is None or self.user.get("kind", "user") != "user":
@@ -219,6 +233,7 @@ def routes(prefix: str, coordinator: Coordinator, hub_auth: Any, settings: dict[
         (p + "api/actions", AdminActions, kw),
         (p + "api/me", Me, kw),
         (p + "api/waiting", Waiting, kw),
+        (p + "api/placed", Placed, kw),
         (p + "api/place", Place, kw),
         (p + "api/nodes", Nodes, kw),
         (p + "metrics", Metrics, kw),

@@ -224,6 +224,16 @@ class GpuLoad:
                     out[g] = (n + p.need.bytes, k + 1)
         return out
 
+    def listed_unused(self, now: float | None = None) -> set[str]:
+        """This server's placed kernels that the tracker lists and that have not used a GPU
+        they were placed on yet: those the hub service can see in this server's status as
+        placed (what :meth:`..hub_link.HubLink.placed` tells it of at once)."""
+        now = clock.now() if now is None else now
+        records = self.kernels()
+        self.forget(records, now)
+        return {kid for kid, p in self.placed.items()
+                if kid in records and any(not _used(records[kid], g) for g in p.gpus)}
+
     # -- views ------------------------------------------------------------------------------
     def views(self, room: Mapping[int, int | None], within: Mapping[int, bool] | None = None,
               exclude: str | None = None, now: float | None = None,

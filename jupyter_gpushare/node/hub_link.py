@@ -10,6 +10,11 @@ Under JupyterHub, when ``GPUShareHubLink.url`` names the service, this server
   restore, which re-checks after every poll, goes on. While the restore still waits it is
   pushed again every ``push_interval`` seconds: the service decides again on live numbers, and
   the waiting text follows its current reason;
+- **tells** the service, the moment its tracker lists a kernel it placed and that has not
+  used its GPUs yet, to read this server now (``POST api/placed``): a kernel placed next on
+  the node, by any server, then counts it (the service's room and pending), instead of after
+  the service's next poll of this server (``GPUShareHub.poll_interval``, 10 s), when two
+  people's kernels started seconds apart would both land on the GPU that looked emptiest;
 - **asks**, when it places a new kernel, how much room each GPU has as the service sees
   the node (other users' released kernels and waiting restores included) and whether the user
   is within their share there (:meth:`HubLink.rooms`);
@@ -31,7 +36,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import quote
 
@@ -122,6 +127,9 @@ class HubLink:
         self._task: asyncio.Task[None] | None = None
         self._pushes: set[asyncio.Task[Any]] = set()
         self._following: set[str] = set()  # kernels whose waiting restore is pushed again
+        self._told_placed: set[str] = set()  # placed, listed, not using their GPUs: told
+        self._telling: asyncio.Task[None] | None = None
+        self._tell_again = False  # a kernel was placed while the last telling was on its way
         self._said: set[str] = set()  # failures logged since the service last answered
         self._event_logger: Any = None
 
@@ -169,6 +177,31 @@ class HubLink:
                     return
         finally:
             self._following.discard(kernel_id)
+
+    def placed(self, kernel_ids: Iterable[str]) -> None:
+        """After a poll: the kernels this server placed that its tracker lists and that have
+        not used their GPUs yet. When one is new, the service is told at once (one request on
+        its way at a time; kernels placed meanwhile are told by one more)."""
+        current = set(kernel_ids)
+        new = current - self._told_placed
+        self._told_placed = current  # a kernel that used its GPUs or ended is dropped
+        if not new:
+            return
+        if self._telling is not None and not self._telling.done():
+            self._tell_again = True
+            return
+        self._telling = asyncio.ensure_future(self._tell_placed())
+        self._pushes.add(self._telling)
+        self._telling.add_done_callback(self._pushes.discard)
+
+    async def _tell_placed(self) -> None:
+        while True:
+            self._tell_again = False
+            answer = await self._call("POST", "api/placed", {"server": self.server_name})
+            if answer is not None and isinstance(answer.get("me"), dict):
+                self._take_me(answer["me"])
+            if not self._tell_again:
+                return
 
     async def _refresh_loop(self) -> None:
         while True:

@@ -423,6 +423,8 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         metrics.POLL_SECONDS.observe(self.tracker.last_poll_seconds)
         if self.node_placed is not None:  # before the policy weighs wanted memory
             await self.node_placed.exchange()
+        if self.hub_link is not None:  # a kernel placed since: the service reads us now
+            self.hub_link.placed(self.controller.room.load.listed_unused())
         await self.controller.tick()
         self.capwatch.tick()
         self.ahead.tick()
