@@ -105,20 +105,28 @@ def test_two_kernels_started_back_to_back_before_either_allocates_land_apart():
 def test_a_server_knows_other_servers_placed_kernels_only_through_the_hub_service_or_daemon():
     """A's kernel is placed at 0 s and allocates at 100 s; B's starts at 50 s (and C's at
     1 s). B's server alone does not know of A's placement (the node's ledger knows
-    allocations): both on GPU 0, as the product places them. With the hub service, B's server
-    has been told by 40 s (a service poll, then its refresh): B goes to GPU 1, but C, a second
-    after A, does not; with the node daemon, told at once, C does too."""
+    allocations): both on GPU 0, as the product places them. With the hub service, A's
+    server tells the service at its first poll after the placement (0.5 s) and the service
+    counts A's kernel from then: B goes to GPU 1, and so does C, a second after A (before
+    A's server told the service, at the service's next poll and B's refresh, 40 s, C did not);
+    D, placed 0.05 s after A, before A's server polled, does not; with the node daemon, told
+    at once, D does too."""
     w = Workload(400.0, (kernel("a", "A", 2, 0.0, Cell(100, 10, 50)),
                          kernel("b", "B", 2, 50.0, Cell(100, 10, 50))), "two servers", ("A", "B"))
     assert gpus_of(run(w)) == {"a": [0], "b": [0]}
     hub = pytest.importorskip("jupyter_gpushare.simulate.hub_policy")
     assert gpus_of(run(w, hub.GPUShareHub(PolicyConfig(), poll_interval=0.5))) == {"a": [0], "b": [1]}
     w = Workload(400.0, (kernel("a", "A", 2, 0.0, Cell(100, 10, 50)),
-                         kernel("c", "C", 2, 1.0, Cell(100, 10, 50))), "back to back", ("A", "C"))
-    assert gpus_of(run(w, hub.GPUShareHub(PolicyConfig(), poll_interval=0.5))) == {"a": [0], "c": [0]}
+                         kernel("c", "C", 2, 1.0, Cell(100, 10, 50))), "a second after", ("A", "C"))
+    assert gpus_of(run(w, hub.GPUShareHub(PolicyConfig(), poll_interval=0.5))) == {"a": [0], "c": [1]}
+    w = Workload(400.0, (kernel("a", "A", 2, 0.0, Cell(100, 10, 50)),
+                         kernel("d", "D", 2, 0.05, Cell(100, 10, 50))), "back to back", ("A", "D"))
+    sim = run(w, hub.GPUShareHub(PolicyConfig(), poll_interval=0.5))
+    assert gpus_of(sim) == {"a": [0], "d": [0]}
+    assert 0.05 < sim.policy.read[0] <= 0.5  # A's server told the service at its first poll
     for daemon in (policies.GPUShare(PolicyConfig(), poll_interval=0.5, node_daemon=True),
                    hub.GPUShareHub(PolicyConfig(), poll_interval=0.5, node_daemon=True)):
-        assert gpus_of(run(w, daemon)) == {"a": [0], "c": [1]}
+        assert gpus_of(run(w, daemon)) == {"a": [0], "d": [1]}
     made = settings.POLICIES["gpushare"](cli.settings_from(cli.parser().parse_args(["--node-daemon"])))
     assert made.node_daemon is True
 

@@ -100,9 +100,10 @@ def parser() -> argparse.ArgumentParser:
                          f"restores and rebalance (default {defaults.LOAD_WINDOW:g}, the product's)")
     ap.add_argument("--node-daemon", action="store_true",
                     help="every machine runs the node daemon (GPUShareApp.node_daemon_socket): "
-                         "its servers tell each other their placed kernels at once (as the hub "
-                         "service does a poll and a refresh later); default: not run, as a "
-                         "server's default is")
+                         "its servers tell each other their placed kernels at once (with the "
+                         "hub service, placements count from the placing server's next poll, "
+                         "release policies a refresh later); default: not run, as a server's "
+                         "default is")
     ap.add_argument("--no-rebalance", action="store_true",
                     help="never move idle kernels off GPUs whose SMs are contended (a "
                          "baseline; the product rebalances by default)")

@@ -10,9 +10,11 @@ plus fair shares from :mod:`jupyter_gpushare.policy.fairshare`), with candidates
 A restore ahead of a cell is not pushed: it takes room only from its own server's
 kernels, below every cell's restore. Each server's release policy counts the expected need of
 every user's placed, not-yet-allocated kernels on its machine as wanted memory (the service
-tells each server what the others placed, a service poll and a refresh later:
-:meth:`GPUShareHub.knows_placed`), not only its own; from then its placement and restore
-views count them too (the service's room and pending count).
+tells each server what the others placed at its refresh after the service read the placing
+server: :meth:`GPUShareHub.knows_placed`), not only its own. Placement and restore views
+count another server's placed kernel from when the service has read that server (the
+service's room and pending, asked at each placement: :meth:`GPUShareHub.sees_placed`): the
+placing server tells it at its first poll after the placement (``POST api/placed``).
 Registered in ``settings.POLICIES`` as ``gpushare-hub``.
 """
 
@@ -43,6 +45,7 @@ class GPUShareHub(GPUShare):
         self.service_poll = service_poll  # the service's poll_interval (its default: 10 s)
         self.hub_refresh = hub_refresh  # a server's refresh of the service's answer (default 30 s)
         self.told: dict[int, float] = {}  # kernel index -> when other servers hear of its placement
+        self.read: dict[int, float] = {}  # kernel index -> when the service has read its server since
 
     def on_idle(self, sim: Simulation, k: Kernel) -> None:
         """Besides its own server's checks: the service's poll serves waiting restores on
@@ -60,17 +63,27 @@ class GPUShareHub(GPUShare):
         return (super().knows_placed(sim, user, other)
                 or self.told.get(other.index, math.inf) <= sim.now)
 
+    def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """What ``k``'s server knows, and other users' placed kernels once the service has read
+        their server: a placement asks the service's room and pending, which count them."""
+        return (super().sees_placed(sim, k, other)
+                or self.read.get(other.index, math.inf) <= sim.now)
+
     def sees_returning(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
         """Every server's: the service's room, asked at each placement, counts every released
         kernel's state on the node."""
         return True
 
     def place_at_start(self, sim: Simulation, k: Kernel) -> list[int]:
-        """Besides its own server's check: the service reads the placing server at its next
-        poll, and every other server on the machine hears of ``k``'s expected need at its
-        next refresh after that (``GPUShareHubLink.refresh_interval``), and checks then."""
+        """Besides its own server's check: the placing server's status lists ``k`` from its
+        next poll (a kernel takes a moment to start), when it tells the service, which reads
+        it at once (the service's own polls see it no sooner); every other server on the
+        machine hears of ``k``'s expected need at its next refresh after that
+        (``GPUShareHubLink.refresh_interval``), and checks then."""
         gpus = super().place_at_start(sim, k)
-        told = math.ceil(sim.now / self.service_poll - 1e-9) * self.service_poll + self.hub_refresh
+        read = self.next_poll(k.user_index, sim.now + 1e-6)
+        self.read[k.index] = read
+        told = read + self.hub_refresh
         self.told[k.index] = told
         for user in self.neighbours(sim, k.user_index, sim.node_gpus(gpus[0]) if gpus else range(0)):
             self.schedule_check(sim, user, told)
