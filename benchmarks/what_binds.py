@@ -29,7 +29,7 @@ went to a GPU at >= 90 % SM while another GPU there was below it (each shares SM
 training from its first cell); and per machine, its users, cells that waited > 1 s and GPU
 cells slowed (a machine of fewer GPUs pools memory over fewer users).
 
-    python benchmarks/what_binds.py [--counts 5,8,13] [--smoke] [-- SIMULATE OPTIONS]
+    python benchmarks/what_binds.py [--counts 5,8,13] [--smoke] [--seeds 0-4] [-- SIMULATE OPTIONS]
 
 ``--smoke``: the quick workload over one day, at one count: the whole path in seconds.
 ``--every-server-machine RUNS``: at each count, gpushare again with the users' servers put on
@@ -37,6 +37,10 @@ every combination of the machines their widest kernel fits on (at most RUNS runs
 chooses a server's machine once, at its user's first kernel, by what it sees then): how many
 combinations serve, and one that does. What a better choice of machines could win, with
 hindsight.
+``--seeds 0-4`` (or ``0,1,2``): instead of the details, the counts at each seed of the
+workload (and of the servers' poll phases), one line per seed: the smallest count that
+serves, and the larger counts that do not, with why. Which counts serve moves by one or two
+with where a few kernels land, so a change is judged over seeds, not on seed 0 alone.
 ``--long-idle-share F``: the simulator's long-idle releases held to the product's rule
 (``policy.long_idle_releases``: only on a GPU with less than F of its memory free) at share
 F; 1 releases at ``long_idle`` whatever the room. For as long as the simulator's ``needs``
@@ -266,6 +270,31 @@ def every_assignment(w: Workload, s: Settings, gpus: int, limit: int) -> list[st
     return [line + (f"; one: {served[0]}" if served else "")]
 
 
+def across_seeds(argv: list[str], counts: list[int], policy: str, seeds: list[int]) -> list[str]:
+    """Per seed: the smallest of ``counts`` that serves, and the larger ones that do not."""
+    out = [f"{policy}, counts {','.join(map(str, counts))}: per seed, the smallest that serves; "
+           "larger counts that do not, and why"]
+    for seed in seeds:
+        w, s, _ = workload_of([*argv, "--seed", str(seed)])
+        why = {n: why_not(figures(simulation(w, s, policy, n)), s) for n in counts}
+        serving = [n for n in counts if not why[n]]
+        if not serving:
+            out.append(f"seed {seed}: none of {counts[0]}-{counts[-1]}")
+            continue
+        above = [f"{n} ({'; '.join(why[n])})" for n in counts if n > serving[0] and why[n]]
+        out.append(f"seed {seed}: {serving[0]}" + (f"; not {', '.join(above)}" if above else ""))
+    return out
+
+
+def seed_list(text: str) -> list[int]:
+    """``"0-4"`` or ``"0,2,5"`` -> the seeds."""
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.strip().partition("-")
+        out += list(range(int(a), int(b) + 1)) if b else [int(a)]
+    return out
+
+
 def hold_long_idle_to(share: float) -> None:
     """The simulator's gpushare servers release a kernel for its long idle where the
     product's rule would at ``share`` (``--long-idle-share``; the simulator runs the rule at
@@ -293,15 +322,24 @@ def main() -> None:
     ap.add_argument("--policy", choices=("gpushare", "gpushare-hub"), default="gpushare",
                     help="the sharing policy run at each count (gpushare-hub: with the hub "
                          "service; default gpushare)")
+    ap.add_argument("--seeds", type=seed_list, default=None, metavar="LIST",
+                    help="seeds to run the counts at (0-4 or 0,1,2): one line per seed, the "
+                         "smallest count that serves and the larger ones that do not")
     ap.add_argument("simulate", nargs=argparse.REMAINDER,
                     help="after --: jupyter gpushare simulate's options")
     args = ap.parse_args()
     rest = [a for a in args.simulate if a != "--"]
     if args.smoke:
         rest, args.counts = ["--quick", "--days", "1"], "4"
-    w, s, name = workload_of(rest)
     if args.long_idle_share is not None:
         hold_long_idle_to(args.long_idle_share)
+    if args.seeds:
+        counts = sorted(int(c) for c in args.counts.split(",") if c.strip())
+        for line in across_seeds(rest, counts, args.policy, args.seeds):
+            print(line)
+        return
+    w, s, name = workload_of(rest)
+    if args.long_idle_share is not None:
         name += f"; long-idle releases below {args.long_idle_share:.0%} free"
     print(f"{name}: {len(w.users)} users, {len(w.kernels)} kernels; machines of {s.gpus} x "
           f"{s.gpu_gib:g} GiB; release policy {s.release_policy}; transfer model {s.transfer.name}")
