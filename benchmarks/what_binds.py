@@ -60,7 +60,7 @@ from typing import Any
 
 from jupyter_gpushare.policy import placement as rule
 from jupyter_gpushare.simulate import policies
-from jupyter_gpushare.simulate.capacity import why_not
+from jupyter_gpushare.simulate.capacity import compute_limit, why_not
 from jupyter_gpushare.simulate.cli import parser as simulate_parser
 from jupyter_gpushare.simulate.cli import settings_from
 from jupyter_gpushare.simulate.engine import Simulation
@@ -276,13 +276,16 @@ def across_seeds(argv: list[str], counts: list[int], policy: str, seeds: list[in
            "larger counts that do not, and why"]
     for seed in seeds:
         w, s, _ = workload_of([*argv, "--seed", str(seed)])
+        limit = compute_limit(w, s)["gpus"]
         why = {n: why_not(figures(simulation(w, s, policy, n)), s) for n in counts}
         serving = [n for n in counts if not why[n]]
+        head = f"seed {seed} (compute limit {limit})"
         if not serving:
-            out.append(f"seed {seed}: none of {counts[0]}-{counts[-1]}")
+            out.append(f"{head}: none of {counts[0]}-{counts[-1]}")
             continue
         above = [f"{n} ({'; '.join(why[n])})" for n in counts if n > serving[0] and why[n]]
-        out.append(f"seed {seed}: {serving[0]}" + (f"; not {', '.join(above)}" if above else ""))
+        out.append(f"{head}: {serving[0]} ({serving[0] / limit:.2f}x)"
+                   + (f"; not {', '.join(above)}" if above else ""))
     return out
 
 
