@@ -99,6 +99,31 @@ def test_restore_without_room_at_home_moves_all_or_nothing():
     assert restore_target({0: 3 * GiB}, views, may_move=False) is None
 
 
+def test_a_restore_that_would_leave_home_under_the_threshold_goes_where_it_keeps_it():
+    # home has room for the 10 GiB state, not for it and the 8 GiB threshold: restored there,
+    # the GPU's idle kernels would be released for it (and their people wait when they come
+    # back); GPU 1 keeps the threshold and is no busier: the state goes there
+    keep = pressure_floor({0: 80 * GiB, 1: 80 * GiB, 2: 80 * GiB}, 0.1)
+    views = {0: GpuView(0, room=12 * GiB, load=30, busy=1), 1: GpuView(1, room=40 * GiB, load=30),
+             2: GpuView(2, room=60 * GiB, load=80, busy=1)}
+    assert restore_target({0: 10 * GiB}, views, keep=keep) == {0: 1}
+    # without the threshold (pressure releases off), or with room for it, home
+    assert restore_target({0: 10 * GiB}, views) == {}
+    assert restore_target({0: 10 * GiB}, {**views, 0: GpuView(0, room=18 * GiB, load=30)},
+                          keep=keep) == {}
+    # a method that cannot move stays home
+    assert restore_target({0: 10 * GiB}, views, keep=keep, may_move=False) == {}
+    # only busier GPUs keep the threshold (GPU 2, 80 % SM): home, as before
+    assert restore_target({0: 10 * GiB}, {0: views[0], 2: views[2]}, keep=keep) == {}
+    # nowhere keeps it (GPU 1 would be left under it too): home, not a move for nothing
+    assert restore_target({0: 10 * GiB}, {0: views[0], 1: GpuView(1, room=15 * GiB)},
+                          keep=keep) == {}
+    # a contended GPU is never the target, however roomy (home: one training, 95 % SM)
+    one_training = GpuView(0, room=12 * GiB, load=95, busy=1)
+    two_trainings = GpuView(1, room=40 * GiB, load=95, busy=2)
+    assert restore_target({0: 10 * GiB}, {0: one_training, 1: two_trainings}, keep=keep) == {}
+
+
 def test_rebalance_moves_the_longest_idle_kernel_off_a_contended_gpu_to_a_quiet_one():
     views = {0: GpuView(0, room=4 * GiB, load=100, busy=2, kernels=3),
              1: GpuView(1, room=8 * GiB, load=5), 2: GpuView(2, room=8 * GiB, load=60)}

@@ -5,7 +5,10 @@ good.
 
 Where a restore goes (the placement rule's :func:`..policy.placement.restore_target`): home
 when it has room and its SMs are not contended. A contended home with a quieter GPU that has
-room: onto that GPU at once. A home without room: after ``move_after`` seconds of waiting
+room: onto that GPU at once. A home with room for the state but not for it and the pressure
+threshold (``pressure_free_fraction``: the restore would have that GPU's idle kernels
+released, whose people then wait for their own restores) with a GPU that keeps the threshold
+and is no busier: onto that GPU at once. A home without room: after ``move_after`` seconds of waiting
 (making room at home may be better than moving), onto the allowed GPU(s) with room and the
 least load. Only where the method can restore onto other GPUs; else it stays home and the
 cell and status say why.
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .. import clock
@@ -236,25 +240,51 @@ class RestoreRoom:
     async def off_busy_home(self, st: Lifecycle, op: Operation, held: Held,
                             need: dict[int, int], shown: CellProgress) -> tuple[Grant | None, str]:
         """A home GPU whose SMs are contended (two kernels or more computing there, busy):
-        a grant onto a quieter GPU with room, at once; or None and why the kernel stays there
-        ("" when home is not contended, or nowhere is quieter)."""
+        a grant onto a quieter GPU with room, at once; or a home with room that the restore
+        would leave below the pressure threshold (tight): a grant onto a GPU that keeps it and
+        is no busier. None and why the kernel stays there ("" when home is neither, or
+        nowhere fits)."""
         if self.c.move_after <= 0 or UNKNOWN_GPU in need or not need:
             return None, ""
         home = self.load.views({g: None for g in need}, exclude=st.kernel_id)
         busy = sorted(g for g, v in home.items() if contended(v))
-        if not busy:
+        tight = {} if busy else await self.tight_home(need)
+        if not busy and not tight:
             return None, ""
         refusal = self.refusal(held)
         if refusal:
+            if not busy:  # it stays home, as it would have: nothing to say
+                return None, ""
             return None, f"on {_gpus(busy)}, which {'is' if len(busy) == 1 else 'are'} busy; " \
                          f"not moved: {refusal}"
         views = await self.views(st, op, need)
         if views is None:
             return None, ""
+        for g, room in tight.items():  # the check's room at home: the rule weighs the threshold
+            views[g] = replace(views[g], room=room)
         plan = restore_target(need, views, keep=self.floor())
         if not plan:
             return None, ""
-        return await self.onto(st, op, held, need, plan, _why(plan, {}, views), shown), ""
+        why = _why(plan, {}, views, tight=tight, floor=self.c.config.pressure_free_fraction)
+        return await self.onto(st, op, held, need, plan, why, shown), ""
+
+    async def tight_home(self, need: dict[int, int]) -> dict[int, int]:
+        """The home GPUs where the restore has room (as its check counts it) but would leave
+        less free than the pressure threshold, with that room; {} unless every home GPU has
+        room (a home without it waits, then moves after ``move_after``)."""
+        floor = self.floor()
+        if not any(floor.values()):
+            return {}
+        try:
+            free = await self.c.node_room.read_free(list(need))
+        except Exception as e:  # the check reads again, and says so
+            log.debug("gpushare: cannot read free GPU memory: %s", e)
+            return {}
+        room = {g: None if f is None else f - self.releases_may_take_back(g) for g, f in free.items()}
+        if any(room.get(g) is None or room[g] < n for g, n in need.items()):  # type: ignore[operator]
+            return {}
+        return {g: r for g, n in need.items() if (r := room[g]) is not None
+                and r - n < floor.get(g, 0)}
 
     def floor(self) -> dict[int, int]:
         """Bytes a move should leave free on each GPU: the pressure threshold (below it, the
@@ -471,13 +501,16 @@ def _gpus(gpus: list[int]) -> str:
     return ("GPU " if len(gpus) == 1 else "GPUs ") + ", ".join(map(str, gpus))
 
 
-def _why(plan: dict[int, int], short: dict[int, int], views: dict[int, GpuView]) -> str:
+def _why(plan: dict[int, int], short: dict[int, int], views: dict[int, GpuView],
+         tight: dict[int, int] | None = None, floor: float = 0.0) -> str:
     """Why a restore goes onto ``plan``'s GPUs, for a person: "GPU 0 busy (2 kernels
-    computing, 97 % SM)", "GPU 0 had no room"."""
+    computing, 97 % SM)", "GPU 0 had no room", "GPU 0 would be left under 10 % free"."""
     out = []
     for g in sorted(plan):
         v = views.get(g)
-        if g in short or v is None:
+        if g in (tight or {}):
+            out.append(f"GPU {g} would be left under {floor:.0%} free")
+        elif g in short or v is None:
             out.append(f"GPU {g} had no room")
         else:
             out.append(f"GPU {g} busy ({v.busy} kernels computing, {v.load:.0f} % SM)")

@@ -120,11 +120,13 @@ def restore_target(
     its SMs are not contended; otherwise it goes to the best-ranked GPU that is none of
     ``want``'s, fits its bytes and is expected to be less loaded than home (a busy home with
     nowhere quieter keeps the kernel). ``keep``: bytes per GPU a move should leave free
-    there (the pressure threshold: a move that pushes a GPU below it has that GPU's idle
+    there (the pressure threshold: a restore that pushes a GPU below it has that GPU's idle
     kernels released, whose people then wait for their restores): a busy home moves only
     onto a GPU that keeps them; a home without room prefers one that does, and takes one that
-    does not only where none does. ``may_move`` False (a method whose states cannot change
-    GPU): {} when every GPU can stay, else None. Largest state picks first."""
+    does not only where none does; a home with room for the state but not for it and
+    ``keep`` (tight) moves onto a GPU that keeps them and is neither contended nor expected
+    to be busier than home, else stays. ``may_move`` False (a method whose states cannot
+    change GPU): {} when every GPU can stay, else None. Largest state picks first."""
     short = set(lacking)
     floor = keep or {}
     moves: dict[int, int] = {}
@@ -134,7 +136,9 @@ def restore_target(
         home = placed.get(g)
         has_room = g not in short and (home is None or home.room is None or fits(home, want[g]))
         busy = home is not None and contended(home, threshold)
-        if has_room and not busy:
+        tight = (has_room and not busy and home is not None and home.room is not None
+                 and not fits(home, want[g] + floor.get(g, 0)))
+        if has_room and not busy and not tight:
             continue
         if not may_move:
             if has_room:
@@ -143,6 +147,9 @@ def restore_target(
         others = [v for t, v in placed.items() if t not in taken and fits(v, want[g])]
         if busy and has_room and home is not None:
             others = [v for v in others if _step(v.expected) < _step(home.expected)]
+        if tight and home is not None:
+            others = [v for v in others if _step(v.expected) <= _step(home.expected)
+                      and not contended(v, threshold)]
         roomy = [v for v in others if fits(v, want[g] + floor.get(cast(int, v.gpu), 0))]
         best = rank(roomy if roomy or has_room else others, want[g])
         if not best:
