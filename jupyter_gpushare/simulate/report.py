@@ -155,11 +155,14 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
         if c["gpus"] is None and c["probes"]:
             last = c["probes"][-1]
             notes.append(f"{name} at {last['gpus']} GPUs: {', '.join(last['why_not'])}")
+    # whether a count serves is not monotonic: say which larger counts the search tried and
+    # saw fail, so a lucky count is not read as a margin
+    above = [_fails_above(name, c) for name, c in h["by_model"][first].items() if c.get("fails_above")]
     if wide:
         heads = ["policy", "fewest GPUs", "x compute limit", "GPU-h", "reserved GPU-h", "x reserved",
                  "p99 delay s", "worst delay s", "GPU-cell slowdown p99", "work lost GPU-h",
                  *[f"fewest GPUs ({m})" for m in others]]
-        return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes]
+        return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes] + above
                          + [limit_line(limit)])
     _beside(rows, 1)
     heads = ["policy", "GPUs (x limit)", "GPU-h", "reserved", "x res.", "p99", "worst",
@@ -173,7 +176,15 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
               "time alone; lost: GPU-h of GPU cells to re-run after a cull. "
               + ", ".join(others) + ": the fewest GPUs under that transfer model.")
     return "\n".join([table(heads, rows, WIDTH)] + [wrap(f"none: {n}.") for n in notes]
-                     + [wrap(legend), limit_line(limit)])
+                     + [wrap(a) for a in above] + [wrap(legend), limit_line(limit)])
+
+
+def _fails_above(name: str, c: dict[str, Any]) -> str:
+    """``name``'s larger counts the search tried that do not serve, and why."""
+    why = {p["gpus"]: p["why_not"] for p in c.get("probes", ())}
+    counts = "; ".join(f"{g} ({', '.join(why.get(g, []))})" for g in c["fails_above"])
+    return (f"{name}: {c['gpus']} GPUs serve, but larger counts the search tried do not: "
+            f"{counts}.")
 
 
 def _gpus(c: dict[str, Any]) -> str:
