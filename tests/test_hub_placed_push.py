@@ -9,15 +9,12 @@ server cannot see it (nothing is allocated), the service can once alice's server
 
 from __future__ import annotations
 
-import asyncio
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from .hubharness import Hub, MiB, can_run, start_hub
+from .hubharness import MiB, can_run, running_hub
 from .test_hub import admin_view, shut, until
 from .test_hub_placement import kernels_of, visible
 
@@ -32,19 +29,10 @@ c.GPUShareHub.min_release_bytes = 0
 @pytest.fixture(scope="module")
 def hub():
     directory = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))  # short: AF_UNIX paths fit
-    hub = start_hub(directory, ["alice", "bob"], ["admin"], SERVICE_CONFIG,
-                    server_args=["--GPUShareApp.placement=room"], gpus=(512 * MiB, 512 * MiB))
-    try:
-        asyncio.run(_start(hub, "alice", "bob"))
+    with running_hub(directory, ["alice", "bob"], ["admin"], SERVICE_CONFIG, ["alice", "bob"],
+                     server_args=["--GPUShareApp.placement=room"],
+                     gpus=(512 * MiB, 512 * MiB)) as hub:
         yield hub
-    finally:
-        hub.stop()
-        if not os.environ.get("GPUSHARE_KEEP_HUB_DIR"):
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _start(hub: Hub, *users: str) -> None:
-    await asyncio.gather(*(hub.start_server(u) for u in users))
 
 
 async def test_a_kernel_placed_after_another_users_goes_to_the_other_gpu_without_a_service_poll(hub):

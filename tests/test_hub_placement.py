@@ -11,14 +11,12 @@ placed by his server's own view, at once.
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from .hubharness import Hub, MiB, UserKernel, can_run, start_hub
+from .hubharness import Hub, MiB, UserKernel, can_run, running_hub
 from .scenarios import hold, intact
 from .test_hub import BIG, admin_view, shut, until
 
@@ -33,22 +31,12 @@ c.GPUShareHub.min_release_bytes = 0
 @pytest.fixture(scope="module")
 def hub():
     directory = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp"))  # short: AF_UNIX paths fit
-    hub = start_hub(directory, ["alice", "bob", "dave"], ["admin"], SERVICE_CONFIG,
-                    server_args=["--GPUShareApp.placement=room",
-                                 "--GPUShareApp.restore_move_after=1"],
-                    user_env={"dave": {"JUPYTER_GPUSHARE_HUB_URL": "http://127.0.0.1:9/nowhere/"}},
-                    gpus=(512 * MiB, 512 * MiB))
-    try:
-        asyncio.run(_start(hub, "alice", "bob", "dave"))
+    with running_hub(directory, ["alice", "bob", "dave"], ["admin"], SERVICE_CONFIG, ["alice", "bob", "dave"],
+                     server_args=["--GPUShareApp.placement=room",
+                                  "--GPUShareApp.restore_move_after=1"],
+                     user_env={"dave": {"JUPYTER_GPUSHARE_HUB_URL": "http://127.0.0.1:9/nowhere/"}},
+                     gpus=(512 * MiB, 512 * MiB)) as hub:
         yield hub
-    finally:
-        hub.stop()
-        if not os.environ.get("GPUSHARE_KEEP_HUB_DIR"):
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-async def _start(hub: Hub, *users: str) -> None:
-    await asyncio.gather(*(hub.start_server(u) for u in users))
 
 
 async def visible(k) -> str:
