@@ -248,13 +248,15 @@ class RestoreRoom:
             return None, ""
         home = self.load.views({g: None for g in need}, exclude=st.kernel_id)
         busy = sorted(g for g, v in home.items() if contended(v))
-        tight = {} if busy else await self.tight_home(need)
-        if not busy and not tight:
-            return None, ""
         refusal = self.refusal(held)
-        if refusal:
-            if not busy:  # it stays home, as it would have: nothing to say
+        tight: dict[int, int] = {}
+        if not busy:
+            if refusal:  # it stays home, as it would have: nothing to say, nothing to read
                 return None, ""
+            tight = await self.tight_home(need)
+            if not tight:
+                return None, ""
+        elif refusal:
             return None, f"on {_gpus(busy)}, which {'is' if len(busy) == 1 else 'are'} busy; " \
                          f"not moved: {refusal}"
         views = await self.views(st, op, need)
