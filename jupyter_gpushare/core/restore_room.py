@@ -74,7 +74,7 @@ class RestoreRoom:
         announced = bool(again)
         delay = WAIT_BACKOFF[0]
         short_since = st.short_since  # when the kernel's own GPUs were first seen full
-        weighed = False  # whether a contended home was weighed against quieter GPUs
+        weighed = False  # whether a contended or tight home was weighed against other GPUs
         twice_since: float | None = None  # when room for once (not twice, without a turn) was seen
         told_once = False  # whether the cell was told it settles for room for once
         stays = ""  # why it stays on a contended home (said in the cell and status)
@@ -93,7 +93,7 @@ class RestoreRoom:
                 continue
             if not weighed:
                 weighed = True
-                moved, stays = await self.off_busy_home(st, op, held, need, shown)
+                moved, stays = await self.off_home(st, op, held, need, shown)
                 if moved is not None:
                     return moved
             # a turn behind another restore of this server on the same GPU is not `waiting`
@@ -176,8 +176,7 @@ class RestoreRoom:
         hold twice and still be there a moment later. ``careful``: GPUs without a turn whose
         restore settles for room for once: after a random pause, seen three times."""
         free = await self.c.node_room.read_free(list(want))
-        room = {g: None if f is None else f - self.releases_may_take_back(g)
-                for g, f in free.items()}
+        room = self.room_of(free)
         short = lacking(want, room, strict=strict)
         if short or not (strict or careful):
             return free, room, short
@@ -186,12 +185,16 @@ class RestoreRoom:
         for _ in range(2 if careful else 1):  # the room must still be there a moment later
             await asyncio.sleep(STRICT_SETTLE)
             again = await self.c.node_room.read_free(sorted(strict | careful))
-            room.update({g: None if f is None else f - self.releases_may_take_back(g)
-                         for g, f in again.items()})
+            room.update(self.room_of(again))
             short = lacking(want, room, strict=strict)
             if short:
                 break
         return free, room, short
+
+    def room_of(self, free: dict[int, int | None]) -> dict[int, int | None]:
+        """A restore's room per GPU from free memory read now: less what releases in flight
+        may take back there (None where free memory is unknown)."""
+        return {g: None if f is None else f - self.releases_may_take_back(g) for g, f in free.items()}
 
     @property
     def turnless_after(self) -> float:
@@ -237,8 +240,8 @@ class RestoreRoom:
             return None
         return await self.onto(st, op, held, want, plan, _why(plan, short, views), shown)
 
-    async def off_busy_home(self, st: Lifecycle, op: Operation, held: Held,
-                            need: dict[int, int], shown: CellProgress) -> tuple[Grant | None, str]:
+    async def off_home(self, st: Lifecycle, op: Operation, held: Held,
+                       need: dict[int, int], shown: CellProgress) -> tuple[Grant | None, str]:
         """A home GPU whose SMs are contended (two kernels or more computing there, busy):
         a grant onto a quieter GPU with room, at once; or a home with room that the restore
         would leave below the pressure threshold (tight): a grant onto a GPU that keeps it and
@@ -282,7 +285,7 @@ class RestoreRoom:
         except Exception as e:  # the check reads again, and says so
             log.debug("gpushare: cannot read free GPU memory: %s", e)
             return {}
-        room = {g: None if f is None else f - self.releases_may_take_back(g) for g, f in free.items()}
+        room = self.room_of(free)
         if any(room.get(g) is None or room[g] < n for g, n in need.items()):  # type: ignore[operator]
             return {}
         return {g: r for g, n in need.items() if (r := room[g]) is not None

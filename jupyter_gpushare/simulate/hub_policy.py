@@ -44,7 +44,6 @@ class GPUShareHub(GPUShare):
         self.shares = parse_table(shares or {})  # keys "u0", "u1", ... (users by index)
         self.service_poll = service_poll  # the service's poll_interval (its default: 10 s)
         self.hub_refresh = hub_refresh  # a server's refresh of the service's answer (default 30 s)
-        self.told: dict[int, float] = {}  # kernel index -> when other servers hear of its placement
         self.read: dict[int, float] = {}  # kernel index -> when the service has read its server since
 
     def on_idle(self, sim: Simulation, k: Kernel) -> None:
@@ -61,7 +60,7 @@ class GPUShareHub(GPUShare):
         """Its own, and other users' once the service has told this server (its answer's
         ``placed_elsewhere``, the service's room and pending count)."""
         return (super().knows_placed(sim, user, other)
-                or self.told.get(other.index, math.inf) <= sim.now)
+                or self.read.get(other.index, math.inf) + self.hub_refresh <= sim.now)
 
     def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
         """What ``k``'s server knows, and other users' placed kernels once the service has read
@@ -83,10 +82,8 @@ class GPUShareHub(GPUShare):
         gpus = super().place_at_start(sim, k)
         read = self.next_poll(k.user_index, sim.now + 1e-6)
         self.read[k.index] = read
-        told = read + self.hub_refresh
-        self.told[k.index] = told
         for user in self.neighbours(sim, k.user_index, sim.node_gpus(gpus[0]) if gpus else range(0)):
-            self.schedule_check(sim, user, told)
+            self.schedule_check(sim, user, read + self.hub_refresh)
         return gpus
 
     def _service_poll(self, sim: Simulation, gpu: int) -> None:
