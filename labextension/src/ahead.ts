@@ -1,9 +1,10 @@
 /**
  * Restores ahead of a person's next cell: when someone works in a notebook whose kernel is
- * released (it becomes the current notebook, or a code cell of it is edited), ask the server
- * to bring the kernel's GPU state back now (`POST .../restore` with `{"trigger": "activity"}`),
- * so that it is there before the cell is run. Pure: the caller says when a person works and
- * in which kernel; this decides whether to ask.
+ * released (it becomes the current notebook, a code cell of it is edited, a key or pointer is
+ * pressed in it, or they come back to the page while it is the notebook in front), ask the
+ * server to bring the kernel's GPU state back now (`POST .../restore` with
+ * `{"trigger": "activity"}`), so that it is there before the cell is run. Pure: the caller
+ * says when a person works and in which kernel; this decides whether to ask.
  */
 import type { IKernel } from './contract';
 
@@ -19,6 +20,33 @@ export const AHEAD_INTERVAL_MS = 5000;
  */
 export function aheadEligible(kernel: IKernel | undefined): boolean {
   return kernel !== undefined && kernel.state === 'released' && !kernel.pinned && !kernel.waiting;
+}
+
+/**
+ * Presses inside a notebook that say its person is working in it: clicking into a cell or
+ * its toolbar, typing, or the Shift of the Shift-Enter that runs a cell unedited (the most
+ * common first act of someone back from a break, which no edit announces). Captured, so a
+ * widget that stops them on the way does not hide them.
+ */
+export const NOTEBOOK_INPUT_EVENTS = ['pointerdown', 'keydown'] as const;
+
+/**
+ * Whether a page event means its person is back in front of the notebook: the page was
+ * shown again (`visibilitychange` to `visible`) or the window took the focus, while a
+ * notebook is the main area's current widget (not a terminal or an editor in front of it).
+ */
+export function backAtNotebook(
+  type: string,
+  visibility: DocumentVisibilityState | string,
+  notebookInFront: boolean
+): boolean {
+  if (!notebookInFront) {
+    return false;
+  }
+  if (type === 'visibilitychange') {
+    return visibility === 'visible';
+  }
+  return type === 'focus';
 }
 
 /** True when the server's `waiting` text is that of a restore ahead. */

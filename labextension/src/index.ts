@@ -13,7 +13,7 @@ import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { IStatusBar } from '@jupyterlab/statusbar';
 
-import { AheadRestorer } from './ahead';
+import { AheadRestorer, backAtNotebook, NOTEBOOK_INPUT_EVENTS } from './ahead';
 import { GPUShareAPI } from './api';
 import { gpuIcon } from './icon';
 import { CommandIDs, PLUGIN_ID, WidgetIDs } from './ids';
@@ -146,8 +146,9 @@ const plugin: JupyterFrontEndPlugin<void> = {
 
     if (notebooks) {
       // Restore ahead: a person works in a notebook whose kernel is released (it becomes the
-      // current notebook, or a code cell of it is edited). Only the current notebook asks,
-      // so a page load with many open tabs asks for one kernel at most.
+      // current notebook, a code cell of it is edited, a key or pointer is pressed in it, or
+      // they come back to the page with it in front). Only the current notebook asks, so a
+      // page load with many open tabs asks for one kernel at most.
       const ahead = new AheadRestorer({
         kernel: id => model.kernel(id),
         send: id => api.restoreAhead(id).then(() => model.refresh())
@@ -173,10 +174,29 @@ const plugin: JupyterFrontEndPlugin<void> = {
         };
         nb.content.activeCellChanged.connect(watchActiveCell);
         watchActiveCell();
+        // Presses, not edits: someone back from a break often runs a cell as it is.
+        const pressed = () => {
+          if (notebooks.currentWidget === nb) {
+            ahead.activity(kernelOf(nb));
+          }
+        };
+        for (const type of NOTEBOOK_INPUT_EVENTS) {
+          nb.node.addEventListener(type, pressed, { capture: true, passive: true });
+        }
       };
       notebooks.forEach(follow);
       notebooks.widgetAdded.connect((_, nb) => follow(nb));
       notebooks.currentChanged.connect((_, nb) => ahead.activity(kernelOf(nb)));
+      // Back at the page (its tab shown again, its window focused) with a notebook in front.
+      const cameBack = (event: Event) => {
+        const nb = notebooks.currentWidget;
+        const inFront = nb !== null && app.shell.currentWidget === nb;
+        if (backAtNotebook(event.type, document.visibilityState, inFront)) {
+          ahead.activity(kernelOf(nb));
+        }
+      };
+      document.addEventListener('visibilitychange', cameBack);
+      window.addEventListener('focus', cameBack);
     }
 
     // The panel and status bar follow the server's events at once, not at the next poll.

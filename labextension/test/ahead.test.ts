@@ -9,6 +9,7 @@ import {
   AHEAD_TEXT,
   aheadEligible,
   AheadRestorer,
+  backAtNotebook,
   isAheadText
 } from '../src/ahead';
 import type { IKernel } from '../src/contract';
@@ -105,4 +106,15 @@ test('the text of a restore ahead is told from a wait for memory', () => {
   assert.equal(isAheadText(`${AHEAD_TEXT}; waiting for memory: x`), true);
   assert.equal(isAheadText('waiting for memory: x'), false);
   assert.equal(isAheadText(null), false);
+});
+
+test('back at the page: shown again or focused, with a notebook in front', () => {
+  assert.equal(backAtNotebook('visibilitychange', 'visible', true), true);
+  assert.equal(backAtNotebook('focus', 'visible', true), true);
+  // the tab hidden (a person leaving) is not coming back
+  assert.equal(backAtNotebook('visibilitychange', 'hidden', true), false);
+  // a terminal, an editor or the launcher in front: its notebook is not what they came to
+  assert.equal(backAtNotebook('visibilitychange', 'visible', false), false);
+  assert.equal(backAtNotebook('focus', 'visible', false), false);
+  assert.equal(backAtNotebook('blur', 'visible', true), false);
 });
