@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import math
 import os
 import re
 import sys
@@ -431,10 +432,15 @@ async def main_async(args: argparse.Namespace) -> int:
         workload, node = read_trace(trace)
         raw = json.loads(trace.read_text()) if trace.suffix != ".csv" else {}
         leads = twin.leads_of(raw)
-    else:  # the simulator's default workload: 24 users on 8 GPUs of 80 GiB, one day
-        workload, node, leads = generate(24, days=1, seed=args.seed), {"gpus": 8, "gpu_gib": 80}, {}
+    else:  # the simulator's default workload: 24 users on 8 GPUs of 80 GiB, over the days
+        # the window reaches (its fourth day's afternoon holds the week's most memory)
+        days = max(1, math.ceil((args.start + (args.hours or 24.0)) / 24.0))
+        workload, node, leads = (generate(24, days=days, seed=args.seed),
+                                 {"gpus": 8, "gpu_gib": 80}, {})
     if args.hours:
         workload = window(workload, args.start * 3600.0, args.hours * 3600.0)
+    if args.gpus:
+        node = {**node, "gpus": args.gpus}
     s = settings_for(node, args)
     print(f"twin: {workload.source}; {s.gpus} GPUs of {s.gpu_gib:g} GiB; the product at "
           f"{s.scale:g}x, bytes x {s.byte_scale:g}")
@@ -469,7 +475,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", help="a trace (JSON, docs/trace-format.md; tests/twin_scenario.json "
                                     "is the CI test's); default: the simulator's default "
-                                    "workload (24 users, 8 GPUs of 80 GiB), one day")
+                                    "workload (24 users, 8 GPUs of 80 GiB), over the days "
+                                    "the window reaches")
     ap.add_argument("--seed", type=int, default=0, help="of the default workload (default 0)")
     ap.add_argument("--scale", type=float, default=20.0,
                     help="the product runs this many times faster than the trace (default 20)")
@@ -481,6 +488,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--hours", type=float, default=None,
                     help="only the sessions that start in a window of this many hours "
                          "(default: 4 for the default workload, all of a trace)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="the node's GPUs instead of the trace's (the default workload's 8): "
+                         "fewer GPUs for the same people, so that memory runs short and "
+                         "releases, restores and moves are what is compared")
     ap.add_argument("--no-rebalance", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="keep the server's log and events here")
     ap.add_argument("--check", action="store_true", help="exit 1 when a tolerance is not met")
