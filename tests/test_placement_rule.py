@@ -53,6 +53,25 @@ def test_where_nothing_fits_a_saturated_gpu_loses_to_an_idle_one_with_about_as_m
     assert rank([saturated, idle, GpuView(5, room=None)], need)[-1].gpu == 5
 
 
+def test_where_nothing_fits_with_states_coming_back_a_gpu_it_fits_now_comes_first():
+    # released states that will come back make every GPU's room negative; a new kernel
+    # allocates now: a GPU with its need free now beats one with more room once the states
+    # are counted and less free memory (where its first allocation would fail)
+    need = Need(20 * GiB)
+    counted = GpuView(2, room=-33 * GiB, room_now=10 * GiB, load=7.0)
+    free_now = GpuView(4, room=-39 * GiB, room_now=24 * GiB, load=8.0)
+    assert [v.gpu for v in rank([counted, free_now], need)] == [4, 2]
+    # a GPU it fits with the states counted still comes first, however busy
+    fits = GpuView(1, room=21 * GiB, room_now=40 * GiB, load=60.0)
+    assert choose([counted, free_now, fits], need)[0].gpu == 1
+    # among GPUs it fits now, load before bytes
+    quiet = GpuView(3, room=-50 * GiB, room_now=22 * GiB, load=0.0)
+    busy = GpuView(5, room=-10 * GiB, room_now=60 * GiB, load=95.0)
+    assert choose([busy, quiet], need)[0].gpu == 3
+    # without a reading of room now, room is all there is
+    assert [v.gpu for v in rank([GpuView(6, room=-30 * GiB), GpuView(7, room=-20 * GiB)], need)] == [7, 6]
+
+
 def test_pending_kernels_count_as_load_so_back_to_back_starts_spread():
     views = {0: GpuView(0, room=16 * GiB), 1: GpuView(1, room=16 * GiB - 1)}
     need = Need(GiB)

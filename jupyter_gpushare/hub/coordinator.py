@@ -525,7 +525,8 @@ class Coordinator:
         not landed yet; and what kernels placed there and not using it yet are expected to
         allocate, each server's claim at most the GPU's memory), load over the window, kernels
         placed there by any server and not yet computing (their expected load), kernels there,
-        kernels computing, and the user's share. A placed kernel that allocated since its
+        kernels computing, and the user's share; and the room now, without the released states
+        (what a kernel starting now may allocate). A placed kernel that allocated since its
         server was last read counts twice until the next read: placement then looks elsewhere a
         little early, which the asking server's own, fresher room does not repeat."""
         ledger = self.view.ledger(self.settings.shares, self.groups)
@@ -535,7 +536,8 @@ class Coordinator:
             free = gpu.free
             room = None if free is None else free - gpu.returning - gpu.placed_claims()
             out[gid] = rule.GpuView(gid, room, self.load(gpu.uuid), gpu.pending * rule.PENDING_LOAD,
-                                    gpu.kernels, gpu.busy, not ledger.over(user, gid))
+                                    gpu.kernels, gpu.busy, not ledger.over(user, gid),
+                                    room_now=None if free is None else free - gpu.placed_claims())
         return out
 
     async def rank_nodes(self, user: str, gpus: int = 1, memory: int | None = None,

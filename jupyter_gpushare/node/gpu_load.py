@@ -238,7 +238,8 @@ class GpuLoad:
     def views(self, room: Mapping[int, int | None], within: Mapping[int, bool] | None = None,
               exclude: str | None = None, now: float | None = None,
               seen_pending: Mapping[int, float] | None = None,
-              others_pending: Mapping[int, float] | None = None) -> dict[int, GpuView]:
+              others_pending: Mapping[int, float] | None = None,
+              room_now: Mapping[int, int | None] | None = None) -> dict[int, GpuView]:
         """A view of each GPU of ``room`` (bytes a new state may take there, None: unknown;
         less what placed kernels that have not used the GPU yet are expected to take);
         ``within``: per GPU, whether the person is within their share (default: yes);
@@ -246,7 +247,9 @@ class GpuLoad:
         ``seen_pending``: per GPU, the pending load a node-wide view counts (the hub
         service's, every server's placed kernels, this one's among them): the larger of it
         and this server's own counts; ``others_pending``: per GPU, the pending load of other
-        servers' placed kernels alone (the node daemon's), added to this server's own."""
+        servers' placed kernels alone (the node daemon's), added to this server's own;
+        ``room_now``: per GPU, the room without the released states that will come back
+        there (what a kernel starting now may allocate; less placed kernels' too)."""
         now = clock.now() if now is None else now
         busy_since = now - max(self.window, BUSY_FLOOR)
         records = self.kernels()
@@ -280,7 +283,9 @@ class GpuLoad:
             seen = (seen_pending or {}).get(g, 0.0)
             own = pending.get(g, 0.0) + (others_pending or {}).get(g, 0.0)
             room_left = None if r is None else r - promised.get(g, 0)
+            now_r = (room_now or {}).get(g)
             out[g] = GpuView(g, room_left, load=load, pending=max(own, seen),
                              kernels=len(there.get(g, ())), busy=busy.get(g, 0),
-                             within_share=(within or {}).get(g, True))
+                             within_share=(within or {}).get(g, True),
+                             room_now=None if now_r is None else now_r - promised.get(g, 0))
         return out

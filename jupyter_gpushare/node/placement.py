@@ -263,19 +263,25 @@ class Placer:
         if count == 0:
             return Placement([], "", {})  # a kernel that asked for no GPU sees none
         others = await self._node_others()
-        room = await self._room(gpus, [g.index for g, _ in candidates])
+        room, room_now = await self._room(gpus, [g.index for g, _ in candidates])
         for g, (n, _, back) in others.items():
-            r = room.get(g)
-            if r is not None:
-                room[g] = r - n - back
+            r, now_r = room.get(g), room_now.get(g)
+            if r is not None and now_r is not None:
+                room[g], room_now[g] = r - n - back, now_r - n
+        ours = dict(room)
         within = await self._service_view([g for g, _ in candidates], room, kernel_id)
+        for g, r in room.items():  # what the service counts beyond this server's view, now
+            now_r, own = room_now.get(g), ours.get(g)
+            if r is not None and now_r is not None and own is not None and r < own:
+                room_now[g] = now_r - (own - r)
         # a capped kernel can hold no more than its cap: that is what it is expected to need
         cap = caps.ceiling(requested_cap(kernel_spec), self.default_cap())
         need = expected_need(memory, cap, self.recent(spec_name(kernel_spec)), self.min_room)
         self.load.forget(self.kernel_ids())
         views = self.load.views(room, within, seen_pending=self._service_pending(
             [g for g, _ in candidates]) if within else None,
-            others_pending={g: k * PENDING_LOAD for g, (_, k, _) in others.items()})
+            others_pending={g: k * PENDING_LOAD for g, (_, k, _) in others.items()},
+            room_now=room_now)
         by_index = {g.index: (g, token) for g, token in candidates}
         chosen = [by_index[v.gpu] for v in choose(views.values(), need, count)]  # type: ignore[index]
         # real GPUs: an entry as written where there was one, else the UUID (CUDA's own
@@ -283,7 +289,9 @@ class Placer:
         value = ",".join((token or g.uuid) if g.uuid.startswith("GPU-") else str(g.index)
                          for g, token in chosen)
         indices = [g.index for g, _ in chosen]
-        short = [g for g in indices if room[g] is not None and room[g] < self.min_room]  # type: ignore[operator]
+        # said where its first allocations lack room: released states coming back are left
+        # out (they restore by their own rules when they come)
+        short = [g for g in indices if (r := room_now.get(g)) is not None and r < self.min_room]
         note = ""
         if short:
             note = _no_room_note(indices, short, room)
@@ -346,21 +354,25 @@ class Placer:
                 gpus = []
         return sorted(gpus, key=lambda g: g.index)
 
-    async def _room(self, gpus: list[GPUInfo], indices: list[int]) -> dict[int, int | None]:
-        """Room per GPU of ``indices``; where free memory cannot be read now, the last
+    async def _room(self, gpus: list[GPUInfo], indices: list[int],
+                    ) -> tuple[dict[int, int | None], dict[int, int | None]]:
+        """Room per GPU of ``indices``, then the same without this server's released states
+        that will come back there (room now); where free memory cannot be read now, the last
         sample's (``gpus``: the polled GPUs, or those just sampled before the first poll)."""
         free = await self.read_free(indices)
         held, reserved = self.held(), self.reserved()
         known = {g.index: g for g in gpus}
         room: dict[int, int | None] = {}
+        room_now: dict[int, int | None] = {}
         for g in indices:
             n = free.get(g)
             info = known.get(g)
             if n is None and info is not None and info.memory_total is not None \
                     and info.memory_used is not None:
                 n = info.memory_total - info.memory_used  # the last sample's
+            room_now[g] = None if n is None else n - reserved.get(g, 0)
             room[g] = None if n is None else n - held.get(g, 0) - reserved.get(g, 0)
-        return room
+        return room, room_now
 
 
 @dataclass(frozen=True)
@@ -375,8 +387,10 @@ class _LastSample:
 
 def _views(views: dict[Any, Any]) -> str:
     return ", ".join(
-        f"GPU {v.gpu}: room {'unknown' if v.room is None else format_bytes(max(0, v.room))}, "
-        f"load {v.load:.0f} %" + (f" + {v.pending:.0f} % placed" if v.pending else "")
+        f"GPU {v.gpu}: room {'unknown' if v.room is None else format_bytes(max(0, v.room))}"
+        + (f" ({format_bytes(max(0, v.room_now))} before released kernels come back)"
+           if v.room is not None and v.room_now is not None and v.room_now > v.room else "")
+        + f", load {v.load:.0f} %" + (f" + {v.pending:.0f} % placed" if v.pending else "")
         for v in views.values())
 
 

@@ -63,6 +63,8 @@ class GpuView:
     kernels: int = 0  # kernels placed or resident there
     busy: int = 0  # kernels that computed there within the window
     within_share: bool = True  # the person is within their share there
+    # room not counting the released states that will come back there (None: as ``room``)
+    room_now: int | None = None
 
     @property
     def expected(self) -> float:
@@ -75,14 +77,25 @@ def fits(view: GpuView, need: Need | int) -> bool:
     return view.room is not None and view.room >= n
 
 
+def fits_now(view: GpuView, need: Need | int) -> bool:
+    """Whether ``need`` fits ``view`` beside what is there now, released states that will
+    come back left out (they restore by their own room rules when they do)."""
+    n = need.bytes if isinstance(need, Need) else need
+    room = view.room if view.room_now is None else view.room_now
+    return room is not None and room >= n
+
+
 def key(view: GpuView, need: Need | int) -> tuple:
     """The sort key of ``view`` for a kernel of ``need``: smaller is better."""
-    ok = fits(view, need)
     room = view.room or 0
-    if not ok:  # nowhere it fits: the most room first (in steps of the need), then load
-        return (view.room is None, True, not view.within_share, -_room_step(room, need),
+    if fits(view, need):
+        tier = 0
+    elif fits_now(view, need):  # it allocates now; the states coming back may come in hours
+        tier = 1
+    else:  # nowhere it fits: the most room first (in steps of the need), then load
+        return (view.room is None, 2, not view.within_share, -_room_step(room, need),
                 _step(view.expected), -room, view.kernels, _order(view.gpu))
-    return (False, False, not view.within_share, _step(view.expected), view.kernels, -room,
+    return (False, tier, not view.within_share, _step(view.expected), view.kernels, -room,
             _order(view.gpu))
 
 

@@ -754,6 +754,7 @@ class Simulation:
             back = coming_back(o for o in self.kernels if o.state in HELD and o is not exclude
                                and self.policy.sees_returning(self, seen_by, o))
         promised = {g: back.get(g, 0) for g in gpus}
+        placed = dict.fromkeys(gpus, 0)  # of which placed kernels' expected bytes
         pending = dict.fromkeys(gpus, 0.0)
         count = dict.fromkeys(gpus, 0)
         for g in gpus:
@@ -764,6 +765,7 @@ class Simulation:
                 if seen_by is not None and not self.policy.sees_placed(self, seen_by, o):
                     continue
                 promised[g] += o.need.bytes
+                placed[g] += o.need.bytes
                 pending[g] += o.need.load
         for o in self.kernels:
             if o is exclude or o.state in (NEW, CULLED, ENDED):
@@ -774,7 +776,8 @@ class Simulation:
                     count[g] += 1
         return {g: rule.GpuView(g, self.node.free(g) - promised[g],
                                 self.node.load(g, self.now, window), pending[g], count[g],
-                                self.busy(g, window, holding=True, exclude=exclude))
+                                self.busy(g, window, holding=True, exclude=exclude),
+                                room_now=self.node.free(g) - placed[g])
                 for g in gpus}
 
     def node_gpus(self, gpu: int) -> range:
