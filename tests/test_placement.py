@@ -164,6 +164,25 @@ async def test_the_hub_services_view_narrows_the_room_and_shares_come_first():
     assert got is not None and got.value == "0"  # placed by the server's own view
 
 
+async def test_where_the_services_room_counts_a_returning_state_its_room_now_places():
+    """Another person's released state will come back to GPU 0 (the service's room there is
+    256 MiB), but 2 GiB are free there now; GPU 1 has 400 MiB (this server's own view). A
+    kernel expected to need 512 MiB fits neither once the state is counted: it starts where
+    it fits now, GPU 0, with no note. A service before ``room_now`` gives none: what it
+    counted beyond this server's view is taken as gone now too, and GPU 1's more room wins."""
+    two = [gpu(0), gpu(1, used=2 * GiB - 400 * MiB)]
+
+    async def service(uuids: list[str]) -> Any:
+        return {"SIM-0": (256 * MiB, True), "SIM-1": (400 * MiB, True)}
+
+    now = {"SIM-0": 2 * GiB, "SIM-1": 400 * MiB}
+    got = await placer(two, service_room=service, service_room_now=lambda: now).place(
+        "k", Spec(), {})
+    assert got is not None and got.gpus == [0] and not got.note
+    got = await placer(two, service_room=service, service_room_now=dict).place("k", Spec(), {})
+    assert got is not None and got.gpus == [1] and "no GPU had room" in got.note
+
+
 async def test_kernels_other_servers_placed_count_where_the_hub_service_saw_them():
     """Two servers of a node place kernels back to back: this one cannot see the other's
     kernel before it allocates, the hub service can (its ``pending``); the new kernel goes to

@@ -572,7 +572,9 @@ class Coordinator:
         """Room for a new kernel of ``user`` on each GPU of ``uuids`` the service knows, as it
         sees the node: free memory (its own reading where it measures) less what every
         server's kernels will still bring there, each kernel once, placed ones included
-        (:meth:`gpu_views`); and whether ``user`` is within their share there. Numbers only: nothing names anyone.
+        (:meth:`gpu_views`); the same without the released states that will come back
+        (``room_now``: what a kernel starting now may allocate); and whether ``user`` is within
+        their share there. Numbers only: nothing names anyone.
 
         Those bytes are the servers' claims; a false one can only steer placement away from a
         GPU (never release or refuse anything), and placement reads free memory too."""
@@ -587,7 +589,8 @@ class Coordinator:
                 continue
             v = views[gpu.gid]
             out[uuid] = {"room": v.room, "within_share": v.within_share, "load": round(v.load, 1),
-                         "pending": gpu.pending, "kernels": v.kernels, "busy": v.busy}
+                         "pending": gpu.pending, "kernels": v.kernels, "busy": v.busy,
+                         "room_now": v.room_now}
         return out
 
     # -- making room ------------------------------------------------------------------------------

@@ -120,6 +120,9 @@ class HubLink:
         #: per GPU UUID of the last place answer: kernels placed there that have not computed
         #: yet, by any server of the node (the service's ``pending``; placement weighs them)
         self.pending: dict[str, int] = {}
+        #: per GPU UUID of the last place answer: its room without the released states that
+        #: will come back there (``room_now``; a service before it gives none)
+        self.rooms_now: dict[str, int] = {}
         #: per GPU UUID of the last ``me`` answer: bytes other servers' kernels placed there and
         #: not using it yet are expected to take, and when it came (clock.now())
         self.placed_others: dict[str, int] = {}
@@ -291,6 +294,7 @@ class HubLink:
             return None
         out: dict[str, tuple[int | None, bool]] = {}
         pending: dict[str, int] = {}
+        now: dict[str, int] = {}
         for uuid, row in gpus.items():
             if not isinstance(row, dict) or uuid not in uuids:
                 continue
@@ -301,7 +305,10 @@ class HubLink:
             n = row.get("pending")
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 pending[uuid] = n
-        self.pending = pending
+            r = row.get("room_now")  # a service before it says none: the room alone counts
+            if isinstance(r, int) and not isinstance(r, bool):
+                now[uuid] = r
+        self.pending, self.rooms_now = pending, now
         return out
 
     # -- what status shows ---------------------------------------------------------------------

@@ -179,13 +179,16 @@ class Placer:
         default_cap: Callable[[], int | None] | None = None,
         service_pending: Callable[[], Mapping[str, int]] | None = None,
         node_placed: NodePlaced | None = None,
+        service_room_now: Callable[[], Mapping[str, int]] | None = None,
     ):
         """load: the GPUs' load and this server's placements (shared with the restore room;
         default: the last sample's SM utilization of ``devices``); recent(kernelspec name):
         the most bytes per GPU its recent kernels held; service_pending: per GPU UUID, the
         kernels the hub service saw placed there by any server of the node and not computing
         yet (asked with ``service_room``); node_placed: the other servers' placed kernels as
-        the node daemon tells them (asked before each placement, told after it)."""
+        the node daemon tells them (asked before each placement, told after it);
+        service_room_now: per GPU UUID, the service's room without released states (asked with
+        ``service_room`` too)."""
         self.devices = devices
         self.read_free = read_free
         self.held = held
@@ -196,6 +199,7 @@ class Placer:
         self.sample = sample
         self.service_room = service_room
         self.service_pending = service_pending
+        self.service_room_now = service_room_now or (lambda: {})
         self.node_placed = node_placed
         self._telling: set[asyncio.Task[None]] = set()
         self.recent = recent or (lambda name: [])
@@ -231,6 +235,7 @@ class Placer:
             default_cap=app.default_cap,
             service_pending=lambda: app.hub_link.pending if app.hub_link is not None else {},
             node_placed=app.node_placed,
+            service_room_now=lambda: app.hub_link.rooms_now if app.hub_link is not None else {},
         )
 
     async def place(self, kernel_id: str, kernel_spec: Any, env: dict[str, str]) -> Placement | None:
@@ -270,10 +275,8 @@ class Placer:
                 room[g], room_now[g] = r - n - back, now_r - n
         ours = dict(room)
         within = await self._service_view([g for g, _ in candidates], room, kernel_id)
-        for g, r in room.items():  # what the service counts beyond this server's view, now
-            now_r, own = room_now.get(g), ours.get(g)
-            if r is not None and now_r is not None and own is not None and r < own:
-                room_now[g] = now_r - (own - r)
+        if within:
+            self._service_now([g for g, _ in candidates], room, ours, room_now)
         # a capped kernel can hold no more than its cap: that is what it is expected to need
         cap = caps.ceiling(requested_cap(kernel_spec), self.default_cap())
         need = expected_need(memory, cap, self.recent(spec_name(kernel_spec)), self.min_room)
@@ -318,6 +321,22 @@ class Placer:
                              "be read (%s); placed by this server's", kernel_id, e or type(e).__name__)
             seen = None
         return narrow(room, {by_uuid[u]: v for u, v in (seen or {}).items() if u in by_uuid})
+
+    def _service_now(self, gpus: list[GPUInfo], room: dict[int, int | None],
+                     ours: dict[int, int | None], room_now: dict[int, int | None]) -> None:
+        """Fold the service's room now (its room without every server's released states) into
+        ``room_now``, in place: the smaller counts. Where it gave none (a service before it),
+        what it counted beyond this server's own room counts as taken now too."""
+        theirs = self.service_room_now()
+        for g in gpus:
+            now_r, r, own = room_now.get(g.index), room.get(g.index), ours.get(g.index)
+            if now_r is None:
+                continue
+            seen = theirs.get(g.uuid) if g.uuid else None
+            if seen is not None:
+                room_now[g.index] = min(now_r, seen)
+            elif r is not None and own is not None and r < own:
+                room_now[g.index] = now_r - (own - r)
 
     async def _node_others(self) -> dict[int, tuple[int, int, int]]:
         """Per GPU, (bytes, kernels, returning) of other servers' placed kernels and released
