@@ -24,9 +24,11 @@ Then gpushare at each GPU count (``--counts``): why it does not serve, the cells
 free memory just before it: where it was ample, the release made a cell wait for memory
 nobody wanted), the GPU cells slowed > 1.1 x, out-of-memory cells
 and the releases by reason; the kernels started where their expected need fit no GPU of
-their machine (the rule then starts them where the most room is), and how many of those
-went to a GPU at >= 90 % SM while another GPU there was below it (each shares SMs with a
-training from its first cell); and per machine, its users, cells that waited > 1 s and GPU
+their machine, even with the released states that will come back left out (the rule then
+starts them where the most room is), and how many of those went to a GPU at >= 90 % SM while
+another GPU there was below it (each shares SMs with a training from its first cell), and
+those for which a GPU had the need free only with those states left out (the rule starts
+them there); and per machine, its users, cells that waited > 1 s and GPU
 cells slowed (a machine of fewer GPUs pools memory over fewer users).
 
     python benchmarks/what_binds.py [--counts 5,8,13] [--smoke] [--seeds 0-4] [-- SIMULATE OPTIONS]
@@ -186,6 +188,9 @@ def at_count(w: Workload, s: Settings, gpus: int, policy: str = "gpushare") -> l
             views = sim.views(sim.node_gpus(k.gpus[0]), exclude=k)
             if any(rule.fits(v, k.need) for v in views.values()):
                 return
+            if any(rule.fits_now(v, k.need) for v in views.values()):
+                starts["fit now only"] += 1  # room once released states are left out
+                return
             starts["fit nowhere"] += 1
             if views[k.gpus[0]].expected >= rule.CONTENDED_LOAD and any(
                     v.expected < rule.CONTENDED_LOAD for v in views.values()):
@@ -239,7 +244,9 @@ def at_count(w: Workload, s: Settings, gpus: int, policy: str = "gpushare") -> l
             f"{f['moves']}; peak used {f['peak_used_pct']:.0f} %",
             f"  kernels started where their expected need fit no GPU of their machine: "
             f"{starts['fit nowhere']}, of them on a GPU at >= {rule.CONTENDED_LOAD:g} % SM "
-            f"while another was below: {starts['fit nowhere, started on a saturated GPU']}",
+            f"while another was below: {starts['fit nowhere, started on a saturated GPU']}; "
+            f"where it fit only beside what was there, released states that will come back "
+            f"left out: {starts['fit now only']}",
             "  per machine: " + "; ".join(f"{m}: {dict(c)}" for m, c in sorted(per.items()))]
 
 
