@@ -753,8 +753,7 @@ class Simulation:
         else:  # the released states its server knows of
             back = coming_back(o for o in self.kernels if o.state in HELD and o is not exclude
                                and self.policy.sees_returning(self, seen_by, o))
-        promised = {g: back.get(g, 0) for g in gpus}
-        placed = dict.fromkeys(gpus, 0)  # of which placed kernels' expected bytes
+        placed = dict.fromkeys(gpus, 0)  # placed kernels' expected bytes
         pending = dict.fromkeys(gpus, 0.0)
         count = dict.fromkeys(gpus, 0)
         for g in gpus:
@@ -764,7 +763,6 @@ class Simulation:
                     continue
                 if seen_by is not None and not self.policy.sees_placed(self, seen_by, o):
                     continue
-                promised[g] += o.need.bytes
                 placed[g] += o.need.bytes
                 pending[g] += o.need.load
         for o in self.kernels:
@@ -774,10 +772,11 @@ class Simulation:
                 if g in count and not (seen_by is not None and o.index in self.placed[g]
                                        and not self.policy.sees_placed(self, seen_by, o)):
                     count[g] += 1
-        return {g: rule.GpuView(g, self.node.free(g) - promised[g],
+        now = {g: self.node.free(g) - placed[g] for g in gpus}  # room, states coming back left out
+        return {g: rule.GpuView(g, now[g] - back.get(g, 0),
                                 self.node.load(g, self.now, window), pending[g], count[g],
                                 self.busy(g, window, holding=True, exclude=exclude),
-                                room_now=self.node.free(g) - placed[g])
+                                room_now=now[g])
                 for g in gpus}
 
     def node_gpus(self, gpu: int) -> range:
