@@ -116,6 +116,27 @@ def test_longest_idle_of_other_people_goes_and_the_active_stay():
     assert p.victims[0].reason == "making room for alice's restore: idle for 600 s"
 
 
+def test_room_after_a_cell_ran_out_of_memory_keeps_the_pressure_threshold_when_it_can():
+    # one 80 GiB GPU (pressure threshold 10 %: 8 GiB), 2 GiB free; alice's cell asked for 4 GiB
+    held = [k("bob", "b1", 3 * GiB, idle=900), k("bob", "b2", 9 * GiB, idle=600),
+            k("carol", "c1", 20 * GiB, idle=0, busy=True)]
+    book = ledger(usage_of(held), {})
+
+    def after(free, holdings):
+        return crossuser.room_after_oom("alice", {0: 4 * GiB}, {0: free}, {0: 80 * GiB},
+                                        holdings, book, CFG, {0: "GPU 0"})
+
+    p = after(2 * GiB, held)  # 4 + 8 - 2 = 10 GiB short: both of bob's go
+    assert p.enough and [v.kernel_id for v in p.victims] == ["b1", "b2"]
+    assert p.victims[0].reason == "making room for alice's cell, which ran out of memory: idle for 900 s"
+    # only b1 may go: not the threshold, but the bytes alone (2 + 3 >= 4)
+    p = after(2 * GiB, [held[0], held[2]])
+    assert p.enough and [v.kernel_id for v in p.victims] == ["b1"]
+    p = after(0, [held[0], held[2]])  # not even the bytes: nothing
+    assert not p.enough and p.victims == [] and "GPU 0" in p.why_not
+    assert after(12 * GiB, held).victims == []  # the retry fits with the threshold kept
+
+
 def test_nothing_fits_says_why():
     all_active = [k("bob", "b1", 4 * GiB, idle=5), k("carol", "c1", 4 * GiB, idle=0, busy=True)]
     p = plan("alice", {0: 4 * GiB}, {0: 0}, all_active)

@@ -147,6 +147,59 @@ async def test_a_waiting_restore_is_pushed_and_another_users_idle_kernel_makes_r
         await shut(alice, bob)
 
 
+OOM_ALLOC = ("from jupyter_gpushare.sim import simgpu\n"
+             "y = simgpu.zeros(({mib} * 2**18,), dtype='float32', device=0)")
+
+
+async def test_a_cell_out_of_memory_gets_room_from_another_users_idle_kernel(servers):
+    """alice's new kernel asks for more than is free on the shared GPU; her server has no idle
+    kernel of its own to release, so it asks the service, which releases bob's idle one: her
+    next try fits, and bob's state comes back intact once there is room for it."""
+    hub = servers
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    alice = await hub.kernel("alice")
+    try:
+        await idle_for(hub, "bob", bob, 2.5)
+        out = await alice.run(OOM_ALLOC.format(mib=256), ok=False)  # 192 MiB free
+        assert out["error"]["ename"] == "SimOutOfMemoryError", out
+        assert ("GPU 0 was short of memory: the hub service released 1 idle kernel of other "
+                "people (320.0 MiB): run the cell again") in out["text"], out["text"]
+        action = await release_seen(hub, bob)
+        assert (action["trigger"], action["for"], action["user"]) == ("oom", "alice", "bob")
+        assert "making room for alice's cell, which ran out of memory" in action["reason"], action
+        await alice.run(OOM_ALLOC.format(mib=256))  # the next try fits
+        await alice.shutdown()
+        await bob.run(intact("b"), timeout=60)  # room again: bob's state back, exactly
+    finally:
+        await shut(bob)
+
+
+async def test_the_service_refuses_a_bad_out_of_memory_request_and_changes_nothing(servers):
+    hub = servers
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    alice = await hub.kernel("alice")
+    try:
+        await idle_for(hub, "bob", bob, 2.5)  # releasable, were the request good
+        token = await hub.token_for("alice")
+        code, status = await hub.gpushare("alice", "status", token=token)
+        uuid = status["gpus"][0]["uuid"]
+        good = {"server": "", "kernel": alice.id, "gpu": uuid, "bytes": 256 * MiB}
+        for body in ({**good, "bytes": "256"}, {**good, "bytes": 0}, {**good, "bytes": True},
+                     {**good, "kernel": 5}, {**good, "gpu": ""}, {**good, "extra": 1},
+                     {"server": ""}, [good]):
+            code, answer = await hub.service("api/oom", "POST", token=token, ok=False, body=body)
+            assert code == 400, (body, code, answer)
+        code, _ = await hub.service("api/oom", "POST", token="not-a-token", ok=False, body=good)
+        assert code in (401, 403), code
+        # bob's kernel named by alice, a GPU the node has not: an answer, and nothing released
+        for body in ({**good, "kernel": bob.id}, {**good, "gpu": "GPU-not-here"}):
+            code, answer = await hub.service("api/oom", "POST", token=token, body=body)
+            assert code == 200 and answer["released"] == [] and answer["why_not"], answer
+        assert resident(await hub.kernel_status("bob", bob.id))
+    finally:
+        await shut(alice, bob)
+
+
 async def test_an_active_kernel_of_another_user_is_never_released(servers):
     hub = servers
     alice = await released_kernel(hub, "alice", BIG, "a")

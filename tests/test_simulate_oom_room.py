@@ -56,3 +56,38 @@ def test_a_cell_out_of_memory_has_its_servers_idle_kernels_make_room_for_the_nex
 def test_without_it_the_next_try_fails_too():
     failures, released, ran = run(on_oom=False)
     assert failures == 2 and released == [] and all(k != 1 for k, _ in ran)
+
+
+def across_users(policy_class) -> tuple:
+    """The same trace with ``a`` another person's (user V): ``b``'s server has no idle kernel
+    of its own to release."""
+    a = KernelWork("a", "V", 7 * GiB, (Session(0.0, (Cell(5, 10, 50),)),))
+    b = KernelWork("b", "U", 5 * GiB, (Session(0.0, (Cell(200, 10, 50), Cell(50, 10, 50))),))
+    policy = policy_class(NEEDS, poll_interval=0.5, rebalance=False)
+    released: list = []
+
+    def seen(t, k, what, data) -> None:
+        if what == "released":
+            released.append((round(t), k.work.kernel_id, str(data["reason"])))
+
+    sim = engine.Simulation(Workload(1000.0, (a, b), "oom", ("U", "V")), policy, 10 * GiB, 1,
+                            TINY_TRANSFER, observer=seen)
+    sim.run()
+    ran = [(c.kernel, round(c.start)) for c in sim.cells]
+    return sim.counters.oom_failures, released, ran
+
+
+def test_with_the_hub_service_another_persons_idle_kernel_makes_room_for_the_next_try():
+    """``gpushare-hub``: b's server asks the service, which releases a (idle 195 s, past
+    pressure_idle_timeout) by the cross-user rule; b's next cell runs."""
+    hub_policy = pytest.importorskip("jupyter_gpushare.simulate.hub_policy")
+    failures, released, ran = across_users(hub_policy.GPUShareHub)
+    assert failures == 1
+    assert [r[:2] for r in released] == [(208, "a")]
+    assert released[0][2].startswith("making room for u0's cell, which ran out of memory: idle for ")
+    assert (1, 250) in ran
+
+
+def test_without_the_service_another_persons_idle_kernel_is_not_taken():
+    failures, released, ran = across_users(policies.GPUShare)
+    assert failures == 2 and released == [] and all(k != 1 for k, _ in ran)

@@ -14,6 +14,12 @@ error does not say how much, every idle kernel there that make-room may take. No
 released when even that would not fit, or when the allocation would pass the kernel's own
 memory cap (the cap is the cause). Each release is an ordinary automatic release (its event,
 its reason); the cell itself is never run again.
+
+Where this server's idle kernels cannot make the room and the server is linked to the hub
+service (``across``: :meth:`..node.hub_link.HubLink.out_of_memory`), the service is asked to
+make it from other people's idle kernels on that GPU, by the same rules across users
+(:func:`..policy.crossuser.room_after_oom`); its answer is said instead: on a GPU shared by
+many people, the memory is mostly theirs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import clock, policy
@@ -35,9 +42,13 @@ if TYPE_CHECKING:
 
 SETTLE = 1.5  # s the answer waits for the releases it started (the person reruns after it)
 
+#: asks the hub service for room on the node's GPU: (kernel, gpu, bytes) -> its answer
+#: ({"released": kernels, "bytes": ..., "why_not": ...}) or None (no answer)
+Across = Callable[[str, int, int], Awaitable["dict[str, Any] | None"]]
 
-async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int | None
-                    ) -> dict[str, Any]:
+
+async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int | None,
+                    across: Across | None = None) -> dict[str, Any]:
     """Make room for the next try of ``kernel_id``'s cell, which failed to allocate ``nbytes``
     (None: not said) on the node's ``gpu`` (None: not said). What was done, and the line to
     say under the error (``text``; "" when the kernel's own cap is the cause). A GPU the node
@@ -62,7 +73,10 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
     decisions = plan(c.rules, gpus, nbytes, free, total, cands, kernel_id)
     on = _on(gpus)
     if decisions is None:
-        return {**out, "cause": "none", "text": _none_text(c, kernel_id, gpus, nbytes, cands, free)}
+        text = _none_text(c, kernel_id, gpus, nbytes, cands, free)
+        if across is not None and nbytes is not None:
+            return await _ask_across(across, kernel_id, gpus, nbytes, out, text)
+        return {**out, "cause": "none", "text": text}
     if not decisions:
         asked = f" for the {format_bytes(nbytes)} the cell asked for" if nbytes is not None else ""
         return {**out, "cause": "room",
@@ -94,6 +108,29 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
     verb = "released" if len(done) == n and not failed else "releasing"
     return {**out, "cause": "released",
             "text": f"gpushare: {on} was short of memory: {verb} {kernels}: run the cell again"}
+
+
+async def _ask_across(across: Across, kernel_id: str, gpus: list[int], nbytes: int,
+                      out: dict[str, Any], own: str) -> dict[str, Any]:
+    """This server could not make the room: the hub service is asked, GPU by GPU; what it
+    released is said, else why not after this server's own reason."""
+    released, freed, why = 0, 0, []
+    for g in gpus:
+        answer = await across(kernel_id, g, nbytes)
+        if answer is None:
+            why.append(f"gpushare: the hub service did not answer for GPU {g}")
+            continue
+        released += answer["released"]
+        freed += answer["bytes"]
+        if not answer["released"] and answer["why_not"]:
+            why.append(f"gpushare: the hub service made no room on GPU {g}: {answer['why_not']}")
+    out = {**out, "across": {"released": released, "bytes": freed}}
+    if released:
+        kernels = f"{released} idle kernel{'s' if released != 1 else ''} of other people"
+        return {**out, "cause": "released",
+                "text": f"gpushare: {_on(gpus)} was short of memory: the hub service released "
+                        f"{kernels} ({format_bytes(freed)}): run the cell again"}
+    return {**out, "cause": "none", "text": "\n".join([own, *why])}
 
 
 def _failure(task: asyncio.Future[Any]) -> str | None:

@@ -11,6 +11,11 @@
   ``if_idle_for``, so its server checks again, with live data, that nobody working is taken.
   One decision at a time per GPU. The victims' releases run side by side; one that fails is
   logged and the others go on.
+- **Out of memory** (a server says a cell failed to allocate and its own idle kernels cannot
+  make room for the next try): the same, by
+  :func:`~jupyter_gpushare.policy.crossuser.room_after_oom`, for the bytes the cell asked for
+  (the server's word, at most the GPU's memory; once per ``OOM_ROOM_EVERY`` s per kernel; not
+  while the user's claims are paused).
 
 **Trust.** A server runs as its user, who may change it: its status is a claim. Where the
 service runs on the node it measures the GPUs and the kernels' processes itself
@@ -62,6 +67,9 @@ log = logging.getLogger(__name__)
 
 HISTORY = 720  # samples kept per GPU for the admin page's chart
 RECENT = 200  # actions kept for the admin page
+#: s: room is made at most this often for the cells of one kernel that ran out of memory (a
+#: person reruns a cell after reading the error; a loop that retries at once gets no more)
+OOM_ROOM_EVERY = 10.0
 STRIKES_FORGOTTEN = 3600.0  # s without an unused claim before a user's pauses start short again
 MAX_PAUSE = 3600.0  # s: the longest pause of a user's claims
 ANOTHER = "another user's idle kernel"  # all a server is told of whose kernel made its room
@@ -143,6 +151,8 @@ class Coordinator:
         self.measure_error: str | None = None
         self._measure_lock = asyncio.Lock()
         self.served: dict[tuple[str, str, str], Served] = {}
+        #: (user, server, kernel) -> when room was last made for a cell of it that ran out of memory
+        self.oom_served: dict[tuple[str, str, str], float] = {}
         self.strikes: dict[str, Strikes] = {}
         self.poll_interval = poll_interval
         self.settings = settings
@@ -506,6 +516,80 @@ class Coordinator:
         nothing is released: what it says is what its status says, as at a poll."""
         await self.on_push(user, server, ())
 
+    async def on_out_of_memory(self, user: str, server: str, kernel_id: str, uuid: str,
+                               nbytes: int) -> dict[str, Any]:
+        """A cell of ``kernel_id``, a kernel of ``user``'s ``server``, failed to allocate
+        ``nbytes`` on GPU ``uuid``, and its server's own idle kernels could not make room for
+        its next try: room is made from other people's idle kernels there
+        (:func:`crossuser.room_after_oom`). Only the caller's own kernel, on a GPU its server
+        has, and at most once per :data:`OOM_ROOM_EVERY` s per kernel; the bytes are the
+        server's word (at most the GPU's memory), as a waiting restore's need is.
+        {"released": [...], "why_not": text or None}."""
+        lock = self._push_locks.setdefault((user, server), asyncio.Lock())
+        async with lock:  # one at a time per server, as pushes are
+            released, why = await self._on_out_of_memory(user, server, kernel_id, uuid, nbytes)
+        return {"released": released, "why_not": why}
+
+    async def _on_out_of_memory(self, user: str, server: str, kernel_id: str, uuid: str,
+                                nbytes: int) -> tuple[list[dict[str, Any]], str | None]:
+        entry = self.entries.get((user, server))
+        if entry is None and clock.monotonic() - self._last_discovery > 1.0:
+            self._last_discovery = clock.monotonic()  # a server started since the last poll
+            await self._discover()
+            entry = self.entries.get((user, server))
+        if entry is None:
+            return [], "the service does not know this server yet"
+        key = (user, server, kernel_id)
+        last = self.oom_served.get(key)
+        if last is not None and now() - last < OOM_ROOM_EVERY:
+            return [], f"room was made for this kernel less than {OOM_ROOM_EVERY:.0f} s ago"
+        pause = self.paused(user)
+        if pause:
+            return [], (f"room made for an earlier restore of yours was not used: no room is made "
+                        f"for you from other people's kernels for another {pause:.0f} s")
+        await self._read(entry)  # its own server, read now: a kernel started since is listed
+        await self._measure()
+        self._rebuild()
+        gpu = next((g for g in self.view.gpus.values() if g.uuid == uuid), None)
+        if self.view.find(user, server, kernel_id) is None:
+            return [], "the service does not know this kernel"
+        if gpu is None or entry.ref.key not in gpu.index:
+            return [], "the service does not know that GPU on this server's node"
+        need = {gpu.gid: min(nbytes, gpu.total) if gpu.total else nbytes}
+        lock = self._gpu_locks.setdefault(gpu.gid, asyncio.Lock())
+        async with lock:
+            others = [self.entries[k] for k in self.view.servers_on(set(need))
+                      if k in self.entries and k != entry.ref.key]
+            await self._refresh(others, self.settings.read_deadline, wait_slow=False)
+            await self._measure()
+            self._rebuild()
+            gpu = self.view.gpus.get(gpu.gid, gpu)
+            if gpu.free is None:
+                return [], "the GPU's free memory is not known to the service"
+            late = {e.ref.key for e in others if e.slow or (e.task is not None and not e.task.done())}
+            holdings = [h for h, p in zip(self.view.holdings(), self.view.placed, strict=True)
+                        if p.ref.key not in late]
+            plan = crossuser.room_after_oom(
+                user, need, {gpu.gid: gpu.free}, {gpu.gid: gpu.total or 0}, holdings,
+                self.view.ledger(self.settings.shares, self.groups), self.settings.policy,
+                {gpu.gid: f"GPU {gpu.index.get(entry.ref.key, gpu.gid)}"},
+                self._landing_on(need))
+            if not plan.enough:
+                return [], plan.why_not or None
+            if not plan.victims:
+                return [], "the GPU has room for it now"
+            t = now()
+            self.oom_served = {k: at for k, at in self.oom_served.items() if t - at < OOM_ROOM_EVERY}
+            self.oom_served[key] = t
+            jobs = [(owner, victim) for victim in plan.victims
+                    if (owner := self.view.owner(victim.kernel_id)) is not None]
+            done = await asyncio.gather(*(self._release_victim(owner, victim, user, "oom", None)
+                                          for owner, victim in jobs))
+            released = [d for d in done if d is not None]
+            if released:
+                self._rebuild()
+            return released, None if released else "the releases to make room failed"
+
     # -- placing new kernels and servers --------------------------------------------------------------
     def load(self, uuid: str) -> float:
         """A GPU's SM load (%): the mean of its history over ``load_window``."""
@@ -674,12 +758,17 @@ class Coordinator:
 
     def _landing(self, placed: Placed) -> dict[int, int]:
         """Per GPU ``placed`` needs, what other restores will still take there that its free
-        memory does not show: every server's restores in flight (their reserved bytes not
-        landed yet, as each server says; an older server says nothing), and the needs of other
-        restores this service made room for that still wait (their room is theirs: counted
-        free, it would be promised twice). Each restore once: a served one that has started
-        is in its server's reserved bytes, no longer waiting."""
-        out = {g: self.view.gpus[g].restoring for g in placed.need if g in self.view.gpus}
+        memory does not show (:meth:`_landing_on`)."""
+        return self._landing_on(placed.need, placed)
+
+    def _landing_on(self, gids: Iterable[int], placed: Placed | None = None) -> dict[int, int]:
+        """Per GPU of ``gids``, what restores other than ``placed`` will still take there that
+        its free memory does not show: every server's restores in flight (their reserved bytes
+        not landed yet, as each server says; an older server says nothing), and the needs of
+        other restores this service made room for that still wait (their room is theirs:
+        counted free, it would be promised twice). Each restore once: a served one that has
+        started is in its server's reserved bytes, no longer waiting."""
+        out = {g: self.view.gpus[g].restoring for g in gids if g in self.view.gpus}
         for other in self.view.waiting():
             key = (other.ref.user, other.ref.name, other.kernel.id)
             if other is placed or key not in self.served:

@@ -7,6 +7,7 @@
 | ``api/actions`` | admins | ``POST {"user", "server", "kernel", "action": release/pin/unpin}`` |
 | ``api/me`` | any Hub user or server token allowed to use the service | that user's share and usage (``?server=NAME``: and what other servers placed on its node's GPUs) |
 | ``api/waiting`` | same (a single-user server's own token) | "a restore of mine waits": make room |
+| ``api/oom`` | same | "a cell of mine ran out of memory, my own idle kernels cannot make room": make room |
 | ``api/placed`` | same | "I placed a kernel": read my server now |
 | ``api/place`` | same | room, load and kernels per GPU, for placing a new kernel |
 | ``api/nodes`` | same (the spawner hook calls it with the new server's token) | the nodes, best first for a new server |
@@ -161,6 +162,25 @@ class Waiting(ServiceHandler):
         self.write_json(answer)
 
 
+class OutOfMemory(ServiceHandler):
+    async def post(self) -> None:
+        if self.user is None or self.user.get("kind", "user") != "user":
+            return self.refuse(403, "a Hub user's token is needed")
+        body = self.body_object()
+        usage = ('body must be {"server": NAME, "kernel": KERNEL_ID, "gpu": GPU_UUID, "bytes": '
+                 'a positive integer} (the caller\'s own server and kernel)')
+        if body is None or set(body) != {"server", "kernel", "gpu", "bytes"}:
+            return self.refuse(400, usage)
+        server, kernel, gpu, nbytes = body["server"], body["kernel"], body["gpu"], body["bytes"]
+        if not isinstance(server, str) or len(server) > 255 or not isinstance(kernel, str) \
+                or not 0 < len(kernel) <= 100 or not isinstance(gpu, str) or not 0 < len(gpu) <= 100 \
+                or not _whole(nbytes) or not 0 < nbytes < 2**60:
+            return self.refuse(400, usage)
+        answer = await self.coordinator.on_out_of_memory(self.user["name"], server, kernel, gpu, nbytes)
+        answer["me"] = self.coordinator.me(self.user["name"], admin=self.is_admin, server=server)
+        self.write_json(answer)
+
+
 class Placed(ServiceHandler):
     async def post(self) -> None:
         if self.user is None or self.user.get("kind", "user") != "user":
@@ -233,6 +253,7 @@ def routes(prefix: str, coordinator: Coordinator, hub_auth: Any, settings: dict[
         (p + "api/actions", AdminActions, kw),
         (p + "api/me", Me, kw),
         (p + "api/waiting", Waiting, kw),
+        (p + "api/oom", OutOfMemory, kw),
         (p + "api/placed", Placed, kw),
         (p + "api/place", Place, kw),
         (p + "api/nodes", Nodes, kw),

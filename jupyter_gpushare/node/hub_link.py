@@ -10,6 +10,10 @@ Under JupyterHub, when ``GPUShareHubLink.url`` names the service, this server
   restore, which re-checks after every poll, goes on. While the restore still waits it is
   pushed again every ``push_interval`` seconds: the service decides again on live numbers, and
   the waiting text follows its current reason;
+- **asks**, when a cell ran out of GPU memory and this server's own idle kernels cannot
+  make room for its next try, that the service make it from other people's idle kernels on
+  that GPU (``POST api/oom``, :meth:`HubLink.out_of_memory`): the answer, what it released
+  or why nothing, is said under the error;
 - **tells** the service, the moment its tracker lists a kernel it placed and that has not
   used its GPUs yet, to read this server now (``POST api/placed``): a kernel placed next on
   the node, by any server, then counts it (the service's room and pending), instead of after
@@ -310,6 +314,33 @@ class HubLink:
                 now[uuid] = r
         self.pending, self.rooms_now = pending, now
         return out
+
+    async def out_of_memory(self, kernel_id: str, gpu: int, nbytes: int) -> dict[str, Any] | None:
+        """Ask the service to make room for the next try of ``kernel_id``'s cell, which failed
+        to allocate ``nbytes`` on the node's ``gpu``, from other people's idle kernels:
+        {"released": number of kernels, "bytes": their bytes, "why_not": text or None}; None
+        without an answer (or where the GPU's UUID is not known)."""
+        rec = self.controller.tracker.gpus.get(gpu)
+        uuid = rec.info.uuid if rec is not None else None
+        if not uuid:
+            return None
+        answer = await self._call("POST", "api/oom",
+                                  {"server": self.server_name, "kernel": kernel_id, "gpu": uuid,
+                                   "bytes": int(nbytes)},
+                                  answer_within=max(self.options.timeout, PUSH_ANSWER_WITHIN))
+        if answer is None:
+            return None
+        said = answer.get("released")
+        released: list[Any] = said if isinstance(said, list) else []
+        freed = sum(r["bytes"] for r in released if isinstance(r, dict)
+                    and isinstance(r.get("bytes"), int) and not isinstance(r.get("bytes"), bool))
+        why = answer.get("why_not")
+        if isinstance(answer.get("me"), dict):
+            self._take_me(answer["me"])
+        if released:
+            await self.refresh()  # the freed memory, seen now
+        return {"released": len(released), "bytes": freed,
+                "why_not": why[:300] if isinstance(why, str) and why else None}
 
     # -- what status shows ---------------------------------------------------------------------
     def cap(self) -> int | None:

@@ -11,7 +11,11 @@ The rules are :mod:`.policy`'s, applied across users, plus fair shares (:mod:`.f
 - nobody within their share is released for someone over theirs;
 - the requester's own kernels are left to their own server (it makes room among them first).
 
-No I/O and no clock: the hub service and the simulator both call :func:`make_room`.
+The same rules make room for the next try of a cell that ran out of memory, when its own
+server's idle kernels could not (:func:`room_after_oom`).
+
+No I/O and no clock: the hub service and the simulator both call :func:`make_room` and
+:func:`room_after_oom`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 
 from .. import policy
 from .fairshare import Ledger
+from .placement import pressure_floor
 
 
 @dataclass(frozen=True)
@@ -63,13 +68,16 @@ def make_room(
     cfg: HubPolicy,
     gpu_names: Mapping[int, str] | None = None,
     landing: Mapping[int, int] | None = None,
+    purpose: str = "restore",
 ) -> Plan:
     """Other people's kernels to release so ``need`` bytes fit on each GPU (all or nothing).
 
     ``free`` is each GPU's free memory seen now; ``landing`` what other restores will still
     take there although ``free`` does not show it yet (in flight, their bytes reserved and not
     landed; or room already made for them): the room is ``free`` less that; ``ledger`` each
-    person's memory and share (it is not changed)."""
+    person's memory and share (it is not changed); ``purpose``: what the room is for, in the
+    victims' reasons ("restore": a restore's; "cell": a cell's next try after it ran out of
+    memory)."""
     names = gpu_names or {}
     room = {g: free.get(g, 0) - (landing or {}).get(g, 0) for g in need}
     short = {g: n - room[g] for g, n in need.items() if n > room[g]}
@@ -98,7 +106,8 @@ def make_room(
             skipped[why] += 1
             continue
         was_over = over(h)
-        victims.append(Victim(h.user, c.kernel_id, _reason(requester, c, was_over), dict(c.gpu_bytes),
+        victims.append(Victim(h.user, c.kernel_id, _reason(requester, c, was_over, purpose),
+                              dict(c.gpu_bytes),
                               cfg.over_share_idle_timeout if was_over else cfg.base.pressure_idle_timeout))
         for g, n in c.gpu_bytes.items():
             sim.take(h.user, g, n)
@@ -130,9 +139,36 @@ def _not_taken(h: Holding, owner_over: bool, requester_within: bool, cfg: HubPol
     return ""
 
 
-def _reason(requester: str, c: policy.Candidate, owner_over: bool) -> str:
+def room_after_oom(
+    requester: str,
+    need: Mapping[int, int],
+    free: Mapping[int, int],
+    total: Mapping[int, int],
+    holdings: list[Holding],
+    ledger: Ledger,
+    cfg: HubPolicy,
+    gpu_names: Mapping[int, str] | None = None,
+    landing: Mapping[int, int] | None = None,
+) -> Plan:
+    """Other people's kernels to release so that the next try of ``requester``'s cell, which
+    failed to allocate ``need`` bytes per GPU, fits: room for those bytes plus the pressure
+    threshold's share of each GPU (``total`` its memory), so that the retry leaves the GPU out
+    of pressure, else for the bytes alone; as the server's own make-room after such an error
+    (:func:`.oom.plan`) does among its own kernels, by :func:`make_room`'s rules across
+    users."""
+    floor = pressure_floor({g: total.get(g, 0) for g in need}, cfg.base.pressure_free_fraction)
+    with_floor = make_room(requester, {g: n + floor[g] for g, n in need.items()}, free, holdings,
+                           ledger, cfg, gpu_names, landing, purpose="cell")
+    if with_floor.enough:
+        return with_floor
+    return make_room(requester, need, free, holdings, ledger, cfg, gpu_names, landing,
+                     purpose="cell")
+
+
+def _reason(requester: str, c: policy.Candidate, owner_over: bool, purpose: str) -> str:
     owner = "its owner is over their share, " if owner_over else ""
-    return f"making room for {requester}'s restore: {owner}idle for {c.idle_seconds:.0f} s"
+    what = "cell, which ran out of memory" if purpose == "cell" else "restore"
+    return f"making room for {requester}'s {what}: {owner}idle for {c.idle_seconds:.0f} s"
 
 
 _SAID = {

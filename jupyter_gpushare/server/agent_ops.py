@@ -98,6 +98,7 @@ class AgentOps:
         backend: str,
         connections: Callable[[], Mapping[str, AgentConnection]],
         hub_view: Callable[[], dict[str, Any] | None] = lambda: None,
+        oom_across: Callable[[], oom_room.Across | None] = lambda: None,
     ):
         self.controller = controller
         self.tracker = tracker
@@ -107,6 +108,7 @@ class AgentOps:
         self.backend = backend
         self.connections = connections
         self.hub_view = hub_view
+        self.oom_across = oom_across  # the hub service's make-room after an OOM (None: no service)
         self._making_room: set[str] = set()  # kernels whose out_of_memory request runs
 
     def handlers(self) -> dict[str, Handler]:
@@ -251,7 +253,8 @@ class AgentOps:
                             "again in a moment"}
         self._making_room.add(conn.kernel_id)
         try:
-            return await oom_room.after_oom(self.controller, conn.kernel_id, gpu, nbytes)
+            return await oom_room.after_oom(self.controller, conn.kernel_id, gpu, nbytes,
+                                            across=self.oom_across())
         except ControllerError as e:
             raise LookupError(e.message) from None
         finally:

@@ -170,6 +170,7 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
             kernel_view=lambda kid: kernel_view(self.controller, kid), backend=self.backend_name,
             connections=lambda: self.channel.connections,
             hub_view=lambda: self.hub_link.view() if self.hub_link is not None else None,
+            oom_across=lambda: self.hub_link.out_of_memory if self.hub_link is not None else None,
         )
         directory = self.socket_dir or jupyter_runtime_dir()
         self.socket_path = socket_path(directory, next(_instances))

@@ -7,6 +7,11 @@ room from other people's kernels on that GPU by calling
 plus fair shares from :mod:`jupyter_gpushare.policy.fairshare`), with candidates built as
 ``GPUShare.candidate`` builds them. The releases then run in turn, as the service's do.
 
+A cell that ran out of memory where its own server's idle kernels cannot make room for its
+next try is pushed too: the service makes room from other people's idle kernels on that GPU by
+:func:`jupyter_gpushare.policy.crossuser.room_after_oom`, unchanged, and the releases start
+at once (:meth:`GPUShareHub.oom_across_users`).
+
 A restore ahead of a cell is not pushed: it takes room only from its own server's
 kernels, below every cell's restore. Each server's release policy counts the expected need of
 every user's placed, not-yet-allocated kernels on its machine as wanted memory (the service
@@ -110,7 +115,22 @@ class GPUShareHub(GPUShare):
         self.making_room.add(k.index)
         self._release_in_turn(sim, [(by_id[v.kernel_id], v.reason) for v in plan.victims], k)
 
-    def _across_users(self, sim: Simulation, k: Kernel) -> crossuser.Plan:
+    def oom_across_users(self, sim: Simulation, k: Kernel, nbytes: int, free: dict[int, int],
+                         total: dict[int, int]) -> None:
+        """Its server asks the service (``POST api/oom``), which releases other people's idle
+        kernels for the next try of ``k``'s cell (free counting releases in flight as done, as
+        the service reads the node after its own server's releases)."""
+        ledger, holdings = self._ledger(sim, k)
+        plan = crossuser.room_after_oom(f"u{k.user_index}", {g: nbytes for g in k.gpus}, free,
+                                        total, holdings, ledger, self.hub)
+        by_id = {o.id: o for o in sim.kernels}
+        for v in plan.victims if plan.enough else []:
+            if by_id[v.kernel_id].state == RESIDENT:
+                sim.release(by_id[v.kernel_id], v.reason)
+
+    def _ledger(self, sim: Simulation, k: Kernel) -> tuple[Ledger, list[crossuser.Holding]]:
+        """Fair shares on ``k``'s machine and every kernel on ``k``'s GPUs, as the service's
+        view gives them."""
         on_gpu = [o for o in sim.kernels if o.alive and set(o.gpus) & set(k.gpus)]
         holdings = [crossuser.Holding(f"u{o.user_index}", self.candidate(sim, o)) for o in on_gpu]
         usage: dict[str, dict[int, int]] = {}
@@ -127,6 +147,10 @@ class GPUShareHub(GPUShare):
             shares={u: shares_of(u, [], self.shares) for u in {*usage, f"u{k.user_index}"}},
             enabled=bool(self.shares),
         )
+        return ledger, holdings
+
+    def _across_users(self, sim: Simulation, k: Kernel) -> crossuser.Plan:
+        ledger, holdings = self._ledger(sim, k)
         # what other restores will still put there: room the service already made for
         # restores that have not started (a restore in flight here holds its bytes already)
         landing: dict[int, int] = {}

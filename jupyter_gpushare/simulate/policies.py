@@ -288,8 +288,9 @@ class GPUShare(Policy):
     def on_out_of_memory(self, sim: Simulation, k: Kernel, nbytes: int) -> None:
         """The kernel's agent asks its server to make room for the next try
         (``core.oom_room``): the product's rule (:func:`jupyter_gpushare.policy.oom.plan`,
-        unchanged) over that server's own kernels (the hub service is not asked), free memory
-        counting releases in flight as done."""
+        unchanged) over that server's own kernels, free memory counting releases in flight as
+        done; where they cannot make the room, the server asks the hub service
+        (:meth:`oom_across_users`: none here)."""
         flight = sim.releases_in_flight()
         free = {g: sim.node.free(g) + flight.get(g, 0) for g in k.gpus}
         total = {g: sim.node.gpus[g].capacity for g in k.gpus}
@@ -297,11 +298,19 @@ class GPUShare(Policy):
         cands = {o.id: self.candidate(sim, o) for o in mine.values()}
         decisions = room_after_oom(product.Policy(self.config), list(k.gpus), nbytes, free,
                                    total, list(cands.values()), k.id)
+        if decisions is None:
+            self.oom_across_users(sim, k, nbytes, free, total)
+            return
         on = "GPU " + ", ".join(map(str, k.gpus))
-        for d in decisions or []:
+        for d in decisions:
             if mine[d.kernel_id].state == RESIDENT:  # the server's reason, as core.oom_room says it
                 sim.release(mine[d.kernel_id], f"making room: kernel {k.id} ran out of memory on "
                                                f"{on}: idle for {cands[d.kernel_id].idle_seconds:.0f} s")
+
+    def oom_across_users(self, sim: Simulation, k: Kernel, nbytes: int, free: dict[int, int],
+                         total: dict[int, int]) -> None:
+        """Its own server could not make room for the next try of ``k``'s cell: without the
+        hub service, nobody else is asked."""
 
     def room_candidates(self, sim: Simulation, k: Kernel) -> list[Kernel]:
         """Whom ``policy.make_room`` may pick to make room for ``k``: its own server's kernels."""
