@@ -48,6 +48,10 @@ with where a few kernels land, so a change is judged over seeds, not on seed 0 a
 F; 1 releases at ``long_idle`` whatever the room. For as long as the simulator's ``needs``
 releases every kernel idle ``long_idle`` (``simulate/policies.py``, ``GPUShare.releases``)
 this is how the product's rule is measured.
+``--known-sizes``: with hindsight, every kernel is expected to need what it will hold at its
+largest (its start and its cells' allocations) instead of what its person's kernels held
+before: how much of the gap to the compute limit comes from not knowing a kernel's size
+before it allocates (first allocations that fail, GPUs chosen by a need too small).
 """
 
 from __future__ import annotations
@@ -319,6 +323,19 @@ def hold_long_idle_to(share: float) -> None:
     policies.GPUShare.releases = held  # type: ignore[method-assign]
 
 
+def expect_known_sizes() -> None:
+    """``--known-sizes``: the simulator expects each kernel to need its largest allocation
+    (hindsight; the product cannot know it before the kernel allocates)."""
+    expected = Simulation.expected_need
+
+    def known(self: Simulation, k: Any) -> rule.Need:
+        peak = max([k.work.gpu_bytes, *(c.nbytes or 0 for ss in k.work.sessions for c in ss.cells)])
+        said = expected(self, k)
+        return replace(said, bytes=max(peak, said.bytes))
+
+    Simulation.expected_need = known  # type: ignore[method-assign]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--counts", default="", help="GPU counts to run gpushare at (comma list)")
@@ -335,6 +352,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=seed_list, default=None, metavar="LIST",
                     help="seeds to run the counts at (0-4 or 0,1,2): one line per seed, the "
                          "smallest count that serves and the larger ones that do not")
+    ap.add_argument("--known-sizes", action="store_true",
+                    help="with hindsight, expect every kernel to need its largest allocation")
     ap.add_argument("simulate", nargs=argparse.REMAINDER,
                     help="after --: jupyter gpushare simulate's options")
     args = ap.parse_args()
@@ -343,6 +362,8 @@ def main() -> None:
         rest, args.counts = ["--quick", "--days", "1"], "4"
     if args.long_idle_share is not None:
         hold_long_idle_to(args.long_idle_share)
+    if args.known_sizes:
+        expect_known_sizes()
     if args.seeds:
         counts = sorted(int(c) for c in args.counts.split(",") if c.strip())
         for line in across_seeds(rest, counts, args.policy, args.seeds):
@@ -351,6 +372,8 @@ def main() -> None:
     w, s, name = workload_of(rest)
     if args.long_idle_share is not None:
         name += f"; long-idle releases below {args.long_idle_share:.0%} free"
+    if args.known_sizes:
+        name += "; kernels' sizes known ahead (hindsight)"
     print(f"{name}: {len(w.users)} users, {len(w.kernels)} kernels; machines of {s.gpus} x "
           f"{s.gpu_gib:g} GiB; release policy {s.release_policy}; transfer model {s.transfer.name}")
     for line in bounds(w, s):
