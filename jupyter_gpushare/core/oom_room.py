@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from .lifecycle import Lifecycle
 
 SETTLE = 1.5  # s the answer waits for the releases it started (the person reruns after it)
+#: s the answer waits for the hub service, whose answer comes once its releases are done (the
+#: kernel's agent waits 5 s for the answer; the service's releases go on after it)
+ACROSS_WAIT = 3.0
+_asked: set[asyncio.Task[Any]] = set()  # the service's answers still coming, kept referenced
 
 #: asks the hub service for room on the node's GPU: (kernel, gpu, bytes) -> its answer
 #: ({"released": kernels, "bytes": ..., "why_not": ...}) or None (no answer)
@@ -114,9 +118,16 @@ async def _ask_across(across: Across, kernel_id: str, gpus: list[int], nbytes: i
                       out: dict[str, Any], own: str) -> dict[str, Any]:
     """This server could not make the room: the hub service is asked, GPU by GPU; what it
     released is said, else why not after this server's own reason."""
-    released, freed, why = 0, 0, []
+    released, freed, why, going = 0, 0, [], []
     for g in gpus:
-        answer = await across(kernel_id, g, nbytes)
+        task = asyncio.ensure_future(across(kernel_id, g, nbytes))
+        _asked.add(task)
+        task.add_done_callback(_asked.discard)
+        try:
+            answer = await asyncio.wait_for(asyncio.shield(task), ACROSS_WAIT)
+        except asyncio.TimeoutError:
+            going.append(g)  # its releases go on: the next try finds the room
+            continue
         if answer is None:
             why.append(f"gpushare: the hub service did not answer for GPU {g}")
             continue
@@ -125,6 +136,10 @@ async def _ask_across(across: Across, kernel_id: str, gpus: list[int], nbytes: i
         if not answer["released"] and answer["why_not"]:
             why.append(f"gpushare: the hub service made no room on GPU {g}: {answer['why_not']}")
     out = {**out, "across": {"released": released, "bytes": freed}}
+    if going:
+        return {**out, "cause": "releasing",
+                "text": f"gpushare: {_on(gpus)} was short of memory: the hub service is releasing "
+                        "idle kernels of other people: run the cell again in a moment"}
     if released:
         kernels = f"{released} idle kernel{'s' if released != 1 else ''} of other people"
         return {**out, "cause": "released",
