@@ -118,8 +118,9 @@ class GPUShareHub(GPUShare):
     def oom_across_users(self, sim: Simulation, k: Kernel, nbytes: int, free: dict[int, int],
                          total: dict[int, int]) -> None:
         """Its server asks the service (``POST api/oom``), which releases other people's idle
-        kernels for the next try of ``k``'s cell (free counting releases in flight as done, as
-        the service reads the node after its own server's releases)."""
+        kernels for the next try of ``k``'s cell by the rule, unchanged; free memory as the
+        server counted it (releases in flight as done: the service's own reading does not
+        count them, and its landing counts restores in flight, which this leaves out)."""
         ledger, holdings = self._ledger(sim, k)
         plan = crossuser.room_after_oom(f"u{k.user_index}", {g: nbytes for g in k.gpus}, free,
                                         total, holdings, ledger, self.hub)
