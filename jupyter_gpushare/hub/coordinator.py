@@ -480,12 +480,18 @@ class Coordinator:
         async with lock:  # one at a time per server: a flood of pushes queues, it does not fan out
             return await self._on_push(user, server, kernel_ids)
 
-    async def _on_push(self, user: str, server: str, kernel_ids: Iterable[str]) -> dict[str, Any]:
+    async def _caller(self, user: str, server: str) -> ServerEntry | None:
+        """The calling server's entry; the Hub asked again (at most once a second) for one
+        not known yet: a server started since the last poll."""
         entry = self.entries.get((user, server))
         if entry is None and clock.monotonic() - self._last_discovery > 1.0:
-            self._last_discovery = clock.monotonic()  # a server started since the last poll
+            self._last_discovery = clock.monotonic()
             await self._discover()
             entry = self.entries.get((user, server))
+        return entry
+
+    async def _on_push(self, user: str, server: str, kernel_ids: Iterable[str]) -> dict[str, Any]:
+        entry = await self._caller(user, server)
         if entry is None:
             return {"released": [], "waits": {}, "me": self.me(user, server=server)}
         await self._read(entry)  # its own server, read now: its own time
@@ -532,11 +538,7 @@ class Coordinator:
 
     async def _on_out_of_memory(self, user: str, server: str, kernel_id: str, uuid: str,
                                 nbytes: int) -> tuple[list[dict[str, Any]], str | None]:
-        entry = self.entries.get((user, server))
-        if entry is None and clock.monotonic() - self._last_discovery > 1.0:
-            self._last_discovery = clock.monotonic()  # a server started since the last poll
-            await self._discover()
-            entry = self.entries.get((user, server))
+        entry = await self._caller(user, server)
         if entry is None:
             return [], "the service does not know this server yet"
         key = (user, server, kernel_id)
