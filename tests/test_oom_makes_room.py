@@ -4,6 +4,8 @@ says so under the framework's error. Real server, real kernels, the simulated no
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from jupyter_gpushare import clock, policy
@@ -146,3 +148,28 @@ def test_unknown_bytes_take_every_idle_kernel_there_and_known_bytes_only_enough(
     assert sorted(d.kernel_id for d in unknown) == ["old", "older"]
     assert plan(rules, [0], 10 * MiB, {0: 300 * MiB}, total, cands, "me") == []
     assert plan(rules, [0], 900 * MiB, free, total, cands, "me") is None
+
+
+@pytest.mark.parametrize("gpushare_config", [NODE])
+async def test_memory_held_outside_this_server_is_said_with_who_could_release_it(
+    kernels, gpushare_app
+):
+    """Another process (another person's kernel, or a program outside this server) holds
+    192 MiB of GPU 0 and this server has nothing there to release: the cell says so, and who
+    could (without the hub service nobody here can); memory outside that could not have made
+    the room is not mentioned."""
+    pid = os.getpid()
+    gpushare_app.node.alloc(pid, 0, 192 * MiB)
+    try:
+        b = await kernels.start()
+        ex = await b.run(ALLOC.format(mib=128), ok=False)  # 64 MiB free
+        assert ("gpushare: GPU 0 is short of memory and no other kernel of this server holds "
+                "memory there\ngpushare: other processes hold 192.0 MiB of GPU 0 (other "
+                "people's kernels, or programs outside this server): this server releases only "
+                "its own kernels; under JupyterHub, the gpushare hub service also releases "
+                "other people's idle ones") in ex.stderr, ex.stderr
+        ex = await b.run(ALLOC.format(mib=512), ok=False)  # more than the GPU: nobody could
+        assert "other processes hold" not in ex.stderr, ex.stderr
+    finally:
+        gpushare_app.node.release(pid, 0, 192 * MiB)
+

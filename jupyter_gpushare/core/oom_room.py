@@ -44,6 +44,8 @@ SETTLE = 1.5  # s the answer waits for the releases it started (the person rerun
 #: s the answer waits for the hub service, whose answer comes once its releases are done (the
 #: kernel's agent waits 5 s for the answer; the service's releases go on after it)
 ACROSS_WAIT = 3.0
+#: memory outside this server's kernels is said only above this fraction (1/N) of the GPU
+OTHERS_SAID = 16
 _asked: set[asyncio.Task[Any]] = set()  # the service's answers still coming, kept referenced
 
 #: asks the hub service for room on the node's GPU: (kernel, gpu, bytes) -> its answer
@@ -80,7 +82,8 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
         text = _none_text(c, kernel_id, gpus, nbytes, cands, free)
         if across is not None and nbytes is not None:
             return await _ask_across(across, kernel_id, gpus, nbytes, out, text)
-        return {**out, "cause": "none", "text": text}
+        others = _others_text(c, gpus, nbytes, free, total)
+        return {**out, "cause": "none", "text": "\n".join(t for t in (text, others) if t)}
     if not decisions:
         asked = f" for the {format_bytes(nbytes)} the cell asked for" if nbytes is not None else ""
         return {**out, "cause": "room",
@@ -146,6 +149,30 @@ async def _ask_across(across: Across, kernel_id: str, gpus: list[int], nbytes: i
                 "text": f"gpushare: {_on(gpus)} was short of memory: the hub service released "
                         f"{kernels} ({format_bytes(freed)}): run the cell again"}
     return {**out, "cause": "none", "text": "\n".join([own, *why])}
+
+
+def _others_text(c: Controller, gpus: list[int], nbytes: int | None, free: dict[int, int],
+                 total: dict[int, int]) -> str:
+    """Without the hub service: where memory this server's kernels do not hold would have made
+    the room (other people's kernels, programs outside this server), say so, and who could
+    release it: a person alone on a shared GPU otherwise reads that nothing could be done."""
+    lines = []
+    for g in gpus:
+        rec = c.tracker.gpus.get(g)
+        if rec is None or not rec.history or g not in free or g not in total:
+            continue
+        used = total[g] - free[g]
+        mine = sum(k.gpu_bytes.get(g, 0) for k in c.tracker.kernels.values())
+        others = used - mine
+        # not what the driver keeps for itself (a few hundred MiB a GPU), nor memory that
+        # would not have made the room anyway
+        if others <= total[g] // OTHERS_SAID or (nbytes is not None and free[g] + others < nbytes):
+            continue
+        lines.append(f"gpushare: other processes hold {format_bytes(others)} of GPU {g} (other "
+                     "people's kernels, or programs outside this server): this server releases "
+                     "only its own kernels; under JupyterHub, the gpushare hub service also "
+                     "releases other people's idle ones")
+    return "\n".join(lines)
 
 
 def _failure(task: asyncio.Future[Any]) -> str | None:
