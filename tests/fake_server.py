@@ -6,7 +6,9 @@ It reads what to say from the JSON file in ``GPUSHARE_FAKE`` at every request:
 ``uuid``, ``total``, ``used`` (its reading of the GPU), ``delay`` (seconds before a status
 answer), ``kernels`` (see :func:`kernel`; ``"self"`` in ``pids`` is this process) and
 ``push`` (kernel ids it tells the service are waiting, every second, with the server's own
-token). The service's answers to those pushes are appended to ``GPUSHARE_FAKE`` + ``.answers``.
+token) and ``oom`` (``[{"kernel", "bytes"}]``: cells it tells the service ran out of memory on
+GPU ``uuid``, every second). The service's answers to those pushes and out-of-memory requests
+are appended to ``GPUSHARE_FAKE`` + ``.answers``.
 ``GPUSHARE_FAKE_BALLAST_MIB`` MiB of host memory are held from the start (a state it could
 claim).
 """
@@ -88,10 +90,13 @@ class Fake(BaseHTTPRequestHandler):
 def push_forever() -> None:
     url, token = os.environ.get("JUPYTER_GPUSHARE_HUB_URL", ""), os.environ.get("JUPYTERHUB_API_TOKEN", "")
     while url and token:
-        kernels = config().get("push") or []
-        if kernels:
-            req = urllib.request.Request(url + "api/waiting", method="POST",
-                                         data=json.dumps({"server": "", "kernels": kernels}).encode(),
+        cfg = config()
+        kernels = cfg.get("push") or []
+        asks = [("api/waiting", {"server": "", "kernels": kernels})] if kernels else []
+        asks += [("api/oom", {"server": "", "kernel": o["kernel"], "gpu": cfg.get("uuid", ""),
+                              "bytes": o["bytes"]}) for o in cfg.get("oom") or []]
+        for path, body in asks:
+            req = urllib.request.Request(url + path, method="POST", data=json.dumps(body).encode(),
                                          headers={"Authorization": f"token {token}",
                                                   "Content-Type": "application/json"})
             try:

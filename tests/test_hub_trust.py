@@ -238,3 +238,35 @@ async def test_a_slow_server_does_not_slow_other_users_room_making(hub):
         say(hub, "sam")
         await shut(alice, bob)
         await hub.stop_server("sam")  # its read in flight ends with it, not 900 s later
+
+
+async def test_room_made_for_an_out_of_memory_claim_that_goes_unused_costs_its_user(hub):
+    """mallory's server says, every second, that a cell of its kernel failed to allocate 320
+    MiB on the GPU: bob's idle kernel is released once for it; nothing lands on the GPU for
+    mallory within claim_grace, so mallory's claims pause, and bob's kernel is not released
+    again while mallory goes on saying it."""
+    bob = await holding_kernel(hub, "bob", BIG, "b")
+    claimer = {"kid": "m9", "pids": ["self"], "state": "idle", "idle": 5.0}
+    try:
+        await idle_for(hub, "bob", bob, 1.5)
+        await fake(hub, "mallory", kernels=[claimer], oom=[{"kernel": "m9", "bytes": BIG * MiB}])
+        await hub.wait_kernel("bob", bob.id, lambda s: s["state"] == "released",
+                              "room made once for mallory's out-of-memory claim")
+        m = await seen(hub, "mallory", lambda u: u["claims_paused_seconds"] > 0,
+                       "mallory's unused room noticed after claim_grace", timeout=90)
+        assert 590 < m["claims_paused_seconds"] <= 600
+        action = next(r for r in (await admin_view(hub))["recent"]
+                      if r["action"] == "claim unused" and r["user"] == "mallory")
+        assert action["kernel"] == "m9" and action["bytes"] == BIG * MiB, action
+        await bob.run(intact("b"))  # bob works again, then idles: mallory's claims go on
+        await idle_for(hub, "bob", bob, 1.5)
+        await asyncio.sleep(5)
+        k = await hub.kernel_status("bob", bob.id)
+        assert k["state"] in ("active", "idle") and k["releases"] == 1, k
+        said = [a for a in answers(hub, "mallory") if "why_not" in a]
+        assert [a["released"] for a in said if a["released"]] == [
+            [{"what": "another user's idle kernel", "bytes": BIG * MiB}]], said
+        assert "was not used" in said[-1]["why_not"], said[-1]
+    finally:
+        say(hub, "mallory")
+        await shut(bob)

@@ -15,7 +15,8 @@
   make room for the next try): the same, by
   :func:`~jupyter_gpushare.policy.crossuser.room_after_oom`, for the bytes the cell asked for
   (the server's word, at most the GPU's memory; once per ``OOM_ROOM_EVERY`` s per kernel; not
-  while the user's claims are paused).
+  while the user's claims are paused; room made and not used within ``claim_grace`` pauses
+  them, as for a restore).
 
 **Trust.** A server runs as its user, who may change it: its status is a claim. Where the
 service runs on the node it measures the GPUs and the kernels' processes itself
@@ -121,7 +122,8 @@ class Wait:
 
 @dataclass
 class Served:
-    """Room made for one restore: it must land within the grace, or it costs its user."""
+    """Room made for one restore (or for a cell's next try after it ran out of memory): it must
+    land (be allocated) within the grace, or it costs its user."""
 
     at: float
     uuids: dict[str, int]  # GPU uuid -> bytes it needed
@@ -406,8 +408,8 @@ class Coordinator:
         why = (f"room made {t - served.at:.0f} s ago ({format_bytes(served.released)} released) "
                f"was not used")
         self.metrics.claims.labels("unused").inc()
-        log.warning("gpushare hub: %s's restore of kernel %s: %s; no room is made for %s's "
-                    "restores for %.0f s", user, key[2], why, user, pause)
+        log.warning("gpushare hub: %s's kernel %s: %s; no room is made for %s's kernels "
+                    "for %.0f s", user, key[2], why, user, pause)
         self.recent.appendleft({"t": round(t, 3), "action": "claim unused", "user": user,
                                 "server": key[1], "kernel": key[2], "bytes": served.released,
                                 "reason": f"{why}; claims paused for {pause:.0f} s"})
@@ -553,7 +555,8 @@ class Coordinator:
         await self._measure()
         self._rebuild()
         gpu = next((g for g in self.view.gpus.values() if g.uuid == uuid), None)
-        if self.view.find(user, server, kernel_id) is None:
+        placed = self.view.find(user, server, kernel_id)
+        if placed is None:
             return [], "the service does not know this kernel"
         if gpu is None or entry.ref.key not in gpu.index:
             return [], "the service does not know that GPU on this server's node"
@@ -588,7 +591,9 @@ class Coordinator:
             done = await asyncio.gather(*(self._release_victim(owner, victim, user, "oom", None)
                                           for owner, victim in jobs))
             released = [d for d in done if d is not None]
-            if released:
+            if released:  # room made for a claim: it must be used, as a restore's must land
+                self.served[key] = Served(t, {gpu.uuid: need[gpu.gid]}, list(placed.kernel.pids),
+                                          gpu.measured, sum(d["bytes"] for d in released))
                 self._rebuild()
             return released, None if released else "the releases to make room failed"
 
