@@ -34,6 +34,12 @@ def ask(**fields):
 """
 
 
+def oom_count(cause: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("gpushare_out_of_memory_total", {"cause": cause}) or 0.0
+
+
 async def idle_holder(kernels, app, mib: int = 192):
     """A kernel holding ``mib`` MiB of GPU 0, idle past ``pressure_idle_timeout``."""
     a = await kernels.start()
@@ -51,8 +57,10 @@ async def test_a_cell_out_of_memory_releases_an_idle_kernel_and_its_retry_fits(
 ):
     a = await idle_holder(kernels, gpushare_app)
     b = await kernels.start()
+    before = oom_count("released")
     ex = await b.run(ALLOC.format(mib=128), ok=False)  # 64 MiB free
     assert ex.error is not None and ex.error["ename"] == "SimOutOfMemoryError", ex.error
+    assert oom_count("released") == before + 1  # on the server's /metrics, for admins
     assert "gpushare: GPU 0 was short of memory: " in ex.stderr, ex.stderr
     assert "1 idle kernel (192.0 MiB): run the cell again" in ex.stderr, ex.stderr
 
@@ -162,7 +170,9 @@ async def test_memory_held_outside_this_server_is_said_with_who_could_release_it
     gpushare_app.node.alloc(pid, 0, 192 * MiB)
     try:
         b = await kernels.start()
+        before = oom_count("none")
         ex = await b.run(ALLOC.format(mib=128), ok=False)  # 64 MiB free
+        assert oom_count("none") == before + 1
         assert ("gpushare: GPU 0 is short of memory and no other kernel of this server holds "
                 "memory there\ngpushare: other processes hold 192.0 MiB of GPU 0 (other "
                 "people's kernels, or programs outside this server): this server releases only "

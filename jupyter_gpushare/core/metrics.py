@@ -32,6 +32,15 @@ AHEAD_RESTORES = Counter(
     "(released again after ahead_grace)",
     ["outcome"],
 )
+OUT_OF_MEMORY = Counter(
+    "gpushare_out_of_memory",
+    "Cells that ran out of GPU memory and asked for room for their next try, by what was done: "
+    "released (this server's idle kernels, or the hub service's), releasing (the hub service's "
+    "releases still going), room (there was room already), none (nothing could make it), cap "
+    "(the kernel's own memory cap), unknown_gpu, failed (the releases failed), busy (one was "
+    "being made)",
+    ["cause"],
+)
 RESTORE_SECONDS = Histogram(
     "gpushare_restore_seconds",
     "Time to restore a kernel's GPU state",

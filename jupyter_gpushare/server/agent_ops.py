@@ -21,7 +21,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from ..core import oom_room
+from ..core import metrics, oom_room
 from ..core.controller import ControllerError
 from ..fields import boolean, integer, optional_integer, seconds_or_none, shown, strings
 from ..node.placement import placed_gpus
@@ -248,13 +248,16 @@ class AgentOps:
         nbytes = optional_integer(msg, "bytes")
         gpu = optional_integer(msg, "gpu")
         if conn.kernel_id in self._making_room:
+            metrics.OUT_OF_MEMORY.labels("busy").inc()
             return {"gpus": [], "released": [], "bytes": 0, "cause": "busy",
                     "text": "gpushare: room is being made for this kernel already: run the cell "
                             "again in a moment"}
         self._making_room.add(conn.kernel_id)
         try:
-            return await oom_room.after_oom(self.controller, conn.kernel_id, gpu, nbytes,
+            done = await oom_room.after_oom(self.controller, conn.kernel_id, gpu, nbytes,
                                             across=self.oom_across())
+            metrics.OUT_OF_MEMORY.labels(done["cause"]).inc()  # admins: how often, what helped
+            return done
         except ControllerError as e:
             raise LookupError(e.message) from None
         finally:
