@@ -552,7 +552,6 @@ class Coordinator:
             return [], (f"room made for an earlier restore of yours was not used: no room is made "
                         f"for you from other people's kernels for another {pause:.0f} s")
         await self._read(entry)  # its own server, read now: a kernel started since is listed
-        await self._measure()
         self._rebuild()
         gpu = next((g for g in self.view.gpus.values() if g.uuid == uuid), None)
         placed = self.view.find(user, server, kernel_id)
@@ -563,17 +562,11 @@ class Coordinator:
         need = {gpu.gid: min(nbytes, gpu.total) if gpu.total else nbytes}
         lock = self._gpu_locks.setdefault(gpu.gid, asyncio.Lock())
         async with lock:
-            others = [self.entries[k] for k in self.view.servers_on(set(need))
-                      if k in self.entries and k != entry.ref.key]
-            await self._refresh(others, self.settings.read_deadline, wait_slow=False)
-            await self._measure()
-            self._rebuild()
+            late = await self._read_around(set(need), entry.ref.key)
             gpu = self.view.gpus.get(gpu.gid, gpu)
             if gpu.free is None:
                 return [], "the GPU's free memory is not known to the service"
-            late = {e.ref.key for e in others if e.slow or (e.task is not None and not e.task.done())}
-            holdings = [h for h, p in zip(self.view.holdings(), self.view.placed, strict=True)
-                        if p.ref.key not in late]
+            holdings = self._prompt(self.view.holdings(), late)
             plan = crossuser.room_after_oom(
                 user, need, {gpu.gid: gpu.free}, {gpu.gid: gpu.total or 0}, holdings,
                 self.view.ledger(self.settings.shares, self.groups), self.settings.policy,
@@ -586,11 +579,7 @@ class Coordinator:
             t = now()
             self.oom_served = {k: at for k, at in self.oom_served.items() if t - at < OOM_ROOM_EVERY}
             self.oom_served[key] = t
-            jobs = [(owner, victim) for victim in plan.victims
-                    if (owner := self.view.owner(victim.kernel_id)) is not None]
-            done = await asyncio.gather(*(self._release_victim(owner, victim, user, "oom", None)
-                                          for owner, victim in jobs))
-            released = [d for d in done if d is not None]
+            released = await self._release_victims(plan, user, "oom", None)
             if released:  # room made for a claim: it must be used, as a restore's must land
                 self.served[key] = Served(t, {gpu.uuid: need[gpu.gid]}, list(placed.kernel.pids),
                                           gpu.measured, sum(d["bytes"] for d in released))
@@ -710,12 +699,7 @@ class Coordinator:
         # fresh numbers from everyone on those GPUs: decisions on live data, not a poll's; the
         # others' servers are waited for at most read_deadline, a slow one not at all
         own = self.entries.get(placed.ref.key)
-        others = [self.entries[k] for k in self.view.servers_on(set(placed.need))
-                  if k in self.entries and k != placed.ref.key]
-        await asyncio.gather(self._read(own) if own is not None else asyncio.sleep(0),
-                             self._refresh(others, self.settings.read_deadline, wait_slow=False))
-        await self._measure()
-        self._rebuild()
+        late = await self._read_around(set(placed.need), placed.ref.key, own)
         fresh = self.view.find(user, server, kid)
         if fresh is None or not fresh.need or not fresh.kernel.waiting:
             return [], None  # it got its room meanwhile (or is gone, or is not believed)
@@ -736,8 +720,7 @@ class Coordinator:
                  if g in self.view.gpus}
         ledger = self.view.ledger(self.settings.shares, self.groups)
         holdings = self.view.holdings()
-        late = {e.ref.key for e in others if e.slow or (e.task is not None and not e.task.done())}
-        prompt = [h for h, p in zip(holdings, self.view.placed, strict=True) if p.ref.key not in late]
+        prompt = self._prompt(holdings, late)
         landing = self._landing(fresh)
         plan = crossuser.make_room(user, fresh.need, known, prompt, ledger, self.settings.policy, names,
                                    landing)
@@ -750,11 +733,7 @@ class Coordinator:
         if not plan.enough or not plan.victims:  # no room to make, or room there already
             why = plan.why_not or None
         else:
-            jobs = [(owner, victim) for victim in plan.victims
-                    if (owner := self.view.owner(victim.kernel_id)) is not None]
-            done = await asyncio.gather(*(self._release_victim(owner, victim, user, trigger, wait)
-                                          for owner, victim in jobs))
-            released = [d for d in done if d is not None]
+            released = await self._release_victims(plan, user, trigger, wait)
             if released:
                 self._served(fresh, sum(d["bytes"] for d in released))
                 self._rebuild()
@@ -762,6 +741,34 @@ class Coordinator:
         if wait is not None:
             wait.why = why
         return released, why
+
+    async def _read_around(self, gids: set[int], key: tuple[str, str],
+                           own: ServerEntry | None = None) -> set[tuple[str, str]]:
+        """Fresh numbers from every other server with kernels on ``gids`` (and ``own``, the
+        asking server, at the same time), then the node measured and the view rebuilt:
+        decisions on live data, not a poll's. The others are waited for at most
+        ``read_deadline``, a slow one not at all; returns those still late."""
+        others = [self.entries[k] for k in self.view.servers_on(gids) if k in self.entries and k != key]
+        await asyncio.gather(self._read(own) if own is not None else asyncio.sleep(0),
+                             self._refresh(others, self.settings.read_deadline, wait_slow=False))
+        await self._measure()
+        self._rebuild()
+        return {e.ref.key for e in others if e.slow or (e.task is not None and not e.task.done())}
+
+    def _prompt(self, holdings: list[crossuser.Holding], late: set[tuple[str, str]]
+                ) -> list[crossuser.Holding]:
+        """``holdings`` (in the view's order) but those of servers still ``late``."""
+        return [h for h, p in zip(holdings, self.view.placed, strict=True) if p.ref.key not in late]
+
+    async def _release_victims(self, plan: crossuser.Plan, requester: str, trigger: str,
+                               wait: Wait | None) -> list[dict[str, Any]]:
+        """Release ``plan``'s victims side by side, each through its own server; what was
+        released (a victim gone from the view, or whose release was refused, is left out)."""
+        jobs = [(owner, victim) for victim in plan.victims
+                if (owner := self.view.owner(victim.kernel_id)) is not None]
+        done = await asyncio.gather(*(self._release_victim(owner, victim, requester, trigger, wait)
+                                      for owner, victim in jobs))
+        return [d for d in done if d is not None]
 
     def _landing(self, placed: Placed) -> dict[int, int]:
         """Per GPU ``placed`` needs, what other restores will still take there that its free
