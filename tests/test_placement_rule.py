@@ -11,6 +11,7 @@ from jupyter_gpushare.policy.placement import (
     Need,
     Resident,
     add,
+    before_cell,
     choose,
     contended,
     expected_need,
@@ -182,6 +183,34 @@ def test_moves_leave_the_pressure_threshold_free_on_their_target():
     assert rebalance(residents, views) == [("away", {0: 1})]
     assert rebalance(residents, {**views, 2: GpuView(2, room=20 * GiB, load=60)},
                      keep=keep) == []
+
+
+def test_a_heavy_kernel_about_to_share_a_busy_gpu_moves_first_to_a_quiet_one_with_room():
+    keep = pressure_floor({0: 80 * GiB, 1: 80 * GiB, 2: 80 * GiB}, 0.1)
+    views = {0: GpuView(0, room=10 * GiB, load=95, busy=1), 1: GpuView(1, room=30 * GiB, load=60),
+             2: GpuView(2, room=20 * GiB, load=5)}
+    trainer = Resident("k", {0: 6 * GiB}, movable=True)
+    reading = {0: 100.0, 1: 0.0, 2: 0.0}  # another kernel's cell keeps GPU 0 busy now
+    # GPU 1 has more room, but was busy over the window: GPU 2, quiet, keeps the threshold
+    assert before_cell(trainer, 80.0, reading, views, keep=keep) == {0: 2}
+    # a light kernel (its last GPU work at 20 % SM) stays: the two would not slow much
+    assert before_cell(trainer, 20.0, reading, views, keep=keep) is None
+    # its GPU not busy now (a training ended): it stays
+    assert before_cell(trainer, 80.0, {**reading, 0: 25.0}, views, keep=keep) is None
+    # readings above 100 % (a simulated demand) count as 100, as NVML reads them
+    assert before_cell(trainer, 9.0, {0: 250.0}, views, heavy=5.0) is None
+    # a quiet GPU over the window that is busy now is no target
+    assert before_cell(trainer, 80.0, {**reading, 2: 90.0}, views, keep=keep) is None
+    # a target that would be left under the threshold is none either
+    assert before_cell(Resident("k", {0: 14 * GiB}, movable=True), 80.0, reading, views,
+                       keep=keep) is None
+    # a kernel that may not move (running a cell, pinned, its moves this hour used) stays
+    assert before_cell(Resident("k", {0: 6 * GiB}, movable=False), 80.0, reading, views) is None
+    # a kernel of two GPUs moves whole or not at all
+    both = Resident("w", {0: 2 * GiB, 1: 2 * GiB}, movable=True)
+    wide = {**views, 3: GpuView(3, room=20 * GiB)}
+    assert before_cell(both, 80.0, reading, wide) == {0: 2, 1: 3}
+    assert before_cell(both, 80.0, reading, views) is None
 
 
 def test_window_mean_weights_samples_by_how_long_they_held():

@@ -56,12 +56,14 @@ def test_the_defaults_are_the_products_options_defaults():
     assert s.rebalance == restore["rebalance"].default_value
     assert s.rebalance_idle == restore["rebalance_idle"].default_value
     assert s.rebalance_per_hour == restore["rebalance_max_per_hour"].default_value
+    assert s.rebalance_before_cell == restore["rebalance_before_cell"].default_value
     assert s.load_window == NodeOptions.class_traits()["load_window"].default_value
     assert (s.placement, s.servers) == ("room", "rule")
     # the command line's defaults are the same settings
     parsed = cli.settings_from(cli.parser().parse_args([]))
     for name in ("release_policy", "long_idle", "move_after", "ahead_grace", "rebalance",
-                 "rebalance_idle", "rebalance_per_hour", "load_window", "placement", "servers"):
+                 "rebalance_idle", "rebalance_per_hour", "rebalance_before_cell", "load_window",
+                 "placement", "servers"):
         assert getattr(parsed, name) == getattr(s, name), name
     # and a policy built without arguments is the product too
     p = GPUShare(PolicyConfig())
@@ -226,6 +228,32 @@ def test_an_idle_kernel_on_a_contended_gpu_is_moved_and_its_next_cell_runs_there
                if r.kernel == 0)
     stays = sim(False)
     assert stays.counters.rebalances == 0 and stays.kernels[0].gpus == [0]
+
+
+def test_a_heavy_kernel_about_to_share_a_busy_gpu_moves_before_its_cell_with_the_option():
+    """K trains 0-10 at 90 % SM on GPU 0, and its person runs the next training 60 s later
+    (not away: rebalance alone would not move it), while T's training keeps GPU 0 busy
+    from 30 on. With rebalance_before_cell (``--move-before-cell``) K moves to GPU 1 first:
+    its cell waits for the move, then runs at full speed there, and T's is not slowed;
+    without it (the product's default) both share GPU 0's SMs."""
+    w = Workload(3000.0, (
+        kernel("k", "K", 2, 0.0, Cell(0, 10, 90), Cell(60, 100, 90)),
+        kernel("u", "U", 1, 0.0, Cell(0, 5, 10)),
+        kernel("t", "T", 1, 30.0, Cell(0, 2900, 100))), "busy", ("K", "U", "T"))
+
+    def sim(before_cell: bool):
+        return run(w, GPUShare(PolicyConfig(), poll_interval=0.5,
+                               rebalance_before_cell=before_cell), placement="round-robin")
+    moved = sim(True)
+    k_cells = [r for r in moved.cells if r.kernel == 0]
+    assert [r.ran_on for r in k_cells] == [0, 1] and moved.kernels[0].gpus == [1]
+    assert moved.counters.rebalances == 1 and moved.counters.release_reasons == {"rebalance": 1}
+    assert k_cells[1].delay > 0  # it waited for the move
+    assert k_cells[1].end - k_cells[1].start == pytest.approx(100)
+    stays = sim(False)
+    k_cells = [r for r in stays.cells if r.kernel == 0]
+    assert [r.ran_on for r in k_cells] == [0, 0]  # (rebalance moves it later, once it is idle)
+    assert k_cells[1].end - k_cells[1].start > 150  # 190 % asked of GPU 0: both slowed
 
 
 # -- the compute limit -------------------------------------------------------------------------

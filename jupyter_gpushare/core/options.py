@@ -147,6 +147,21 @@ class RestoreOptions(Configurable):
         kernel not running a cell may move (the window is then load_window).""",
     ).tag(config=True)
 
+    rebalance_before_cell = Bool(
+        False,
+        help="""With rebalance: when a cell arrives for a kernel whose last GPU work ran at 50 %
+        SM or more, and another kernel's cell keeps its GPU busy (the last reading and its own
+        SM add up to more than 110 %), the kernel moves to a quiet GPU with room before the
+        cell runs (a release, then a restore there, as rebalance moves it): the cell waits
+        seconds for the move instead of both cells running slower for as long as both run.
+        The move counts within rebalance_max_per_hour; it happens only for cells that come
+        through the server's websocket (JupyterLab, Notebook, VS Code), not for a kernel
+        already running a cell, and only with methods that can restore onto another GPU.
+        Default False (measured in the simulator: fewer hours of shared SMs, more cells that
+        wait, no fewer GPUs on its default workload). False = a kernel moves only between
+        cells, once its person is away (rebalance_idle).""",
+    ).tag(config=True)
+
     rebalance_max_per_hour = Int(
         2,
         help="""Moves per kernel per hour at most (rebalance). Default 2. 0 = no moves (as

@@ -23,11 +23,19 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from .. import clock
 from ..node.gpu_load import GpuLoad, coming_back
-from ..policy.placement import GpuView, Resident, contended, pressure_floor, rebalance
+from ..policy.placement import (
+    GpuView,
+    Resident,
+    before_cell,
+    contended,
+    pressure_floor,
+    rebalance,
+)
 from ..states import ACTIVE, IDLE
 from . import metrics
 from .errors import ControllerError
@@ -104,6 +112,7 @@ class RebalanceSettings:
     idle: float
     per_hour: int
     window: float = LOAD_WINDOW  # s contention is judged over (window_of)
+    before_cell: bool = False  # a heavy kernel's cell that would share a busy GPU moves first
 
     @classmethod
     def of(cls, config: Any) -> RebalanceSettings:
@@ -112,7 +121,8 @@ class RebalanceSettings:
         idle = float(getattr(config, "rebalance_idle", 120.0))
         return cls(bool(getattr(config, "rebalance", False)), idle,
                    int(getattr(config, "rebalance_max_per_hour", 2)),
-                   window_of(idle, float(getattr(config, "load_window", 120.0))))
+                   window_of(idle, float(getattr(config, "load_window", 120.0))),
+                   bool(getattr(config, "rebalance_before_cell", False)))
 
 
 def said(plan: dict[int, int], why: str) -> str:
@@ -168,9 +178,56 @@ class Rebalancer:
                               self.c.config.pressure_free_fraction)
         for kid, plan in rebalance(residents, views, keep=keep):
             why = ", ".join(f"GPU {g} busy" for g in sorted(plan))
-            self.moves.setdefault(kid, deque()).append(now)
-            self.planned[kid] = (plan, why)
-            self.c._spawn(self.move(kid, plan, why))
+            self._start(kid, plan, why, now)
+
+    @property
+    def moves_before_cells(self) -> bool:
+        """rebalance_before_cell is on (with rebalance): the gate asks :meth:`before_cell`."""
+        cfg = self.settings
+        return cfg.enabled and cfg.before_cell and cfg.per_hour > 0
+
+    def before_cell(self, kid: str) -> bool:
+        """A cell of ``kid`` arrives (the gate holds it): True when the kernel starts moving
+        first, because its last GPU work was heavy and another kernel's cell keeps its GPU
+        busy while a quiet GPU has room (:func:`..policy.placement.before_cell`); the cell
+        then waits for the move as for any restore. False: it runs where it is."""
+        cfg = self.settings
+        c = self.c
+        if not self.moves_before_cells or c.closing:
+            return False
+        rec = c.tracker.kernels.get(kid)
+        if rec is None or rec.computed_sm <= 0:
+            return False
+        now = clock.now()
+        # the kernel is between cells (the gate saw no reply yet): not idle for long, though
+        resident = self._resident(kid, now, replace(cfg, idle=0.0))
+        if resident is None or not resident.movable:
+            return False
+        gpus = c.tracker.gpus
+        reading = {g: float(r.history[-1][2] or 0.0) if r.history else 0.0
+                   for g, r in gpus.items()}
+        self.load.window = cfg.window
+        plan = before_cell(resident, rec.computed_sm, reading,
+                           self.load.views(room(c), now=now, exclude=kid),
+                           keep=pressure_floor(c.node_room.total_bytes(),
+                                               c.config.pressure_free_fraction))
+        if not plan:
+            return False
+        why = ", ".join(f"GPU {g} busy with another kernel's cell" for g in sorted(plan))
+        return self._start(kid, plan, why, now)
+
+    def _start(self, kid: str, plan: dict[int, int], why: str, now: float) -> bool:
+        """Start a move: its release at once (cells that arrive from now wait at the gate),
+        the restore onto ``plan`` when it is done. False: the release could not start."""
+        try:
+            op = self.c.release_automatically(kid, f"moving {said(plan, why)}")
+        except ControllerError as e:
+            log.info("gpushare: kernel %s not moved: %s", kid, e.message)
+            return False
+        self.moves.setdefault(kid, deque()).append(now)
+        self.planned[kid] = (plan, why)
+        self.c._spawn(self.move(kid, plan, why, op))
+        return True
 
     def _resident(self, kid: str, now: float, cfg: RebalanceSettings) -> Resident | None:
         st = self.c.states.get(kid)
@@ -199,16 +256,12 @@ class Rebalancer:
         return "no method" if method is None else method.move_refusal()
 
     # -- one move ----------------------------------------------------------------------------
-    async def move(self, kid: str, plan: dict[int, int], why: str) -> None:
-        """Release, then restore onto ``plan``'s GPUs (home again if that cannot be)."""
+    async def move(self, kid: str, plan: dict[int, int], why: str, op: Operation) -> None:
+        """After the release ``op`` (started by :meth:`_start`), restore onto ``plan``'s
+        GPUs (home again if that cannot be)."""
         c = self.c
         text = said(plan, why)
         try:
-            try:
-                op = c.release_automatically(kid, f"moving {text}")
-            except ControllerError as e:
-                log.info("gpushare: kernel %s not moved: %s", kid, e.message)
-                return
             outcome = await wait_for(op)
             if not outcome.ok:  # nothing moved (a cell started, the agent refused): it stays
                 log.info("gpushare: kernel %s not moved: %s", kid, outcome.message)

@@ -85,6 +85,11 @@ class KernelRecord:
     # GPU index -> epoch seconds of the last sample in which its processes computed there
     # (SM above idle_utilization): which kernels share a GPU's SMs
     computed: dict[int, float] = field(default_factory=dict)
+    # % SM of its busiest GPU at the peak of its last stretch of samples in which it computed:
+    # how heavy its last GPU work was (a move before its next cell weighs it; the stretch's
+    # last sample reads only the part of its interval the work still ran)
+    computed_sm: float = 0.0
+    computing: bool = False  # the last sample saw it compute
     # the samples of history that no later sample's SM % reaches, oldest first, as
     # (serial, t, SM %): SM % falls along it, so the first one at or after a time is the
     # highest SM % since then. Serials count every sample folded in.
@@ -515,9 +520,13 @@ class Tracker:
         for g, nbytes in gpu_bytes.items():
             if nbytes > rec.peak_gpu_bytes.get(g, 0):
                 rec.peak_gpu_bytes[g] = nbytes
+        computing = [sm for g, sm in gpu_util.items() if sm > self.idle_utilization]
         for g, sm in gpu_util.items():
             if sm > self.idle_utilization:
                 rec.computed[g] = now
+        if computing:
+            rec.computed_sm = max(max(computing), rec.computed_sm if rec.computing else 0.0)
+        rec.computing = bool(computing)
         rec.sm_utilization = max(rec.gpu_utilization.values()) if gpu_bytes else None
         gpu_working = bool(rec.sm_utilization and rec.sm_utilization > self.idle_utilization)
         # the whole sample interval was quiet for the server (no message since the previous

@@ -42,6 +42,12 @@ CONTENDED_LOAD = 90.0
 #: % SM (load + pending) at or below which a GPU is quiet enough to take a kernel moved off a
 #: contended one
 QUIET_LOAD = 25.0
+#: % SM of a kernel's last GPU work at or above which its next cell is expected to be heavy:
+#: beside another kernel's cell that keeps the GPU busy, both would slow down
+HEAVY_CELL = 50.0
+#: % SM: a cell joining a GPU whose busy reading and its own expected SM add up to more than
+#: this would run (and slow the cell already there) more than 10 % slower
+SHARED_LIMIT = 110.0
 
 
 @dataclass(frozen=True)
@@ -235,6 +241,30 @@ def rebalance(
             moved.add(r.kernel)
             n += 1
     return out
+
+
+def before_cell(
+    kernel: Resident, expected: float, now: Mapping[int, float], views: Mapping[int, GpuView],
+    *, keep: Mapping[int, int] | None = None, heavy: float = HEAVY_CELL,
+    limit: float = SHARED_LIMIT, quiet: float = QUIET_LOAD,
+) -> dict[int, int] | None:
+    """Where a resident kernel whose person just ran a cell should move before the cell runs:
+    {its GPU: a quiet GPU} for each of its GPUs, or None (it stays).
+
+    It moves when it may (``movable``), its last GPU work ran at ``expected`` % SM, at least
+    ``heavy`` (a training, not a print), and on one of its GPUs the busy reading ``now`` (%
+    SM, the last sample, up to 100) and ``expected`` add up to more than ``limit``: another
+    kernel's cell keeps that GPU busy, and the two would slow each other for as long as both
+    run. Every GPU it goes to must be quiet now (reading at most ``quiet``) and over the
+    window as :func:`rebalance` judges targets (not contended, load + pending at most
+    ``quiet``) and fit its bytes with ``keep`` free: the cell waits for the move (seconds)
+    instead of sharing SMs (minutes to hours). All of its GPUs move or none."""
+    if not kernel.movable or expected < heavy:
+        return None
+    if not any(min(100.0, now.get(g, 0.0)) + expected > limit for g in kernel.gpus):
+        return None
+    calm = {g: v for g, v in views.items() if now.get(g, 0.0) <= quiet}
+    return _Quiet(calm, quiet, keep or {}).plan(kernel)
 
 
 class _Quiet:

@@ -105,6 +105,12 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             super().handle_incoming_message(incoming_msg)
             return
         must_wait = self._must_wait(controller, is_comm)
+        if (is_execute and not must_wait and not self._queued
+                and controller.rebalancer.moves_before_cells
+                and not self._only_gpushare_magics(incoming_msg)):
+            # a heavy kernel whose GPU another kernel's cell keeps busy moves first: the cell
+            # waits for the move's release and restore like any restore
+            must_wait = self._moves_first(controller)
         if self._queued or (must_wait and not (is_execute and self._only_gpushare_magics(incoming_msg))):
             if not self._queued and is_execute and controller.restore_mode == "eager":
                 self._send_busy(header)  # its restore's progress lines come next
@@ -116,6 +122,15 @@ class GateConnection(ZMQChannelsWebsocketConnection):
                 self._drain_task = asyncio.ensure_future(self._drain(controller))
             return
         super().handle_incoming_message(incoming_msg)
+
+    def _moves_first(self, controller: Controller) -> bool:
+        """Whether the kernel starts a move before this cell (rebalance_before_cell). A fault
+        in that choice never keeps the cell from running: it runs where the kernel is."""
+        try:
+            return controller.rebalancer.before_cell(self.kernel_id)
+        except Exception:
+            log.exception("gpushare gate: choosing a move before the cell failed")
+            return False
 
     def _only_gpushare_magics(self, ws_msg: Any) -> bool:
         """A cell of `%gpushare ...` lines only (status, restore, pin) runs without a restore."""

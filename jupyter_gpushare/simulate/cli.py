@@ -107,6 +107,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-rebalance", action="store_true",
                     help="never move idle kernels off GPUs whose SMs are contended (a "
                          "baseline; the product rebalances by default)")
+    ap.add_argument("--move-before-cell", action="store_true",
+                    default=defaults.REBALANCE_BEFORE_CELL,
+                    help="a heavy kernel whose GPU another kernel's cell keeps busy moves to a "
+                         "quiet GPU before its next cell (the product's rebalance_before_cell; "
+                         "off by default, as in the product)")
     ap.add_argument("--rebalance-idle", type=float, default=defaults.REBALANCE_IDLE,
                     metavar="SECONDS",
                     help="s a resident kernel must have been idle before rebalance may move it "
@@ -258,6 +263,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                     load_window=args.load_window, rebalance=not args.no_rebalance,
                     rebalance_idle=args.rebalance_idle,
                     rebalance_per_hour=args.rebalance_per_hour,
+                    rebalance_before_cell=args.move_before_cell,
                     max_users_per_gpu=min(args.max_users_per_gpu, 8) if args.quick else args.max_users_per_gpu,
                     seed=args.seed, ahead_lead=args.ahead_lead, ahead_share=args.ahead_share,
                     ahead_grace=args.ahead_grace, release_policy=args.release_policy,
@@ -350,7 +356,9 @@ def print_result(r: dict[str, Any], s: Settings, wide: bool = False) -> None:
         f"{s.placement}" + (f", servers by {s.servers}" if s.placement != "round-robin" else "")
         + "; " + (f"restores move after {s.move_after:g} s; " if s.move_after > 0
                   else "restores never move; ")
-        + (f"rebalance after {s.rebalance_idle:g} s idle; " if s.rebalance else "no rebalance; ")
+        + (f"rebalance after {s.rebalance_idle:g} s idle"
+           + (", and before a heavy cell on a busy GPU; " if s.rebalance_before_cell else "; ")
+           if s.rebalance else "no rebalance; ")
         + s.transfer.describe())
     if r["statistics"]:
         print("\nthe workload against the published figures the generator is calibrated to:")

@@ -41,6 +41,8 @@ PRECOPY_AFTER: float = _default(RestoreOptions, "precopy_after", 60.0)
 REBALANCE: bool = _default(RestoreOptions, "rebalance", True)
 #: s a resident kernel must have been idle before rebalance may move it
 REBALANCE_IDLE: float = _default(RestoreOptions, "rebalance_idle", 120.0)
+#: whether a heavy kernel's cell that would share a busy GPU moves the kernel first
+REBALANCE_BEFORE_CELL: bool = _default(RestoreOptions, "rebalance_before_cell", False)
 #: moves per kernel per hour, at most
 REBALANCE_PER_HOUR: int = _default(RestoreOptions, "rebalance_max_per_hour", 2)
 

@@ -346,7 +346,8 @@ class Simulation:
     def _dispatch(self, k: Kernel) -> None:
         assert k.pending is not None
         if k.state == RESIDENT:
-            self._start_cell(k)
+            if not self.policy.before_cell(self, k):  # else it moves first, then starts
+                self._start_cell(k)
         elif (self.restore_mode == "lazy" and not k.pending.cell.uses_gpu
               and k.state in (RELEASED, RELEASING)):
             self._start_cell(k)  # its process runs; its CUDA state stays where it is

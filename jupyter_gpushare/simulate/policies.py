@@ -57,6 +57,7 @@ from .defaults import (
     LONG_IDLE,
     MOVE_AFTER,
     REBALANCE,
+    REBALANCE_BEFORE_CELL,
     REBALANCE_IDLE,
     REBALANCE_PER_HOUR,
     RELEASE_POLICY,
@@ -169,6 +170,11 @@ class Policy:
     def on_compute(self, sim: Simulation, gpus: list[int]) -> None:
         """A cell starts computing on ``gpus``."""
 
+    def before_cell(self, sim: Simulation, k: Kernel) -> bool:
+        """A cell arrives for resident ``k``: True when the kernel moves first (the cell
+        waits for the move, then starts as after any restore)."""
+        return False
+
     def describe(self) -> str:
         return self.name
 
@@ -243,7 +249,8 @@ class GPUShare(Policy):
                  release_policy: str = RELEASE_POLICY, long_idle: float = LONG_IDLE,
                  ahead_grace: float = AHEAD_GRACE, move_after: float = MOVE_AFTER,
                  rebalance: bool = REBALANCE, rebalance_idle: float = REBALANCE_IDLE,
-                 rebalance_per_hour: int = REBALANCE_PER_HOUR, node_daemon: bool = False):
+                 rebalance_per_hour: int = REBALANCE_PER_HOUR,
+                 rebalance_before_cell: bool = REBALANCE_BEFORE_CELL, node_daemon: bool = False):
         """``node_daemon``: the machines run the node daemon, through which every server hears
         of the others' placed kernels at once (a server's next poll weighs them)."""
         if release_policy not in RELEASE_POLICIES:
@@ -261,6 +268,7 @@ class GPUShare(Policy):
         self.rebalance = rebalance
         self.rebalance_idle = rebalance_idle
         self.rebalance_per_hour = rebalance_per_hour
+        self.rebalance_before_cell = rebalance_before_cell
         self.node_daemon = node_daemon
 
     @property
@@ -724,6 +732,35 @@ class GPUShare(Policy):
                 o.moved_at.append(sim.now)
         return 0.0
 
+    def before_cell(self, sim: Simulation, k: Kernel) -> bool:
+        """The product's move before a cell (:func:`jupyter_gpushare.policy.placement.before_cell`
+        unchanged, as ``core.rebalance.Rebalancer.before_cell`` calls it at the gate): its last
+        GPU cell's SM % is how heavy its work was, each GPU's reading is the SM % its running
+        cells ask (up to 100, as NVML reads it), targets are judged over the rebalancer's
+        window; a move counts within ``rebalance_per_hour``. Every cell comes through the gate
+        (the simulator's people use JupyterLab), GPU cells or not: the gate cannot tell."""
+        if not (self.rebalance and self.rebalance_before_cell) or self.rebalance_per_hour <= 0:
+            return False
+        if not k.allocated or k.busy or k.last_gpu_utilization <= 0:
+            return False
+        moves = sum(1 for t in k.moved_at if t > sim.now - 3600.0)
+        if moves >= self.rebalance_per_hour:
+            return False
+        machine = sim.node_gpus(k.gpu)
+        reading = {g: min(100.0, sim.node.gpus[g].demand()) for g in machine}
+        resident = rule.Resident(str(k.index), {g: k.held for g in k.gpus}, True)
+        views = sim.views(machine, exclude=k, window=self.rebalance_window)
+        plan = rule.before_cell(resident, k.last_gpu_utilization, reading, views,
+                                keep=self.floor(sim, machine))
+        if not plan:
+            return False
+        was = ", ".join(str(g) for g in sorted(plan))
+        if not sim.relocate(k, [plan.get(g, g) for g in k.gpus],
+                            f"rebalance: GPU {was} busy with another kernel's cell"):
+            return False
+        k.moved_at.append(sim.now)
+        return True
+
     def describe(self) -> str:
         c = self.config
         release = ("" if self.release_policy == "proactive" else
@@ -734,4 +771,6 @@ class GPUShare(Policy):
                 + (f"restores move after {self.move_after:g} s" if self.move_after > 0
                    else "restores never move")
                 + (f", rebalance after {self.rebalance_idle:g} s idle" if self.rebalance
-                   else ", no rebalance"))
+                   else ", no rebalance")
+                + (", and before a heavy cell on a busy GPU"
+                   if self.rebalance and self.rebalance_before_cell else ""))

@@ -43,6 +43,7 @@ class Settings:
     rebalance: bool = defaults.REBALANCE  # idle kernels move off contended GPUs
     rebalance_idle: float = defaults.REBALANCE_IDLE  # s idle before a kernel may be moved
     rebalance_per_hour: int = defaults.REBALANCE_PER_HOUR  # moves per kernel per hour, at most
+    rebalance_before_cell: bool = defaults.REBALANCE_BEFORE_CELL  # a heavy cell moves off a busy GPU first
     load_window: float = defaults.LOAD_WINDOW  # s of SM history a GPU's load is judged over
     release_copies: str = "changed"  # changed | all (engine.RELEASE_COPIES)
     precopy_after: float = defaults.PRECOPY_AFTER  # s idle before a pre-copy (0: never)
@@ -66,4 +67,5 @@ def _release(s: Settings) -> dict:
     return {"release_policy": s.release_policy, "long_idle": s.long_idle,
             "ahead_grace": s.ahead_grace, "move_after": s.move_after,
             "rebalance": s.rebalance, "rebalance_idle": s.rebalance_idle,
-            "rebalance_per_hour": s.rebalance_per_hour, "node_daemon": s.node_daemon}
+            "rebalance_per_hour": s.rebalance_per_hour,
+            "rebalance_before_cell": s.rebalance_before_cell, "node_daemon": s.node_daemon}
