@@ -8,8 +8,9 @@ docs/admin-guide.md). With ``--trace FILE`` (repeatable): a trace in the documen
 
 gpushare runs as the product ships, by default: release_policy ``needs``, kernels placed by
 the product's placement rule (room, then SM load over a window), restores that move after
-``--move-after`` s, idle kernels moved off contended GPUs (rebalance); the baselines are named
-options (``--release-policy proactive``, ``--placement round-robin``, ``--servers
+``--move-after`` s, idle kernels moved off contended GPUs (rebalance; ``--move-before-cell``
+also moves a heavy kernel off a busy GPU before its cell, the product's
+``rebalance_before_cell``, off by default as there); the baselines are named options (``--release-policy proactive``, ``--placement round-robin``, ``--servers
 round-robin``, ``--move-after 0``, ``--no-rebalance``, ``--release-copies all``).
 
 The headline: for each policy, the fewest GPUs that serve all the workload's users, and the
