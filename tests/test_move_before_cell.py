@@ -59,6 +59,30 @@ async def test_a_heavy_kernel_on_a_busy_gpu_moves_before_its_cell_and_runs_there
     assert gpushare_app.controller.reservations.snapshot() == {}
 
 
+@pytest.mark.parametrize("gpushare_config", [ON])
+async def test_a_kernel_running_a_cell_is_not_moved_by_the_next_cell_it_is_sent(
+    jp_fetch, kernels, gpushare_app, events
+):
+    a = await kernels.start()
+    await a.run(hold(256, name="a"))
+    b = await kernels.start()
+    await b.run(hold(256, name="b"))
+    long_a, long_b = training(a), training(b)  # both train on GPU 0: it reads busy
+    rec = gpushare_app.tracker.kernels[a.id]
+    await wait_for(lambda: rec.computed_sm >= 40 and rec.busy, timeout=120,
+                   what="a poll to see a train")
+    a.send(intact("a"))  # queued in the kernel behind the training: no move for it
+    for _ in range(3):
+        await gpushare_app.poll_once()
+    assert not moves(events, a) and pid_bytes(gpushare_app, a) == {0: 256 * MiB}
+    st = gpushare_app.controller.states[a.id]
+    assert st.releases == 0 and st.op is None
+    assert a.id not in gpushare_app.controller.rebalancer.moves  # no move was even tried
+    await interrupt(jp_fetch, a, long_a)
+    await interrupt(jp_fetch, b, long_b)
+    assert pid_bytes(gpushare_app, a) == {0: 256 * MiB}
+
+
 @pytest.mark.parametrize("gpushare_config", [NODE])
 async def test_by_default_the_cell_runs_where_the_kernel_is(
     jp_fetch, kernels, gpushare_app, events
