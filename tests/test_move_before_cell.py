@@ -36,7 +36,8 @@ async def heavy_beside_a_training(jp_fetch: Any, kernels: Any, app: Any) -> tupl
     return a, b, cell
 
 
-@pytest.mark.parametrize("gpushare_config", [ON])
+@pytest.mark.parametrize("gpushare_config", [ON, {**ON, "restore_mode": "lazy"}],
+                         ids=["eager", "lazy"])
 async def test_a_heavy_kernel_on_a_busy_gpu_moves_before_its_cell_and_runs_there_intact(
     jp_fetch, kernels, gpushare_app, events
 ):
