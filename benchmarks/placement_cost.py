@@ -21,7 +21,10 @@ starting; the GPUs' history then filled as a server that has run for ``history_s
   placements through a real node daemon (``jupyter gpushare node-daemon`` in a subprocess, on
   a Unix socket): an exchange before the decision and the one right after it, awaited;
 - rebalance pass: the views of every GPU (``GpuLoad.views``) and the rule's ``rebalance``
-  over every resident kernel, with a quarter of the GPUs contended; and the rule alone.
+  over every resident kernel, with a quarter of the GPUs contended; and the rule alone;
+- a move-before-cell decision (``rebalance_before_cell``: the gate asks it for each cell of
+  the server's kernels when the option is on): the views and the rule's ``before_cell`` for
+  a kernel that trained on a contended GPU.
 
 Each is given as wall time and as this process's CPU time (``time.process_time``: on a
 shared, loaded machine the wall time also counts the time others ran), each with its ratio
@@ -54,7 +57,7 @@ from jupyter_gpushare.node.daemon_client import NodeDaemonTurns
 from jupyter_gpushare.node.gpu_load import GpuLoad
 from jupyter_gpushare.node.node_placed import NodePlaced
 from jupyter_gpushare.node.placement import Placer
-from jupyter_gpushare.policy.placement import Need, Resident, rebalance
+from jupyter_gpushare.policy.placement import Need, Resident, before_cell, rebalance
 from jupyter_gpushare.sim.node import SimNode
 from jupyter_gpushare.telemetry.simulated import SimulatedTelemetry
 
@@ -227,7 +230,16 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
 
         seen = views()
         moves = rebalance(residents, seen)
-        keys = ("poll", "place", "place_kept", "place_told", "pass", "pass_kept", "rule")
+        # a cell arrives for a kernel that trained on a contended GPU (rebalance_before_cell)
+        heavy = Resident(residents[0].kernel, residents[0].gpus, True)
+        reading = {g: float(r.history[-1][2] or 0.0) for g, r in tracker.gpus.items()}
+
+        def before() -> Any:
+            return before_cell(heavy, 90.0, reading, load.views(room, exclude=heavy.kernel))
+
+        planned = before()
+        keys = ("poll", "place", "place_kept", "place_told", "pass", "pass_kept", "rule",
+                "before")
         results: dict[str, Times] = {k: ([], []) for k in keys}
 
         def add(key: str, got: Times) -> None:
@@ -245,6 +257,7 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
             add("pass_kept", timed(pass_, repeat // rounds, tracker, load, False))
             add("rule", timed(lambda: rebalance(residents, seen), repeat // rounds, tracker,
                               load, False))
+            add("before", timed(before, repeat // rounds, tracker, load, False))
         assert len(tracker.kernels) == kernels
     finally:
         daemon.terminate()
@@ -266,13 +279,15 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
                        ("place_told", "  the same, with the node daemon (two exchanges)"),
                        ("pass", "one rebalance pass (views + rebalance)"),
                        ("pass_kept", "  the same, loads already up to date this poll"),
-                       ("rule", "  the rule alone (rebalance)")):
+                       ("rule", "  the rule alone (rebalance)"),
+                       ("before", "one move-before-cell decision (views + before_cell)")):
         s, c = summary(results[key][0]), summary(results[key][1])
         rows.append([label, s["n"], f"{s['median'] * 1e3:.3f}", f"{s['p95'] * 1e3:.3f}",
                      f"{s['median'] / base:.3f}", f"{c['median'] * 1e3:.3f}",
                      f"{c['median'] / base_cpu:.3f}" if base_cpu else "-"])
     note = (f"{gpus} GPUs of {node.capacities[0] >> 30} GiB, {kernels} kernels, "
-            f"{len(contended)} GPUs contended; the pass planned {len(moves)} move(s)")
+            f"{len(contended)} GPUs contended; the pass planned {len(moves)} move(s); the "
+            f"decision before a cell {'moved ' + str(planned) if planned else 'kept the kernel'}")
     return rows, note
 
 
