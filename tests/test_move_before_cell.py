@@ -45,6 +45,10 @@ async def test_a_heavy_kernel_on_a_busy_gpu_moves_before_its_cell_and_runs_there
     assert not moves(events, a)  # its person is not away: rebalance alone would not move it
     out = await a.run(intact("a"))  # the gate holds the cell while a moves
     assert "intact" in out.stdout
+    # the wait was said in the cell while it lasted: where the state went and why
+    said = [d["data"]["text/plain"] for d in out.displays]
+    assert any("to GPU 1 (onto GPU 1: GPU 0 busy with another kernel's cell)" in line
+               for line in said), said
     (moved,) = moves(events, a)
     assert moved["from_gpus"] == [0] and moved["to_gpus"] == [1], moved
     assert moved["reason"] == "GPU 0 busy with another kernel's cell", moved

@@ -186,11 +186,13 @@ class Rebalancer:
         cfg = self.settings
         return cfg.enabled and cfg.before_cell and cfg.per_hour > 0
 
-    def before_cell(self, kid: str) -> bool:
+    def before_cell(self, kid: str, parent: dict | None = None) -> bool:
         """A cell of ``kid`` arrives (the gate holds it): True when the kernel starts moving
         first, because its last GPU work was heavy and another kernel's cell keeps its GPU
         busy while a quiet GPU has room (:func:`..policy.placement.before_cell`); the cell
-        then waits for the move as for any restore. False: it runs where it is."""
+        then waits for the move as for any restore, and the move's restore shows its
+        progress in the cell (``parent``: the cell's request header). False: it runs where
+        it is."""
         cfg = self.settings
         c = self.c
         if not self.moves_before_cells or c.closing:
@@ -214,11 +216,13 @@ class Rebalancer:
         if not plan:
             return False
         why = ", ".join(f"GPU {g} busy with another kernel's cell" for g in sorted(plan))
-        return self._start(kid, plan, why, now)
+        return self._start(kid, plan, why, now, parent)
 
-    def _start(self, kid: str, plan: dict[int, int], why: str, now: float) -> bool:
+    def _start(self, kid: str, plan: dict[int, int], why: str, now: float,
+               parent: dict | None = None) -> bool:
         """Start a move: its release at once (cells that arrive from now wait at the gate),
-        the restore onto ``plan`` when it is done. False: the release could not start."""
+        the restore onto ``plan`` when it is done (for the cell of ``parent``, whose output
+        shows it, where a cell waits). False: the release could not start."""
         try:
             op = self.c.release_automatically(kid, f"moving {said(plan, why)}")
         except ControllerError as e:
@@ -226,7 +230,7 @@ class Rebalancer:
             return False
         self.moves.setdefault(kid, deque()).append(now)
         self.planned[kid] = (plan, why)
-        self.c._spawn(self.move(kid, plan, why, op))
+        self.c._spawn(self.move(kid, plan, why, op, parent))
         return True
 
     def _resident(self, kid: str, now: float, cfg: RebalanceSettings) -> Resident | None:
@@ -256,9 +260,11 @@ class Rebalancer:
         return "no method" if method is None else method.move_refusal()
 
     # -- one move ----------------------------------------------------------------------------
-    async def move(self, kid: str, plan: dict[int, int], why: str, op: Operation) -> None:
+    async def move(self, kid: str, plan: dict[int, int], why: str, op: Operation,
+                   parent: dict | None = None) -> None:
         """After the release ``op`` (started by :meth:`_start`), restore onto ``plan``'s
-        GPUs (home again if that cannot be)."""
+        GPUs (home again if that cannot be); for a cell waiting at the gate (``parent``), as
+        the gate's own restore, its progress in the cell."""
         c = self.c
         text = said(plan, why)
         try:
@@ -268,7 +274,8 @@ class Rebalancer:
                 return
             for _ in range(2):  # onto the new GPUs; once more (home) if that restore failed
                 try:
-                    await c.ensure_resident(kid, trigger=REBALANCE)
+                    await c.ensure_resident(kid, trigger=REBALANCE if parent is None else "gate",
+                                            parent=parent)
                     break
                 except ControllerError as e:
                     log.warning("gpushare: kernel %s: the restore of its move failed: %s", kid,

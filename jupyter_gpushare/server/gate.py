@@ -110,7 +110,7 @@ class GateConnection(ZMQChannelsWebsocketConnection):
                 and not self._only_gpushare_magics(incoming_msg)):
             # a heavy kernel whose GPU another kernel's cell keeps busy moves first: the cell
             # waits for the move's release and restore like any restore
-            must_wait = self._moves_first(controller)
+            must_wait = self._moves_first(controller, header)
         if self._queued or (must_wait and not (is_execute and self._only_gpushare_magics(incoming_msg))):
             if not self._queued and is_execute and controller.restore_mode == "eager":
                 self._send_busy(header)  # its restore's progress lines come next
@@ -123,11 +123,11 @@ class GateConnection(ZMQChannelsWebsocketConnection):
             return
         super().handle_incoming_message(incoming_msg)
 
-    def _moves_first(self, controller: Controller) -> bool:
+    def _moves_first(self, controller: Controller, header: dict[str, Any]) -> bool:
         """Whether the kernel starts a move before this cell (rebalance_before_cell). A fault
         in that choice never keeps the cell from running: it runs where the kernel is."""
         try:
-            return controller.rebalancer.before_cell(self.kernel_id)
+            return controller.rebalancer.before_cell(self.kernel_id, header)
         except Exception:
             log.exception("gpushare gate: choosing a move before the cell failed")
             return False
