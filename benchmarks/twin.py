@@ -423,6 +423,8 @@ def settings_for(node: dict[str, Any], args: argparse.Namespace) -> twin.TwinSet
                           scale=args.scale, byte_scale=args.byte_scale)
     if args.no_rebalance:
         s = replace(s, rebalance=False)
+    if args.move_before_cell:
+        s = replace(s, rebalance_before_cell=True)
     return s
 
 
@@ -493,6 +495,8 @@ def parser() -> argparse.ArgumentParser:
                          "fewer GPUs for the same people, so that memory runs short and "
                          "releases, restores and moves are what is compared")
     ap.add_argument("--no-rebalance", action="store_true")
+    ap.add_argument("--move-before-cell", action="store_true",
+                    help="rebalance_before_cell on, in the product and the simulator")
     ap.add_argument("--keep", metavar="DIR", help="keep the server's log and events here")
     ap.add_argument("--check", action="store_true", help="exit 1 when a tolerance is not met")
     ap.add_argument("--smoke", action="store_true", help="the whole path, in seconds (CI)")

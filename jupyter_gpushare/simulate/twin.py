@@ -63,6 +63,7 @@ class TwinSettings:
     load_window: float = defaults.LOAD_WINDOW
     rebalance: bool = defaults.REBALANCE
     rebalance_idle: float = defaults.REBALANCE_IDLE
+    rebalance_before_cell: bool = defaults.REBALANCE_BEFORE_CELL
     precopy_after: float = 60.0
     context_bytes: int = defaults.MIN_ROOM
     seed: int = 0
@@ -102,6 +103,7 @@ class TwinSettings:
             "load_window": w(self.load_window),
             "rebalance": self.rebalance,
             "rebalance_idle": w(self.rebalance_idle),
+            "rebalance_before_cell": self.rebalance_before_cell,
             "precopy_after": w(self.precopy_after),
             "context_bytes": self.device_bytes(self.context_bytes),
             # a release copies into this process's memory: the machine's own reserve is
@@ -121,6 +123,7 @@ class TwinSettings:
             servers="rule", seed=self.seed, release_policy=self.release_policy,
             long_idle=self.long_idle, move_after=self.move_after, ahead_grace=self.ahead_grace,
             rebalance=self.rebalance, rebalance_idle=self.rebalance_idle,
+            rebalance_before_cell=self.rebalance_before_cell,
             load_window=self.load_window, release_copies="changed",
             precopy_after=self.precopy_after)
 
