@@ -256,6 +256,22 @@ def test_a_heavy_kernel_about_to_share_a_busy_gpu_moves_before_its_cell_with_the
     assert k_cells[1].end - k_cells[1].start > 150  # 190 % asked of GPU 0: both slowed
 
 
+def test_how_heavy_a_kernel_was_is_what_its_cells_got_as_the_tracker_reads_it():
+    """K's first training (90 % SM asked) shares GPU 0 with T's (100 %) all along: it gets
+    90 x 100 / 190 % of the GPU, under the 50 % that makes a kernel heavy, so its next cell
+    runs where it is, as in the product (whose tracker reads what a process got, not what
+    it asked); T alone the first time, K reads 90 % and moves (the test above)."""
+    w = Workload(3000.0, (
+        kernel("k", "K", 2, 1.0, Cell(0, 10, 90), Cell(60, 100, 90)),
+        kernel("u", "U", 1, 0.0, Cell(0, 5, 10)),
+        kernel("t", "T", 1, 0.0, Cell(0, 2900, 100))), "shared", ("K", "U", "T"))
+    sim = run(w, GPUShare(PolicyConfig(), poll_interval=0.5, rebalance_before_cell=True),
+              placement="round-robin")
+    k = sim.kernels[0]
+    assert k.last_gpu_utilization == 90 and k.last_gpu_share == pytest.approx(90 * 100 / 190)
+    assert [r.ran_on for r in sim.cells if r.kernel == 0] == [0, 0]
+
+
 # -- the compute limit -------------------------------------------------------------------------
 
 def test_the_compute_limit_is_the_peak_sm_demand_of_cells_running_at_once():

@@ -158,7 +158,7 @@ class RestoreOptions(Configurable):
         through the server's websocket (JupyterLab, Notebook, VS Code), not for a kernel
         already running a cell, and only with methods that can restore onto another GPU.
         Default False (measured in the simulator: fewer hours of shared SMs, more cells that
-        wait, no fewer GPUs on its default workload). False = a kernel moves only between
+        wait or run out of memory, no fewer GPUs on its default workload). False = a kernel moves only between
         cells, once its person is away (rebalance_idle).""",
     ).tag(config=True)
 

@@ -108,6 +108,10 @@ class Kernel:
     last_activity: float = 0.0
     last_gpu_end: float = float("-inf")  # when its last cell that used the GPU ended
     last_gpu_utilization: float = 0.0
+    #: the highest SM % its processes got on one of its GPUs during its last GPU cell (what
+    #: the product's tracker keeps as the peak of its last GPU work: less than it asked where
+    #: the cell was slowed all along)
+    last_gpu_share: float = 0.0
     compute_since_start: float = 0.0  # s of cells run since it (re)started: what a cull loses
     lost_on_restart: float = 0.0
     session: int = 0
@@ -444,9 +448,14 @@ class Simulation:
                 self.computed[g][k.index] = float("inf")
             self.policy.on_compute(self, on)
 
-        def part_done(t: float) -> None:
+        peak = [0.0]  # the highest share its processes got on one of its GPUs
+
+        def part_done(t: float, share: float) -> None:
             left[0] -= 1
+            peak[0] = max(peak[0], share)
             if not left[0]:
+                if peak[0] > self.policy.idle_utilization:  # it computed, as the tracker counts
+                    k.last_gpu_share = peak[0]
                 for g in on:
                     if computing:
                         self.computed[g][k.index] = t

@@ -24,7 +24,15 @@ class OverCapacity(AssertionError):
 class Running:
     remaining: float  # s of work left at full speed
     utilization: float
-    done: Callable[[float], None]  # called with the finish time
+    done: Callable[[float, float], None]  # called with the finish time and its peak share
+    best: float = 0.0  # the highest speed it ran at (1: alone, or the GPU not oversubscribed)
+
+    @property
+    def peak_share(self) -> float:
+        """The highest SM % its process got while it ran, as NVML's per-process samples
+        read it: its own % at the best speed it had (a cell slowed all along reads less than
+        it asks)."""
+        return self.utilization * self.best
 
 
 @dataclass
@@ -88,10 +96,11 @@ class Node:
         return self.recent[gpu].mean(now, self.load_window if window is None else window)
 
     def run(self, now: float, gpu: int, duration: float, utilization: float,
-            done: Callable[[float], None]) -> None:
-        """Run ``duration`` s of work at ``utilization`` SM %; ``done(t)`` when it finishes."""
+            done: Callable[[float, float], None]) -> None:
+        """Run ``duration`` s of work at ``utilization`` SM %; ``done(t, peak share)`` when it
+        finishes (:attr:`Running.peak_share`)."""
         if utilization <= 0:  # a cell that does not use the GPU is not slowed by it
-            self.schedule(now + duration, lambda: done(now + duration))
+            self.schedule(now + duration, lambda: done(now + duration, 0.0))
             return
         g = self.gpus[gpu]
         self._catch_up(now, g)
@@ -115,6 +124,9 @@ class Node:
         g.version += 1
         if not g.running:
             return
+        speed = g.speed()
+        for r in g.running.values():
+            r.best = max(r.best, speed)
         token, first = min(g.running.items(), key=lambda kv: (kv[1].remaining, kv[0]))
         at = now + max(0.0, first.remaining) / g.speed()
         version = g.version
@@ -125,9 +137,9 @@ class Node:
             return  # the set of running cells changed since: a newer event took over
         self._catch_up(now, g)
         was = g.demand()
-        done = g.running.pop(token).done
+        ended = g.running.pop(token)
         self._reschedule(now, g, was)
-        done(now)
+        ended.done(now, ended.peak_share)
 
     def close(self, now: float) -> None:
         for meter in self.memory + self.sm:

@@ -734,14 +734,16 @@ class GPUShare(Policy):
 
     def before_cell(self, sim: Simulation, k: Kernel) -> bool:
         """The product's move before a cell (:func:`jupyter_gpushare.policy.placement.before_cell`
-        unchanged, as ``core.rebalance.Rebalancer.before_cell`` calls it at the gate): its last
-        GPU cell's SM % is how heavy its work was, each GPU's reading is the SM % its running
+        unchanged, as ``core.rebalance.Rebalancer.before_cell`` calls it at the gate): how
+        heavy its work was is the highest SM % its processes got in its last GPU cell (the
+        tracker's peak of its last GPU work: a cell slowed all along reads less than it
+        asked), each GPU's reading is the SM % its running
         cells ask (up to 100, as NVML reads it), targets are judged over the rebalancer's
         window; a move counts within ``rebalance_per_hour``. Every cell comes through the gate
         (the simulator's people use JupyterLab), GPU cells or not: the gate cannot tell."""
         if not (self.rebalance and self.rebalance_before_cell) or self.rebalance_per_hour <= 0:
             return False
-        if not k.allocated or k.busy or k.last_gpu_utilization <= 0:
+        if not k.allocated or k.busy or k.last_gpu_share <= 0:
             return False
         moves = sum(1 for t in k.moved_at if t > sim.now - 3600.0)
         if moves >= self.rebalance_per_hour:
@@ -750,7 +752,7 @@ class GPUShare(Policy):
         reading = {g: min(100.0, sim.node.gpus[g].demand()) for g in machine}
         resident = rule.Resident(str(k.index), {g: k.held for g in k.gpus}, True)
         views = sim.views(machine, exclude=k, window=self.rebalance_window)
-        plan = rule.before_cell(resident, k.last_gpu_utilization, reading, views,
+        plan = rule.before_cell(resident, k.last_gpu_share, reading, views,
                                 keep=self.floor(sim, machine))
         if not plan:
             return False
