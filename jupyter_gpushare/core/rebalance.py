@@ -205,9 +205,7 @@ class Rebalancer:
         resident = self._resident(kid, now, replace(cfg, idle=0.0))
         if resident is None or not resident.movable:
             return False
-        gpus = c.tracker.gpus
-        reading = {g: float(r.history[-1][2] or 0.0) if r.history else 0.0
-                   for g, r in gpus.items()}
+        reading = {g: r.load(now, now) for g, r in c.tracker.gpus.items()}  # the last sample
         self.load.window = cfg.window
         plan = before_cell(resident, rec.computed_sm, reading,
                            self.load.views(room(c), now=now, exclude=kid),

@@ -520,10 +520,11 @@ class Tracker:
         for g, nbytes in gpu_bytes.items():
             if nbytes > rec.peak_gpu_bytes.get(g, 0):
                 rec.peak_gpu_bytes[g] = nbytes
-        computing = [sm for g, sm in gpu_util.items() if sm > self.idle_utilization]
+        computing = []
         for g, sm in gpu_util.items():
             if sm > self.idle_utilization:
                 rec.computed[g] = now
+                computing.append(sm)
         if computing:
             rec.computed_sm = max(max(computing), rec.computed_sm if rec.computing else 0.0)
         rec.computing = bool(computing)

@@ -128,7 +128,7 @@ class Node:
         for r in g.running.values():
             r.best = max(r.best, speed)
         token, first = min(g.running.items(), key=lambda kv: (kv[1].remaining, kv[0]))
-        at = now + max(0.0, first.remaining) / g.speed()
+        at = now + max(0.0, first.remaining) / speed
         version = g.version
         self.schedule(at, lambda: self._finish(at, g, token, version))
 

@@ -716,9 +716,8 @@ class GPUShare(Policy):
             if o.state != RESIDENT or not o.allocated or o.gpu not in machine:
                 continue
             idle = 0.0 if o.busy else sim.now - o.last_activity
-            moves = sum(1 for t in o.moved_at if t > sim.now - 3600.0)
             movable = (not o.busy and o.pending is None and idle >= self.rebalance_idle
-                       and moves < self.rebalance_per_hour)
+                       and _moves_this_hour(sim, o) < self.rebalance_per_hour)
             residents.append(rule.Resident(str(o.index), {g: o.held for g in o.gpus}, movable,
                                            idle))
         if not any(r.movable and hot.intersection(r.gpus) for r in residents):
@@ -745,8 +744,7 @@ class GPUShare(Policy):
             return False
         if not k.allocated or k.busy or k.last_gpu_share <= 0:
             return False
-        moves = sum(1 for t in k.moved_at if t > sim.now - 3600.0)
-        if moves >= self.rebalance_per_hour:
+        if _moves_this_hour(sim, k) >= self.rebalance_per_hour:
             return False
         machine = sim.node_gpus(k.gpu)
         reading = {g: min(100.0, sim.node.gpus[g].demand()) for g in machine}
@@ -776,3 +774,9 @@ class GPUShare(Policy):
                    else ", no rebalance")
                 + (", and before a heavy cell on a busy GPU"
                    if self.rebalance and self.rebalance_before_cell else ""))
+
+
+def _moves_this_hour(sim: Simulation, k: Kernel) -> int:
+    """Moves of ``k`` (rebalance, or before a cell) within the last hour: both count against
+    ``rebalance_per_hour``, as the product's rebalancer counts them."""
+    return sum(1 for t in k.moved_at if t > sim.now - 3600.0)
