@@ -98,6 +98,7 @@ def make_msg(msg_type: str, content: dict[str, Any], session: str, channel: str 
 class Reply:
     status: str = ""
     stdout: str = ""
+    stderr: str = ""
     error: dict[str, Any] | None = None
     results: list[str] = field(default_factory=list)  # text/plain of execute_result
     sent: float = 0.0  # time.time() when the request was written to the websocket
@@ -183,6 +184,8 @@ class Kernel:
                 reply.finished = _timestamp(m["header"].get("date"))
             elif kind == "stream" and content.get("name") == "stdout":
                 reply.stdout += content.get("text", "")
+            elif kind == "stream" and content.get("name") == "stderr":
+                reply.stderr += content.get("text", "")
             elif kind == "error":
                 reply.error = content
             elif kind == "execute_result":

@@ -23,6 +23,8 @@ from .test_node_locks import hold_one
 
 MiB = 1 << 20
 PROBE = "import os\nprint(os.environ.get('CUDA_VISIBLE_DEVICES'))"
+ALLOC = ("from jupyter_gpushare.sim import simgpu\n"
+         "y = simgpu.zeros(({mib} * 2**18,), dtype='float32', device=0)")
 
 
 @pytest.fixture
@@ -194,4 +196,42 @@ async def test_another_servers_released_kernel_keeps_its_room_from_a_new_placeme
     finally:
         node.release(os.getpid(), 0, 16 * MiB)
         node.close()
+        d.stop()
+
+
+async def test_a_cell_out_of_memory_has_another_servers_idle_kernel_make_way(tmp_path):
+    """Bob's kernel holds 640 MiB of the node's one 1 GiB GPU, idle; alice's kernel, which holds
+    32 MiB there already, runs a cell that asks for 512 MiB and fails. Her server cannot release bob's kernel, but the node daemon tells bob's
+    server what her kernel wants there, and its memory pressure rule releases its idle kernel
+    (37.5 % of the GPU was free: not under pressure before); her next try fits, and bob's data
+    comes back intact at his next cell."""
+    node_path = str(tmp_path / "node.sqlite")
+    SharedSimNode(node_path, (1 * GiB,)).close()
+    d = Daemon(node_path).start()
+    config = {"simulated_node": node_path, "node_daemon_socket": d.socket, "placement": "room",
+              "poll_interval": 0.5, "release_policy": "needs", "idle_timeout": 3600,
+              "pressure_idle_timeout": 1}
+    try:
+        async with Server("owed-bob", gpushare=config) as bob, \
+                Server("owed-alice", gpushare=config) as alice:
+            kb = await bob.start_kernel()
+            await kb.run(hold_one(640, "x"))
+            await bob.wait_kernel(kb.id, lambda v: v["gpu_memory_bytes"] >= 640 * MiB, "memory seen")
+            ka = await alice.start_kernel()
+            await ka.run(ALLOC.format(mib=32).replace("y =", "z ="))  # it has used the GPU:
+            await alice.wait_kernel(ka.id, lambda v: v["gpu_memory_bytes"] >= 32 * MiB,
+                                    "memory seen")  # its placement is no longer wanted memory
+            await asyncio.sleep(2.5)  # idle past pressure_idle_timeout over several polls
+            assert (await bob.kernel_status(kb.id))["state"] in ("active", "idle")  # kept
+            failed = await ka.execute(ALLOC.format(mib=512))
+            assert failed.error is not None and failed.error["ename"] == "SimOutOfMemoryError"
+            assert ("the node's other gpushare servers were told that this kernel wants 512.0 "
+                    "MiB more there") in failed.stderr, failed.stderr
+            await bob.wait_kernel(kb.id, lambda v: v["state"] == "released",
+                                  "bob's idle kernel released for alice's next try", timeout=30)
+            with open(bob.log_path, errors="replace") as f:
+                assert "memory pressure on GPU 0" in f.read()
+            await ka.run(ALLOC.format(mib=512) + "\ndel y")  # her next try fits
+            assert await kb.value(_same("x")) is True  # restored by his cell, every byte
+    finally:
         d.stop()

@@ -16,7 +16,7 @@ from tornado.httpclient import HTTPClientError
 
 from jupyter_gpushare import clock
 from jupyter_gpushare.core.tracker import GPURecord, KernelRecord, Tracker
-from jupyter_gpushare.node.gpu_load import GpuLoad
+from jupyter_gpushare.node.gpu_load import OWED_GRACE, GpuLoad
 from jupyter_gpushare.node.placement import PlacementError, Placer, allowed, requested_memory
 from jupyter_gpushare.policy.placement import Need
 from jupyter_gpushare.sim import device as device_module
@@ -240,6 +240,24 @@ def test_placed_kernels_expected_bytes_count_against_room_until_they_use_the_gpu
     assert load.views({0: 8 * GiB}, exclude="a")[0].room == 8 * GiB  # the one being placed
     records["a"] = KernelRecord("a", name="python3", peak_gpu_bytes={0: GiB})
     assert load.views({0: 8 * GiB})[0].room == 8 * GiB  # it allocated: free memory counts it
+
+
+def test_what_a_failed_allocation_asked_for_is_wanted_until_held_or_for_a_grace():
+    records: dict[str, Any] = {"b": KernelRecord("b", name="python3", gpu_bytes={0: GiB},
+                                                  peak_gpu_bytes={0: GiB})}
+    load = GpuLoad(dict, lambda: records)
+    load.owe("b", [0], 2 * GiB)  # holds 1 GiB, asked for 2 GiB more
+    assert load.promised() == {0: 2 * GiB} and load.unused() == {0: (2 * GiB, 0)}
+    assert load.views({0: 8 * GiB})[0].room == 6 * GiB  # nor is it a new place's room
+    assert load.views({0: 8 * GiB}, exclude="b")[0].room == 8 * GiB  # its own restore's is
+    records["b"] = KernelRecord("b", name="python3", gpu_bytes={0: 2 * GiB}, peak_gpu_bytes={0: 2 * GiB})
+    assert load.promised() == {0: GiB}  # part of it held now
+    load.owe("a", [1], GiB)  # a kernel not listed: gone, nothing wanted
+    assert load.promised(clock.now()) == {0: GiB} and "a" not in load.owed
+    assert load.promised(clock.now() + OWED_GRACE + 1) == {} and load.owed == {}  # past the grace
+    load.owe("b", [0], GiB)
+    records["b"] = KernelRecord("b", name="python3", gpu_bytes={0: 3 * GiB}, peak_gpu_bytes={0: 3 * GiB})
+    assert load.promised() == {} and load.owed == {}  # the next try holds it: done
 
 
 class MemSpec(Spec):

@@ -58,12 +58,12 @@ def test_without_it_the_next_try_fails_too():
     assert failures == 2 and released == [] and all(k != 1 for k, _ in ran)
 
 
-def across_users(policy_class) -> tuple:
+def across_users(policy_class, **options) -> tuple:
     """The same trace with ``a`` another person's (user V): ``b``'s server has no idle kernel
     of its own to release."""
     a = KernelWork("a", "V", 7 * GiB, (Session(0.0, (Cell(5, 10, 50),)),))
     b = KernelWork("b", "U", 5 * GiB, (Session(0.0, (Cell(200, 10, 50), Cell(50, 10, 50))),))
-    policy = policy_class(NEEDS, poll_interval=0.5, rebalance=False)
+    policy = policy_class(NEEDS, poll_interval=0.5, rebalance=False, **options)
     released: list = []
 
     def seen(t, k, what, data) -> None:
@@ -91,3 +91,15 @@ def test_with_the_hub_service_another_persons_idle_kernel_makes_room_for_the_nex
 def test_without_the_service_another_persons_idle_kernel_is_not_taken():
     failures, released, ran = across_users(policies.GPUShare)
     assert failures == 2 and released == [] and all(k != 1 for k, _ in ran)
+
+
+def test_with_the_node_daemon_another_persons_server_makes_way_under_memory_pressure():
+    """``--node-daemon``: b's server has the room its failed cell asked for counted as wanted
+    (``GpuLoad.owe``) and the daemon tells a's server at once, whose pressure rule (3 GiB free
+    less 5 GiB wanted) releases a, idle 195 s, at its next poll; b's next cell runs. Before,
+    a's server saw 30 % free and kept it."""
+    failures, released, ran = across_users(policies.GPUShare, node_daemon=True)
+    assert failures == 1
+    assert [r[:2] for r in released] == [(208, "a")]  # polled at 200.x, its copy 7.5 s
+    assert released[0][2].startswith("memory pressure on GPU 0: idle for "), released
+    assert (1, 250) in ran

@@ -160,6 +160,9 @@ class Controller:
         #: server sets them when it has either)
         self.placed_elsewhere: Callable[[], dict[int, int]] = dict
         self.pending_elsewhere: Callable[[], dict[int, int]] = dict
+        #: tells the node's other servers now what this server's kernels want (the node
+        #: daemon's exchange, started at once; the server sets it when it has a daemon)
+        self.tell_wanted: Callable[[], None] | None = None
         #: kernel -> (its held state, the cap in effect when it was released): a restore
         #: refuses a state over a cap set or lowered since (cap_refusal)
         self._cap_at_release: dict[str, tuple[Held, int | None]] = {}

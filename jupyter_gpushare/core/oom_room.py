@@ -15,6 +15,12 @@ released when even that would not fit, or when the allocation would pass the ker
 memory cap (the cap is the cause). Each release is an ordinary automatic release (its event,
 its reason); the cell itself is never run again.
 
+Where this server's idle kernels cannot make the room, what the cell asked for stays wanted on
+its GPUs until the kernel holds it (:meth:`..node.gpu_load.GpuLoad.owe`, for at most
+``OWED_GRACE``): the release policy counts it as taken, and the node daemon, where there is
+one, tells the node's other servers at once, whose memory pressure rules count it too, so that
+other people's idle kernels make way for the next try without the hub service.
+
 Where this server's idle kernels cannot make the room and the server is linked to the hub
 service (``across``: :meth:`..node.hub_link.HubLink.out_of_memory`), the service is asked to
 make it from other people's idle kernels on that GPU, by the same rules across users
@@ -79,10 +85,14 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
     decisions = plan(c.rules, gpus, nbytes, free, total, cands, kernel_id)
     on = _on(gpus)
     if decisions is None:
+        if nbytes is not None:  # wanted until the next try holds it: the node's servers weigh it
+            c.room.load.owe(kernel_id, gpus, nbytes)
+            if c.tell_wanted is not None:
+                c.tell_wanted()
         text = _none_text(c, kernel_id, gpus, nbytes, cands, free)
         if across is not None and nbytes is not None:
             return await _ask_across(across, kernel_id, gpus, nbytes, out, text)
-        others = _others_text(c, gpus, nbytes, free, total)
+        others = _others_text(c, gpus, nbytes, free, total, told=c.tell_wanted is not None)
         return {**out, "cause": "none", "text": "\n".join(t for t in (text, others) if t)}
     if not decisions:
         asked = f" for the {format_bytes(nbytes)} the cell asked for" if nbytes is not None else ""
@@ -152,10 +162,12 @@ async def _ask_across(across: Across, kernel_id: str, gpus: list[int], nbytes: i
 
 
 def _others_text(c: Controller, gpus: list[int], nbytes: int | None, free: dict[int, int],
-                 total: dict[int, int]) -> str:
+                 total: dict[int, int], told: bool = False) -> str:
     """Without the hub service: where memory this server's kernels do not hold would have made
     the room (other people's kernels, programs outside this server), say so, and who could
-    release it: a person alone on a shared GPU otherwise reads that nothing could be done."""
+    release it: a person alone on a shared GPU otherwise reads that nothing could be done.
+    ``told``: the node daemon tells the node's other servers what the cell asked for; each
+    releases its own idle kernels for it by its memory pressure rule at its next poll."""
     lines = []
     for g in gpus:
         rec = c.tracker.gpus.get(g)
@@ -167,6 +179,15 @@ def _others_text(c: Controller, gpus: list[int], nbytes: int | None, free: dict[
         # not what the driver keeps for itself (a few hundred MiB a GPU), nor memory that
         # would not have made the room anyway
         if others <= total[g] // OTHERS_SAID or (nbytes is not None and free[g] + others < nbytes):
+            continue
+        if told and nbytes is not None:
+            lines.append(
+                f"gpushare: other processes hold {format_bytes(others)} of GPU {g} (other "
+                "people's kernels, or programs outside this server): the node's other gpushare "
+                f"servers were told that this kernel wants {format_bytes(nbytes)} more there; "
+                "each releases its own kernels idle for "
+                f"{c.config.pressure_idle_timeout:.0f} s or more to make it, within seconds: "
+                "run the cell again in a moment")
             continue
         lines.append(f"gpushare: other processes hold {format_bytes(others)} of GPU {g} (other "
                      "people's kernels, or programs outside this server): this server releases "

@@ -43,6 +43,9 @@ from ..states import RESTORING
 BUSY_FLOOR = 10.0
 #: s a placed kernel the tracker has not listed yet is kept (a kernel still starting)
 START_GRACE = 120.0
+#: s the memory a kernel's failed allocation asked for stays wanted (:meth:`GpuLoad.owe`):
+#: its person runs the cell again within minutes, or has moved on
+OWED_GRACE = 120.0
 
 
 class SlidingLoad:
@@ -155,6 +158,15 @@ def _used(rec: KernelUse | None, gpu: int) -> bool:
 
 
 @dataclass
+class Owed:
+    """What a kernel whose allocation failed wants to hold on each GPU: what it held then
+    plus what the allocation asked for."""
+
+    bytes: dict[int, int]
+    at: float  # clock.now() when it failed
+
+
+@dataclass
 class Placed:
     """Where this server placed a kernel, and what it was expected to need there."""
 
@@ -178,6 +190,7 @@ class GpuLoad:
         self.window = window
         self.ended = ended or (lambda: ())
         self.placed: dict[str, Placed] = {}
+        self.owed: dict[str, Owed] = {}
 
     # -- placements -------------------------------------------------------------------------
     def place(self, kernel_id: str, gpus: list[int], need: Need) -> None:
@@ -189,6 +202,44 @@ class GpuLoad:
         p = self.placed.get(kernel_id)
         if p is not None and mapping:
             p.gpus = [mapping.get(g, g) for g in p.gpus]
+
+    def owe(self, kernel_id: str, gpus: Iterable[int], nbytes: int) -> None:
+        """A cell of ``kernel_id`` failed to allocate ``nbytes`` more on each of ``gpus``:
+        until the kernel holds that much more there, for at most :data:`OWED_GRACE` s, the
+        difference is wanted memory (:meth:`promised`, :meth:`unused`: what the node daemon
+        tells the node's other servers, whose release policies count it as taken), so that
+        idle kernels there make way for the cell's next try, whoever's they are."""
+        rec = self.kernels().get(kernel_id)
+        held = rec.gpu_bytes if rec is not None else {}
+        self.owed[kernel_id] = Owed({g: held.get(g, 0) + nbytes for g in gpus}, clock.now())
+
+    def _owed_now(self, records: Mapping[str, KernelUse], now: float,
+                  exclude: str | None = None) -> dict[int, int]:
+        """Per GPU, the bytes kernels that ran out of memory still want there beyond what they
+        hold and what their placement already counts; done ones are forgotten (held, the
+        kernel gone, or past the grace)."""
+        out: dict[int, int] = {}
+        for kid, o in list(self.owed.items()):
+            rec = records.get(kid)
+            if rec is None or now - o.at > OWED_GRACE:
+                del self.owed[kid]
+                continue
+            if kid == exclude:
+                continue
+            placed = self.placed.get(kid)
+            short = {}
+            for g, n in o.bytes.items():
+                counted = placed.need.bytes if placed is not None and g in placed.gpus \
+                    and not _used(rec, g) else 0
+                want = n - rec.gpu_bytes.get(g, 0) - counted
+                if want > 0:
+                    short[g] = want
+            if not short and all(rec.gpu_bytes.get(g, 0) >= n for g, n in o.bytes.items()):
+                del self.owed[kid]  # it holds what it asked for
+                continue
+            for g, want in short.items():
+                out[g] = out.get(g, 0) + want
+        return out
 
     def forget(self, alive: Iterable[str], now: float | None = None) -> None:
         """Drop the placements of kernels not ``alive`` that ended, or that were placed longer
@@ -205,14 +256,17 @@ class GpuLoad:
 
     def promised(self, now: float | None = None) -> dict[int, int]:
         """Per GPU, the bytes this server's placed kernels that have not used it yet are
-        expected to allocate there: memory that is wanted, though no one waits for it yet
-        (the release policy counts it as taken, so that idle kernels make way before the
-        first allocation fails)."""
+        expected to allocate there, and what kernels that ran out of memory there still want
+        (:meth:`owe`): memory that is wanted, though no one waits for it yet (the release
+        policy counts it as taken, so that idle kernels make way before the first allocation
+        fails, or before the failed one's next try)."""
         return {g: n for g, (n, _) in self.unused(now).items()}
 
     def unused(self, now: float | None = None) -> dict[int, tuple[int, int]]:
         """Per GPU, (bytes, kernels) of this server's placed kernels that have not used it
-        yet: :meth:`promised`, with how many they are (what the node daemon is told)."""
+        yet, and the bytes kernels that ran out of memory there still want (not counted as
+        kernels: they are not new there): :meth:`promised`, with how many they are (what the
+        node daemon is told)."""
         now = clock.now() if now is None else now
         records = self.kernels()
         self.forget(records, now)
@@ -222,6 +276,9 @@ class GpuLoad:
                 if not _used(records.get(kid), g):
                     n, k = out.get(g, (0, 0))
                     out[g] = (n + p.need.bytes, k + 1)
+        for g, want in self._owed_now(records, now).items():
+            n, k = out.get(g, (0, 0))
+            out[g] = (n + want, k)
         return out
 
     def listed_unused(self, now: float | None = None) -> set[str]:
@@ -267,6 +324,8 @@ class GpuLoad:
                 if not _used(records.get(kid), g):
                     pending[g] = pending.get(g, 0.0) + p.need.load
                     promised[g] = promised.get(g, 0) + p.need.bytes
+        for g, want in self._owed_now(records, now, exclude).items():  # a failed cell's retry
+            promised[g] = promised.get(g, 0) + want
         for kid, rec in records.items():
             if kid == exclude:
                 continue

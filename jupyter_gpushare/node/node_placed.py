@@ -51,11 +51,19 @@ class NodePlaced:
         self._one = asyncio.Lock()
         self.at: float | None = None  # clock.now() of the last answer
         self.error: str | None = None
+        self._telling: set[asyncio.Task[None]] = set()  # exchanges started, kept referenced
 
     async def exchange(self, timeout: float = EXCHANGE_TIMEOUT) -> None:
         """Tell the daemon this server's claim, keep the others'. Never raises."""
         async with self._one:
             await self._exchange(timeout)
+
+    def tell_soon(self) -> None:
+        """Start an exchange now, not at the next poll (a kernel was placed, or ran out of
+        memory: another server may place one, or weigh its releases, in between)."""
+        task = asyncio.ensure_future(self.exchange())
+        self._telling.add(task)
+        task.add_done_callback(self._telling.discard)
 
     async def _exchange(self, timeout: float) -> None:
         uuids = {g.index: g.uuid for g in self.gpus() if g.uuid}

@@ -37,7 +37,6 @@ with the most, and carries a note its agent prints before its first cell.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
@@ -201,7 +200,6 @@ class Placer:
         self.service_pending = service_pending
         self.service_room_now = service_room_now or (lambda: {})
         self.node_placed = node_placed
-        self._telling: set[asyncio.Task[None]] = set()
         self.recent = recent or (lambda name: [])
         self.default_cap = default_cap or (lambda: None)  # the admin's cap per GPU
         self.log = log or logging.getLogger(__name__)
@@ -350,11 +348,8 @@ class Placer:
     def _tell_node(self) -> None:
         """Tell the node daemon of the placement at once, not at the next poll: another
         server may place a kernel in between."""
-        if self.node_placed is None:
-            return
-        task = asyncio.ensure_future(self.node_placed.exchange())
-        self._telling.add(task)
-        task.add_done_callback(self._telling.discard)
+        if self.node_placed is not None:
+            self.node_placed.tell_soon()
 
     def _service_pending(self, gpus: list[GPUInfo]) -> dict[int, float]:
         """Per GPU, the load the hub service's placed-not-computing kernels are expected to

@@ -201,6 +201,7 @@ class GPUShareApp(SourceOptions, KernelOptions, TrackingOptions, ReleaseOptions,
         self.controller.placed_elsewhere = self._placed_elsewhere
         if self.node_placed is not None:
             self.controller.pending_elsewhere = self.node_placed.pending
+            self.controller.tell_wanted = self.node_placed.tell_soon
         self.controller.default_cap = self.default_cap
         self.capwatch = CapWatch(self.controller, self._tell_over_cap, self.tell_cap)
         self.ahead = AheadRestores(self.controller, self.ahead_grace)

@@ -47,7 +47,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..node.gpu_load import coming_back
+from ..node.gpu_load import OWED_GRACE, coming_back
 from ..policy import placement as rule
 from .defaults import LOAD_WINDOW, MIN_ROOM, PRECOPY_AFTER
 from .meter import Meter
@@ -122,6 +122,10 @@ class Kernel:
     restore_end: float = 0.0  # when its restore in flight ends
     allocated: bool = False  # it has allocated on its GPUs since it started (placed, else)
     need: rule.Need | None = None  # what its placement expected it to need
+    #: bytes per GPU it is to hold once its failed allocation's next try fits, and when that
+    #: allocation failed (the product's ``GpuLoad.owe``): wanted memory until it holds them
+    owed: int = 0
+    owed_at: float = 0.0
     moved_at: list[float] = field(default_factory=list)  # when rebalance moved it
     policy_state: dict = field(default_factory=dict)  # a policy's own bookkeeping
 
@@ -152,6 +156,13 @@ class Kernel:
         if self.state in HELD:
             return {g: self.held for g in self.gpus}
         return {}
+
+    def owed_more(self, now: float) -> int:
+        """Bytes per GPU its failed allocation still wants beyond what it holds (0 once it
+        holds them, ended, or :data:`OWED_GRACE` s after it failed)."""
+        if not self.owed or now - self.owed_at > OWED_GRACE or self.state in (CULLED, ENDED):
+            return 0
+        return max(0, self.owed - (self.held if self.state == RESIDENT else 0))
 
     def holds(self, gpu: int) -> bool:
         """Whether it holds memory on ``gpu`` now (what the product's tracker measures)."""
@@ -270,6 +281,7 @@ class Simulation:
                          load_window, keep=policy.history_seconds(load_window))
         self.machine_of: dict[int, range] = {}  # user -> the machine their server runs on
         self.placed: list[set[int]] = [set() for _ in range(n_gpus)]  # placed, not allocated
+        self.owing: set[int] = set()  # kernels whose failed allocation may still be owed room
         self.computed: list[dict[int, float]] = [{} for _ in range(n_gpus)]  # kernel -> last
         self._keep = policy.history_seconds(load_window)  # s of that kept
         self.peaks: dict[int, dict[int, int]] = {}  # user -> kernel -> most bytes per GPU held
@@ -390,6 +402,7 @@ class Simulation:
         k.held = nbytes
         if not self.policy.fits(self, k):
             k.held = 0
+            self._unplace(k)  # its process made a context there: the product's tracker saw it
             return False
         self._allocate(k)
         k.allocated = True
@@ -684,6 +697,13 @@ class Simulation:
         self.counters.culls += 1
         self._freed(k)
 
+    def owe(self, k: Kernel, nbytes: int) -> None:
+        """A cell of ``k`` failed to allocate ``nbytes`` more per GPU: wanted memory until it
+        holds them (the product's ``GpuLoad.owe``, which :meth:`views` and the servers'
+        release policies count)."""
+        k.owed, k.owed_at = k.held + nbytes, self.now
+        self.owing.add(k.index)
+
     def fits_now(self, k: Kernel) -> bool:
         """Whether ``k``'s state fits on every one of its GPUs now."""
         return all(self.node.free(g) >= k.held for g in k.gpus)
@@ -775,6 +795,17 @@ class Simulation:
                     continue
                 placed[g] += o.need.bytes
                 pending[g] += o.need.load
+        for i in list(self.owing):  # what failed allocations' next tries want
+            o = self.kernels[i]
+            more = o.owed_more(self.now)
+            if not more:
+                self.owing.discard(i)
+                continue
+            if o is exclude or (seen_by is not None and not self.policy.sees_owed(self, seen_by, o)):
+                continue
+            for g in o.gpus:
+                if g in placed:
+                    placed[g] += more
         for o in self.kernels:
             if o is exclude or o.state in (NEW, CULLED, ENDED):
                 continue

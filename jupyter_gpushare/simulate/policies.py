@@ -125,6 +125,10 @@ class Policy:
             sim.machine_of[k.user_index] = m
         return m
 
+    def sees_owed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        """Whether ``k``'s server counts the room ``other``'s failed allocation wants."""
+        return other.user_index == k.user_index
+
     def sees_placed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
         """Whether ``k``'s server, placing or restoring ``k``, knows that ``other`` is placed
         and has not allocated yet (its expected bytes and load count in its view)."""
@@ -298,7 +302,9 @@ class GPUShare(Policy):
         (``core.oom_room``): the product's rule (:func:`jupyter_gpushare.policy.oom.plan`,
         unchanged) over that server's own kernels, free memory counting releases in flight as
         done; where they cannot make the room, the server asks the hub service
-        (:meth:`oom_across_users`: none here)."""
+        (:meth:`oom_across_users`: none here). Where they cannot, what the cell asked for
+        stays wanted until the kernel holds it (``GpuLoad.owe``): this server's next poll
+        weighs it, and with the node daemon (told at once) every server's on the machine."""
         flight = sim.releases_in_flight()
         free = {g: sim.node.free(g) + flight.get(g, 0) for g in k.gpus}
         total = {g: sim.node.gpus[g].capacity for g in k.gpus}
@@ -307,6 +313,11 @@ class GPUShare(Policy):
         decisions = room_after_oom(product.Policy(self.config), list(k.gpus), nbytes, free,
                                    total, list(cands.values()), k.id)
         if decisions is None:
+            sim.owe(k, nbytes)
+            self.schedule_check(sim, k.user_index, sim.now)
+            if self.node_daemon:
+                for user in self.neighbours(sim, k.user_index, sim.node_gpus(k.gpu)):
+                    self.schedule_check(sim, user, sim.now)
             self.oom_across_users(sim, k, nbytes, free, total)
             return
         on = "GPU " + ", ".join(map(str, k.gpus))
@@ -398,6 +409,14 @@ class GPUShare(Policy):
                 o = sim.kernels[i]
                 if o.need is not None and self.knows_placed(sim, user, o):
                     out[g] = out.get(g, 0) + o.need.bytes
+        machine = set(sim.node_gpus(kernels[0].gpu))
+        for i in sim.owing:  # what failed allocations' next tries want (GpuLoad.owe)
+            o = sim.kernels[i]
+            more = o.owed_more(sim.now)
+            if more and self.knows_owed(user, o):
+                for g in o.gpus:
+                    if g in machine:
+                        out[g] = out.get(g, 0) + more
         return out
 
     def knows_placed(self, sim: Simulation, user: int, other: Kernel) -> bool:
@@ -410,6 +429,14 @@ class GPUShare(Policy):
         """What ``k``'s server knows (:meth:`knows_placed`), as its placement and restore views
         count it."""
         return self.knows_placed(sim, k.user_index, other)
+
+    def knows_owed(self, user: int, other: Kernel) -> bool:
+        """Whether ``user``'s server counts what ``other``'s failed allocation wants: its own,
+        and with the node daemon every server's on its machine (the hub service is not told)."""
+        return other.user_index == user or self.node_daemon
+
+    def sees_owed(self, sim: Simulation, k: Kernel, other: Kernel) -> bool:
+        return self.knows_owed(k.user_index, other)
 
     def neighbours(self, sim: Simulation, user: int, machine: range) -> list[int]:
         """The other users whose servers run on ``machine`` with a kernel alive."""
