@@ -215,7 +215,7 @@ async def run(gpus: int, kernels: int, repeat: int) -> tuple[list[list[Any]], st
         async def place_told() -> None:
             got = await told_placer.place("new-kernel", Spec(), {})
             assert got is not None and got.gpus and told.error is None, told.error
-            await asyncio.gather(*told_placer._telling)  # the exchange right after it
+            await told.told()  # the exchange right after it
             load.placed.pop("new-kernel")
 
         residents = [Resident(kid, dict(rec.gpu_bytes), i % 2 == 0, idle_seconds=float(i))

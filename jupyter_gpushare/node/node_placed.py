@@ -65,6 +65,10 @@ class NodePlaced:
         self._telling.add(task)
         task.add_done_callback(self._telling.discard)
 
+    async def told(self) -> None:
+        """Wait for the exchanges :meth:`tell_soon` started."""
+        await asyncio.gather(*self._telling)
+
     async def _exchange(self, timeout: float) -> None:
         uuids = {g.index: g.uuid for g in self.gpus() if g.uuid}
         claim = {uuids[g]: v for g, v in self.mine().items() if g in uuids and any(v)}
