@@ -221,24 +221,19 @@ class GpuLoad:
         out: dict[int, int] = {}
         for kid, o in list(self.owed.items()):
             rec = records.get(kid)
-            if rec is None or now - o.at > OWED_GRACE:
-                del self.owed[kid]
+            if (rec is None or now - o.at > OWED_GRACE
+                    or all(rec.gpu_bytes.get(g, 0) >= n for g, n in o.bytes.items())):
+                del self.owed[kid]  # gone, past the grace, or it holds what it asked for
                 continue
             if kid == exclude:
                 continue
             placed = self.placed.get(kid)
-            short = {}
             for g, n in o.bytes.items():
                 counted = placed.need.bytes if placed is not None and g in placed.gpus \
                     and not _used(rec, g) else 0
                 want = n - rec.gpu_bytes.get(g, 0) - counted
                 if want > 0:
-                    short[g] = want
-            if not short and all(rec.gpu_bytes.get(g, 0) >= n for g, n in o.bytes.items()):
-                del self.owed[kid]  # it holds what it asked for
-                continue
-            for g, want in short.items():
-                out[g] = out.get(g, 0) + want
+                    out[g] = out.get(g, 0) + want
         return out
 
     def forget(self, alive: Iterable[str], now: float | None = None) -> None:

@@ -704,6 +704,21 @@ class Simulation:
         k.owed, k.owed_at = k.held + nbytes, self.now
         self.owing.add(k.index)
 
+    def owed_on(self, gpus: Iterable[int], counts: Callable[[Kernel], bool]) -> dict[int, int]:
+        """Per GPU of ``gpus``, the bytes failed allocations of the kernels ``counts`` accepts
+        still want (:meth:`owe`); those owed nothing any more are forgotten."""
+        on = set(gpus)
+        out: dict[int, int] = {}
+        for i in list(self.owing):
+            o = self.kernels[i]
+            more = o.owed_more(self.now)
+            if not more:
+                self.owing.discard(i)
+            elif counts(o):
+                for g in on.intersection(o.gpus):
+                    out[g] = out.get(g, 0) + more
+        return out
+
     def fits_now(self, k: Kernel) -> bool:
         """Whether ``k``'s state fits on every one of its GPUs now."""
         return all(self.node.free(g) >= k.held for g in k.gpus)
@@ -795,17 +810,10 @@ class Simulation:
                     continue
                 placed[g] += o.need.bytes
                 pending[g] += o.need.load
-        for i in list(self.owing):  # what failed allocations' next tries want
-            o = self.kernels[i]
-            more = o.owed_more(self.now)
-            if not more:
-                self.owing.discard(i)
-                continue
-            if o is exclude or (seen_by is not None and not self.policy.sees_owed(self, seen_by, o)):
-                continue
-            for g in o.gpus:
-                if g in placed:
-                    placed[g] += more
+        owed = self.owed_on(gpus, lambda o: o is not exclude and (
+            seen_by is None or self.policy.sees_owed(self, seen_by, o)))
+        for g, more in owed.items():  # what failed allocations' next tries want
+            placed[g] += more
         for o in self.kernels:
             if o is exclude or o.state in (NEW, CULLED, ENDED):
                 continue

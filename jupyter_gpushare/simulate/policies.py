@@ -409,14 +409,10 @@ class GPUShare(Policy):
                 o = sim.kernels[i]
                 if o.need is not None and self.knows_placed(sim, user, o):
                     out[g] = out.get(g, 0) + o.need.bytes
-        machine = set(sim.node_gpus(kernels[0].gpu))
-        for i in sim.owing:  # what failed allocations' next tries want (GpuLoad.owe)
-            o = sim.kernels[i]
-            more = o.owed_more(sim.now)
-            if more and self.knows_owed(user, o):
-                for g in o.gpus:
-                    if g in machine:
-                        out[g] = out.get(g, 0) + more
+        # what failed allocations' next tries want (GpuLoad.owe)
+        owed = sim.owed_on(sim.node_gpus(kernels[0].gpu), lambda o: self.knows_owed(user, o))
+        for g, more in owed.items():
+            out[g] = out.get(g, 0) + more
         return out
 
     def knows_placed(self, sim: Simulation, user: int, other: Kernel) -> bool:
