@@ -92,7 +92,7 @@ async def after_oom(c: Controller, kernel_id: str, gpu: int | None, nbytes: int 
         text = _none_text(c, kernel_id, gpus, nbytes, cands, free)
         if across is not None and nbytes is not None:
             return await _ask_across(across, kernel_id, gpus, nbytes, out, text)
-        others = _others_text(c, gpus, nbytes, free, total, told=c.tell_wanted is not None)
+        others = _others_text(c, gpus, nbytes, free, total)
         return {**out, "cause": "none", "text": "\n".join(t for t in (text, others) if t)}
     if not decisions:
         asked = f" for the {format_bytes(nbytes)} the cell asked for" if nbytes is not None else ""
@@ -162,12 +162,21 @@ async def _ask_across(across: Across, kernel_id: str, gpus: list[int], nbytes: i
 
 
 def _others_text(c: Controller, gpus: list[int], nbytes: int | None, free: dict[int, int],
-                 total: dict[int, int], told: bool = False) -> str:
+                 total: dict[int, int]) -> str:
     """Without the hub service: where memory this server's kernels do not hold would have made
     the room (other people's kernels, programs outside this server), say so, and who could
     release it: a person alone on a shared GPU otherwise reads that nothing could be done.
-    ``told``: the node daemon tells the node's other servers what the cell asked for; each
-    releases its own idle kernels for it by its memory pressure rule at its next poll."""
+    With the node daemon, the node's other servers were told what the cell asked for
+    (:meth:`..node.gpu_load.GpuLoad.owe`): each releases its own idle kernels for it by its
+    memory pressure rule at its next poll."""
+    if c.tell_wanted is not None and nbytes is not None:
+        who = (f"the node's other gpushare servers were told that this kernel wants "
+               f"{format_bytes(nbytes)} more there; each releases its own kernels idle for "
+               f"{c.config.pressure_idle_timeout:.0f} s or more to make it, within seconds: "
+               "run the cell again in a moment")
+    else:
+        who = ("this server releases only its own kernels; under JupyterHub, the gpushare hub "
+               "service also releases other people's idle ones")
     lines = []
     for g in gpus:
         rec = c.tracker.gpus.get(g)
@@ -180,19 +189,8 @@ def _others_text(c: Controller, gpus: list[int], nbytes: int | None, free: dict[
         # would not have made the room anyway
         if others <= total[g] // OTHERS_SAID or (nbytes is not None and free[g] + others < nbytes):
             continue
-        if told and nbytes is not None:
-            lines.append(
-                f"gpushare: other processes hold {format_bytes(others)} of GPU {g} (other "
-                "people's kernels, or programs outside this server): the node's other gpushare "
-                f"servers were told that this kernel wants {format_bytes(nbytes)} more there; "
-                "each releases its own kernels idle for "
-                f"{c.config.pressure_idle_timeout:.0f} s or more to make it, within seconds: "
-                "run the cell again in a moment")
-            continue
         lines.append(f"gpushare: other processes hold {format_bytes(others)} of GPU {g} (other "
-                     "people's kernels, or programs outside this server): this server releases "
-                     "only its own kernels; under JupyterHub, the gpushare hub service also "
-                     "releases other people's idle ones")
+                     f"people's kernels, or programs outside this server): {who}")
     return "\n".join(lines)
 
 
