@@ -41,8 +41,13 @@ combinations serve, and one that does. What a better choice of machines could wi
 hindsight.
 ``--seeds 0-4`` (or ``0,1,2``): instead of the details, the counts at each seed of the
 workload (and of the servers' poll phases), one line per seed: the smallest count that
-serves, and the larger counts that do not, with why. Which counts serve moves by one or two
-with where a few kernels land, so a change is judged over seeds, not on seed 0 alone.
+serves, and the larger counts that do not, with why; then the smallest count at which each
+criterion alone holds (memory: no cell out of memory; delay: p99 <= 1 s; SMs: p99 slowdown
+<= 1.1 and no cell unfinished), and the sums over the seeds next to what 1.25x of each
+seed's compute limit allows: which criterion keeps the count up. Which counts serve moves by
+one or two with where a few kernels land, so a change is judged over seeds, not on seed 0
+alone. With ``-- --gpu-gib 8000`` (the same workload: the generator bounds a person's kernels
+by 72 GiB whatever the GPU) memory never binds, and what is left is compute sharing.
 ``--long-idle-share F``: the simulator's long-idle releases held to the product's rule
 (``policy.long_idle_releases``: only on a GPU with less than F of its memory free) at share
 F; 1 releases at ``long_idle`` whatever the room. For as long as the simulator's ``needs``
@@ -52,6 +57,9 @@ this is how the product's rule is measured.
 largest (its start and its cells' allocations) instead of what its person's kernels held
 before: how much of the gap to the compute limit comes from not knowing a kernel's size
 before it allocates (first allocations that fail, GPUs chosen by a need too small).
+``--known-loads``: with hindsight, a new kernel is expected to add the SM % of its heaviest GPU
+cell (until it computes) instead of the placement rule's ``PENDING_LOAD`` for everyone: how
+much comes from placing a training beside another without knowing it is one.
 """
 
 from __future__ import annotations
@@ -281,22 +289,47 @@ def every_assignment(w: Workload, s: Settings, gpus: int, limit: int) -> list[st
     return [line + (f"; one: {served[0]}" if served else "")]
 
 
+#: the criteria of "serves", each judged alone: what a count fails on, by ``why_not``'s words
+CRITERIA = {"memory": ("out of memory",), "delay": ("p99 delay",),
+            "SMs": ("p99 slowdown", "unfinished")}
+
+
+def smallest_alone(why: dict[int, list[str]]) -> dict[str, int | None]:
+    """Per criterion (:data:`CRITERIA`), the smallest count at which it alone holds."""
+    return {name: next((n for n in sorted(why)
+                        if not any(w in reason for reason in why[n] for w in words)), None)
+            for name, words in CRITERIA.items()}
+
+
 def across_seeds(argv: list[str], counts: list[int], policy: str, seeds: list[int]) -> list[str]:
-    """Per seed: the smallest of ``counts`` that serves, and the larger ones that do not."""
+    """Per seed: the smallest of ``counts`` that serves, and the larger ones that do not;
+    then the smallest at which each criterion alone holds; and the sums over the seeds."""
     out = [f"{policy}, counts {','.join(map(str, counts))}: per seed, the smallest that serves; "
-           "larger counts that do not, and why"]
+           "larger counts that do not, and why; the smallest at which each criterion alone holds"]
+    sums: dict[str, int] = {"serves": 0, **dict.fromkeys(CRITERIA, 0), "1.25x limit": 0}
     for seed in seeds:
         w, s, _ = workload_of([*argv, "--seed", str(seed)])
         limit = compute_limit(w, s)["gpus"]
         why = {n: why_not(figures(simulation(w, s, policy, n)), s) for n in counts}
         serving = [n for n in counts if not why[n]]
+        alone = smallest_alone(why)
+        none = counts[-1] + 1  # summed where a criterion holds at no count: "more than"
+        sums["serves"] += serving[0] if serving else none
+        for name, n in alone.items():
+            sums[name] += none if n is None else n
+        sums["1.25x limit"] += math.floor(1.25 * limit)
+        each = "; alone: " + ", ".join(f"{name} {'>' + str(counts[-1]) if n is None else n}"
+                                       for name, n in alone.items())
         head = f"seed {seed} (compute limit {limit})"
         if not serving:
-            out.append(f"{head}: none of {counts[0]}-{counts[-1]}")
+            out.append(f"{head}: none of {counts[0]}-{counts[-1]}{each}")
             continue
         above = [f"{n} ({'; '.join(why[n])})" for n in counts if n > serving[0] and why[n]]
         out.append(f"{head}: {serving[0]} ({serving[0] / limit:.2f}x)"
-                   + (f"; not {', '.join(above)}" if above else ""))
+                   + (f"; not {', '.join(above)}" if above else "") + each)
+    if len(seeds) > 1:
+        out.append("sums over the seeds (a count past the last tried counts as the next): "
+                   + ", ".join(f"{name} {n}" for name, n in sums.items()))
     return out
 
 
@@ -323,15 +356,22 @@ def hold_long_idle_to(share: float) -> None:
     policies.GPUShare.releases = held  # type: ignore[method-assign]
 
 
-def expect_known_sizes() -> None:
-    """``--known-sizes``: the simulator expects each kernel to need its largest allocation
-    (hindsight; the product cannot know it before the kernel allocates)."""
+def expect_known(sizes: bool, loads: bool) -> None:
+    """``--known-sizes``: the simulator expects each kernel to need its largest allocation;
+    ``--known-loads``: to add, until it computes, the SM % of its heaviest GPU cell instead of
+    the rule's ``PENDING_LOAD`` (hindsight both: the product cannot know either before the
+    kernel allocates and computes)."""
     expected = Simulation.expected_need
 
     def known(self: Simulation, k: Any) -> rule.Need:
-        peak = max([k.work.gpu_bytes, *(c.nbytes or 0 for ss in k.work.sessions for c in ss.cells)])
         said = expected(self, k)
-        return replace(said, bytes=max(peak, said.bytes))
+        cells = [c for ss in k.work.sessions for c in ss.cells]
+        if sizes:
+            peak = max([k.work.gpu_bytes, *(c.nbytes or 0 for c in cells)])
+            said = replace(said, bytes=max(peak, said.bytes))
+        if loads:
+            said = replace(said, load=max([c.utilization for c in cells if c.uses_gpu] or [0.0]))
+        return said
 
     Simulation.expected_need = known  # type: ignore[method-assign]
 
@@ -354,6 +394,9 @@ def main() -> None:
                          "smallest count that serves and the larger ones that do not")
     ap.add_argument("--known-sizes", action="store_true",
                     help="with hindsight, expect every kernel to need its largest allocation")
+    ap.add_argument("--known-loads", action="store_true",
+                    help="with hindsight, expect every new kernel to add the SM %% of its "
+                         "heaviest GPU cell")
     ap.add_argument("simulate", nargs=argparse.REMAINDER,
                     help="after --: jupyter gpushare simulate's options")
     args = ap.parse_args()
@@ -362,8 +405,8 @@ def main() -> None:
         rest, args.counts = ["--quick", "--days", "1"], "4"
     if args.long_idle_share is not None:
         hold_long_idle_to(args.long_idle_share)
-    if args.known_sizes:
-        expect_known_sizes()
+    if args.known_sizes or args.known_loads:
+        expect_known(args.known_sizes, args.known_loads)
     if args.seeds:
         counts = sorted(int(c) for c in args.counts.split(",") if c.strip())
         for line in across_seeds(rest, counts, args.policy, args.seeds):
@@ -374,6 +417,8 @@ def main() -> None:
         name += f"; long-idle releases below {args.long_idle_share:.0%} free"
     if args.known_sizes:
         name += "; kernels' sizes known ahead (hindsight)"
+    if args.known_loads:
+        name += "; kernels' SM loads known ahead (hindsight)"
     print(f"{name}: {len(w.users)} users, {len(w.kernels)} kernels; machines of {s.gpus} x "
           f"{s.gpu_gib:g} GiB; release policy {s.release_policy}; transfer model {s.transfer.name}")
     for line in bounds(w, s):
