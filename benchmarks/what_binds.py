@@ -42,7 +42,7 @@ hindsight.
 ``--seeds 0-4`` (or ``0,1,2``): instead of the details, the counts at each seed of the
 workload (and of the servers' poll phases), one line per seed: the smallest count that
 serves, and the larger counts that do not, with why; then the smallest count at which each
-criterion alone holds (memory: no cell out of memory; delay: p99 <= 1 s; SMs: p99 slowdown
+criterion alone holds (out of memory: none; delay: p99 <= 1 s; SMs: p99 slowdown
 <= 1.1 and no cell unfinished), and the sums over the seeds next to what 1.25x of each
 seed's compute limit allows: which criterion keeps the count up. Which counts serve moves by
 one or two with where a few kernels land, so a change is judged over seeds, not on seed 0
@@ -290,7 +290,7 @@ def every_assignment(w: Workload, s: Settings, gpus: int, limit: int) -> list[st
 
 
 #: the criteria of "serves", each judged alone: what a count fails on, by ``why_not``'s words
-CRITERIA = {"memory": ("out of memory",), "delay": ("p99 delay",),
+CRITERIA = {"out of memory": ("out of memory",), "delay": ("p99 delay",),
             "SMs": ("p99 slowdown", "unfinished")}
 
 
