@@ -341,6 +341,21 @@ def test_quick_run_writes_every_policy_for_both_traces(tmp_path, capsys, monkeyp
         assert trace["capacity"]["exclusive"]["users_per_gpu"] == 1.0
         for f in trace["reference"].values():
             assert len(f["series"]["allocation_pct"]) == len(f["series"]["sm_utilization_pct"]) > 0
+    # the headline says why one GPU fewer than each policy's fewest does not serve, as the
+    # search saw it (where it tried that count), and nothing for a count it did not try
+    flat = " ".join(out.split())
+    said = 0
+    for trace in doc["traces"]:
+        for name, c in trace["fewest_gpus"]["by_model"]["h100"].items():
+            fewer = None if c["gpus"] is None else c["gpus"] - 1
+            below = [p for p in c["probes"] if p["gpus"] == fewer]
+            if below:
+                why = below[0]["why_not"]
+                assert why, below  # the count below the fewest fails
+                gpus = "1 GPU" if fewer == 1 else f"{fewer} GPUs"
+                assert f"{name} on one fewer ({gpus}): {'; '.join(why)}." in flat
+                said += 1
+    assert said >= 2 and "exclusive on one fewer" not in flat
     # the example replay's gpushare run keeps p99 within 1 s with a wait of an hour or more:
     # the report says so, with the run's own figures
     replay = doc["traces"][1]

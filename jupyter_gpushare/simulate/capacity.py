@@ -69,13 +69,15 @@ def why_not(f: dict[str, Any], s: Settings) -> list[str]:
     """What keeps a run from serving; empty when it serves."""
     out = []
     if f["oom_failures"]:
-        out.append(f"{f['oom_failures']} cells out of memory")
+        n = f["oom_failures"]
+        out.append(f"{n} cell{'' if n == 1 else 's'} out of memory")
     if f["cell_delay_p99_s"] > s.delay_bound:
         out.append(f"p99 delay {f['cell_delay_p99_s']:.2f} s > {s.delay_bound:g} s")
     if f["gpu_cell_slowdown_p99"] > s.slowdown_bound:
         out.append(f"p99 slowdown {f['gpu_cell_slowdown_p99']:.2f} > {s.slowdown_bound:g}")
     if f["cells_unfinished_contention"]:
-        out.append(f"{f['cells_unfinished_contention']} cells unfinished (SMs shared)")
+        n = f["cells_unfinished_contention"]
+        out.append(f"{n} cell{'' if n == 1 else 's'} unfinished (SMs shared)")
     return out
 
 

@@ -158,11 +158,13 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
     # whether a count serves is not monotonic: say which larger counts the search tried and
     # saw fail, so a lucky count is not read as a margin
     above = [_fails_above(name, c) for name, c in h["by_model"][first].items() if c.get("fails_above")]
+    # what keeps each policy off one GPU fewer: memory's criteria or the SMs'
+    fewer = [line for name, c in h["by_model"][first].items() if (line := _one_fewer(name, c))]
     if wide:
         heads = ["policy", "fewest GPUs", "x compute limit", "GPU-h", "reserved GPU-h", "x reserved",
                  "p99 delay s", "worst delay s", "GPU-cell slowdown p99", "work lost GPU-h",
                  *[f"fewest GPUs ({m})" for m in others]]
-        return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes] + above
+        return "\n".join([table(heads, rows)] + [f"none: {n}" for n in notes] + above + fewer
                          + [limit_line(limit)])
     _beside(rows, 1)
     heads = ["policy", "GPUs (x limit)", "GPU-h", "reserved", "x res.", "p99", "worst",
@@ -174,9 +176,14 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
               "hands out whole GPUs charges; x res.: GPU-h / reserved. At that count: p99 delay "
               "over every cell and worst wait in s; slowdown: p99 over GPU cells of run time / "
               "time alone; lost: GPU-h of GPU cells to re-run after a cull. "
-              + ", ".join(others) + ": the fewest GPUs under that transfer model.")
+              + ", ".join(others) + ": the fewest GPUs under that transfer model. On one "
+              "fewer: why the count below the fewest does not serve, which says what to add: "
+              "cells out of memory, and under the release policy needs the cells' waits for "
+              "restores (releases make room), ask for more memory per GPU; a slowdown, for "
+              "more SMs.")
     return "\n".join([table(heads, rows, WIDTH)] + [wrap(f"none: {n}.") for n in notes]
-                     + [wrap(a) for a in above] + [wrap(legend), limit_line(limit)])
+                     + [wrap(a) for a in above] + [wrap(f) for f in fewer]
+                     + [wrap(legend), limit_line(limit)])
 
 
 def _fails_above(name: str, c: dict[str, Any]) -> str:
@@ -185,6 +192,18 @@ def _fails_above(name: str, c: dict[str, Any]) -> str:
     counts = "; ".join(f"{g} ({', '.join(why.get(g, []))})" for g in c["fails_above"])
     return (f"{name}: {c['gpus']} GPUs serve, but larger counts the search tried do not: "
             f"{counts}.")
+
+
+def _one_fewer(name: str, c: dict[str, Any]) -> str:
+    """Why ``name`` does not serve on one GPU fewer than its fewest, where the search tried
+    that count ("" where it did not: below the compute limit, or none serves)."""
+    if c.get("gpus") is None:
+        return ""
+    fewer = c["gpus"] - 1
+    why = next((p["why_not"] for p in c.get("probes", ()) if p["gpus"] == fewer), None)
+    if not why:
+        return ""
+    return f"{name} on one fewer ({fewer} GPU{'' if fewer == 1 else 's'}): {'; '.join(why)}."
 
 
 def _gpus(c: dict[str, Any]) -> str:
