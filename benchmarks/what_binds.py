@@ -74,7 +74,7 @@ from typing import Any
 
 from jupyter_gpushare.policy import placement as rule
 from jupyter_gpushare.simulate import policies
-from jupyter_gpushare.simulate.capacity import compute_limit, why_not
+from jupyter_gpushare.simulate.capacity import compute_limit, failing, why_not
 from jupyter_gpushare.simulate.cli import parser as simulate_parser
 from jupyter_gpushare.simulate.cli import settings_from
 from jupyter_gpushare.simulate.engine import Simulation
@@ -289,16 +289,15 @@ def every_assignment(w: Workload, s: Settings, gpus: int, limit: int) -> list[st
     return [line + (f"; one: {served[0]}" if served else "")]
 
 
-#: the criteria of "serves", each judged alone: what a count fails on, by ``why_not``'s words
-CRITERIA = {"out of memory": ("out of memory",), "delay": ("p99 delay",),
-            "SMs": ("p99 slowdown", "unfinished")}
+#: the criteria of "serves", each judged alone (``capacity.failing``'s names)
+CRITERIA = ("out of memory", "delay", "SMs")
 
 
-def smallest_alone(why: dict[int, list[str]]) -> dict[str, int | None]:
-    """Per criterion (:data:`CRITERIA`), the smallest count at which it alone holds."""
-    return {name: next((n for n in sorted(why)
-                        if not any(w in reason for reason in why[n] for w in words)), None)
-            for name, words in CRITERIA.items()}
+def smallest_alone(failed: dict[int, dict[str, list[str]]]) -> dict[str, int | None]:
+    """Per criterion, the smallest count at which it alone holds (``failed``: per count,
+    ``capacity.failing``)."""
+    return {name: next((n for n in sorted(failed) if name not in failed[n]), None)
+            for name in CRITERIA}
 
 
 def across_seeds(argv: list[str], counts: list[int], policy: str, seeds: list[int]) -> list[str]:
@@ -307,13 +306,14 @@ def across_seeds(argv: list[str], counts: list[int], policy: str, seeds: list[in
     out = [f"{policy}, counts {','.join(map(str, counts))}: per seed, the smallest that serves; "
            "larger counts that do not, and why; the smallest at which each criterion alone holds"]
     sums: dict[str, int] = {"serves": 0, **dict.fromkeys(CRITERIA, 0), "1.25x limit": 0}
+    none = counts[-1] + 1  # summed where a criterion holds at no count: "more than"
     for seed in seeds:
         w, s, _ = workload_of([*argv, "--seed", str(seed)])
         limit = compute_limit(w, s)["gpus"]
-        why = {n: why_not(figures(simulation(w, s, policy, n)), s) for n in counts}
+        failed = {n: failing(figures(simulation(w, s, policy, n)), s) for n in counts}
+        why = {n: [r for rs in failed[n].values() for r in rs] for n in counts}
         serving = [n for n in counts if not why[n]]
-        alone = smallest_alone(why)
-        none = counts[-1] + 1  # summed where a criterion holds at no count: "more than"
+        alone = smallest_alone(failed)
         sums["serves"] += serving[0] if serving else none
         for name, n in alone.items():
             sums[name] += none if n is None else n

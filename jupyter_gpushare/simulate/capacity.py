@@ -65,20 +65,29 @@ def compute_limit(workload: Workload, s: Settings) -> dict[str, Any]:
     return {"gpus": max(1, math.ceil(peak / 100.0 - 1e-9)), "peak_sm_demand_pct": peak}
 
 
-def why_not(f: dict[str, Any], s: Settings) -> list[str]:
-    """What keeps a run from serving; empty when it serves."""
-    out = []
+def failing(f: dict[str, Any], s: Settings) -> dict[str, list[str]]:
+    """What keeps a run from serving, by criterion (``out of memory``, ``delay``, ``SMs``:
+    a slowdown or cells left unfinished by sharing SMs); only the criteria that fail."""
+    out: dict[str, list[str]] = {}
     if f["oom_failures"]:
         n = f["oom_failures"]
-        out.append(f"{n} cell{'' if n == 1 else 's'} out of memory")
+        out["out of memory"] = [f"{n} cell{'' if n == 1 else 's'} out of memory"]
     if f["cell_delay_p99_s"] > s.delay_bound:
-        out.append(f"p99 delay {f['cell_delay_p99_s']:.2f} s > {s.delay_bound:g} s")
+        out["delay"] = [f"p99 delay {f['cell_delay_p99_s']:.2f} s > {s.delay_bound:g} s"]
+    sms = []
     if f["gpu_cell_slowdown_p99"] > s.slowdown_bound:
-        out.append(f"p99 slowdown {f['gpu_cell_slowdown_p99']:.2f} > {s.slowdown_bound:g}")
+        sms.append(f"p99 slowdown {f['gpu_cell_slowdown_p99']:.2f} > {s.slowdown_bound:g}")
     if f["cells_unfinished_contention"]:
         n = f["cells_unfinished_contention"]
-        out.append(f"{n} cell{'' if n == 1 else 's'} unfinished (SMs shared)")
+        sms.append(f"{n} cell{'' if n == 1 else 's'} unfinished (SMs shared)")
+    if sms:
+        out["SMs"] = sms
     return out
+
+
+def why_not(f: dict[str, Any], s: Settings) -> list[str]:
+    """What keeps a run from serving; empty when it serves."""
+    return [reason for reasons in failing(f, s).values() for reason in reasons]
 
 
 def serves(f: dict[str, Any], s: Settings) -> bool:

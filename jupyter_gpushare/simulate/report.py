@@ -158,7 +158,7 @@ def fewest_table(h: dict[str, Any], wide: bool = False) -> str:
     # whether a count serves is not monotonic: say which larger counts the search tried and
     # saw fail, so a lucky count is not read as a margin
     above = [_fails_above(name, c) for name, c in h["by_model"][first].items() if c.get("fails_above")]
-    # what keeps each policy off one GPU fewer: memory's criteria or the SMs'
+    # why each policy does not serve on one GPU fewer: what to add, memory or SMs
     fewer = [line for name, c in h["by_model"][first].items() if (line := _one_fewer(name, c))]
     if wide:
         heads = ["policy", "fewest GPUs", "x compute limit", "GPU-h", "reserved GPU-h", "x reserved",
